@@ -1,0 +1,216 @@
+"""Exact scaled dot-product attention: the reference every sparse result is measured against.
+
+``softmax(q . K^T * scale + mask) . V``, with PyTorch SDPA's signature and semantics, on numpy arrays.
+
+Memory: the work is tiled over query blocks and key blocks ("flash" style, with an online softmax across
+key tiles), so no more than one ``q_block x k_block`` tile of scores per worker exists at any time: n =
+65,536 needs a few MiB of scratch, not an n x n matrix.
+
+Speed: each tile is one BLAS product for the scores, numpy's SIMD ``exp`` on an L2-resident tile, and one
+BLAS product with V.  Query blocks are spread over worker threads (numpy and BLAS release the GIL), with
+BLAS itself pinned to one thread so the workers don't oversubscribe the cores.
+
+Conventions (identical to ``torch.nn.functional.scaled_dot_product_attention``):
+
+* shapes ``(..., L, E)``, ``(..., S, E)``, ``(..., S, Ev)`` -> ``(..., L, Ev)``; leading dims broadcast;
+* boolean ``attn_mask``: True = may attend; float ``attn_mask``: added to the scores;
+* ``is_causal``: query i sees keys ``j <= i`` (top-left aligned, also when L != S);
+* default scale ``1 / sqrt(E)``.
+
+Where we differ: a row with no allowed key returns zeros and ``lse = -inf`` (SDPA returns NaN).
+Dtypes: float64 inputs compute in float64; float16/float32 compute in float32.  The output has the
+promoted input dtype (float16 in -> float16 out), ``lse`` the computation dtype.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ._broadcast import flat3, group_maps
+from ._validation import as_float_array, check_positive_int, check_scale, result_dtype
+from .threads import get_num_threads
+
+DEFAULT_Q_BLOCK = 256
+DEFAULT_K_BLOCK = 1024
+
+
+def _check_mask(attn_mask: Any, lead: tuple[int, ...], L: int, S: int) -> np.ndarray | None:
+    if attn_mask is None:
+        return None
+    m = np.asarray(attn_mask)
+    if m.dtype.kind not in "bf":
+        raise TypeError(f"attn_mask must be boolean (True = may attend) or float (added to the scores); "
+                        f"got dtype {m.dtype}.")
+    if m.ndim < 2:
+        raise ValueError(f"attn_mask must have shape broadcastable to (..., L={L}, S={S}); got {m.shape}.")
+    try:
+        full = np.broadcast_to(m, lead + (L, S))
+    except ValueError:
+        raise ValueError(f"attn_mask shape {m.shape} does not broadcast to (..., L, S) = {lead + (L, S)}.") from None
+    if m.dtype.kind == "f" and np.isnan(m).any():
+        raise ValueError("attn_mask contains NaN; use -inf for masked-out positions.")
+    return full
+
+
+def scaled_dot_product_attention(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    attn_mask: np.ndarray | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    *,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    bias: Any = None,
+    query_positions: np.ndarray | None = None,
+    key_positions: np.ndarray | None = None,
+    q_block: int = DEFAULT_Q_BLOCK,
+    k_block: int = DEFAULT_K_BLOCK,
+    check_finite: bool = True,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Exact attention ``softmax(query @ key^T * scale + mask) @ value``, blocked.
+
+    Parameters
+    ----------
+    query : float array, shape (..., L, E)
+    key : float array, shape (..., S, E)
+    value : float array, shape (..., S, Ev)
+    attn_mask : bool or float array broadcastable to (..., L, S), optional
+        Boolean: True = may attend.  Float: added to the scores (use -inf to forbid).
+    is_causal : bool
+        Query i attends keys j <= i (top-left alignment, as in PyTorch).  Combined with ``attn_mask``
+        both restrictions apply.
+    scale : float, optional
+        Defaults to ``1 / sqrt(E)``.
+    enable_gqa : bool
+        Allow fewer key/value heads (dim -3) than query heads; query head h uses K/V head
+        ``h // (Hq // Hkv)``.
+    return_lse : bool
+        Also return the natural-log log-sum-exp of each row's (scaled, masked) scores, shape (..., L).
+    bias : RelativeBias, optional
+        A relative position bias (``sparseattn.positional.ALiBi`` / ``T5RelativeBias``) added to the
+        scores; its heads are dimension -3.
+    query_positions, key_positions : int arrays (L,), (S,), optional
+        Positions for ``bias`` (default ``arange``).
+    q_block, k_block : int
+        Tile sizes (memory per worker: ``q_block * k_block`` floats).
+    check_finite : bool
+        Reject NaN/Inf in the inputs (default).  Pass False to skip the O(n) check.
+
+    Returns
+    -------
+    output : array (..., L, Ev), the promoted input dtype
+    lse : array (..., L), only with ``return_lse``; ``-inf`` for rows with no allowed key.
+
+    Examples
+    --------
+    >>> q = np.array([[1.0, 0.0]]); k = np.array([[1.0, 0.0], [0.0, 1.0]]); v = np.array([[1.0], [3.0]])
+    >>> out = scaled_dot_product_attention(q, k, v, scale=1.0)
+    >>> float(out[0, 0].round(6))  # weights softmax([1, 0]) = [0.731059, 0.268941]
+    1.537883
+    """
+    q = as_float_array(query, "query", check_finite=check_finite)
+    k = as_float_array(key, "key", check_finite=check_finite)
+    v = as_float_array(value, "value", check_finite=check_finite)
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"query and key must have the same feature size E; got query {q.shape} and "
+                         f"key {k.shape}.")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"key and value must have the same length S; got key {k.shape} and value {v.shape}.")
+    if k.shape[:-2] != v.shape[:-2]:
+        raise ValueError(f"key and value must have the same leading dims; got {k.shape[:-2]} and {v.shape[:-2]}.")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal must be a bool; got {is_causal!r}.")
+    q_block = check_positive_int(q_block, "q_block")
+    k_block = check_positive_int(k_block, "k_block")
+    L, E = q.shape[-2:]
+    S, Ev = v.shape[-2:]
+    sc = check_scale(scale, E)
+    lead, q_map, kv_map = group_maps(q.shape[:-2], k.shape[:-2], enable_gqa=enable_gqa)
+    mask = _check_mask(attn_mask, lead, L, S)
+    cdt = result_dtype(q, k, v)
+    out_dtype = np.result_type(q.dtype, k.dtype, v.dtype)
+    qpos = kpos = None
+    if bias is not None:
+        from .pattern import _positions
+        n_heads = lead[-1] if lead else 1
+        if getattr(bias, "num_heads", None) != n_heads:
+            raise ValueError(f"bias has {getattr(bias, 'num_heads', None)} heads but the inputs have "
+                             f"{n_heads} (dimension -3).")
+        qpos = _positions(query_positions, L, "query_positions")
+        kpos = _positions(key_positions, S, "key_positions")
+
+    G = len(q_map)
+    out = np.zeros((G, L, Ev), dtype=cdt)
+    lse = np.full((G, L), -np.inf, dtype=cdt)
+    q3, k3, v3 = flat3(q), flat3(k), flat3(v)
+    if G and L and S:
+        tasks = [(g, r0) for g in range(G) for r0 in range(0, L, q_block)]
+        n_workers = min(get_num_threads(), len(tasks))
+
+        def run(task: tuple[int, int]) -> None:
+            g, r0 = task
+            r1 = min(r0 + q_block, L)
+            m_g = mask[np.unravel_index(g, lead)] if mask is not None else None
+            _attend_block(q3[q_map[g]], k3[kv_map[g]], v3[kv_map[g]], m_g, g, lead, r0, r1, is_causal, sc,
+                          cdt, k_block, bias, qpos, kpos, out[g], lse[g])
+
+        if n_workers <= 1:
+            for t in tasks:
+                run(t)
+        else:
+            from threadpoolctl import threadpool_limits
+            with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(n_workers) as pool:
+                list(pool.map(run, tasks))
+    result = out.reshape(lead + (L, Ev)).astype(out_dtype, copy=False)
+    if return_lse:
+        return result, lse.reshape(lead + (L,))
+    return result
+
+
+def _attend_block(qg, kg, vg, mask_g, g, lead, r0, r1, is_causal, scale, cdt, k_block, bias, qpos, kpos,
+                  out_g, lse_g) -> None:
+    """Rows [r0, r1) of one group: online softmax over key tiles, written into out_g / lse_g."""
+    S = kg.shape[0]
+    b = r1 - r0
+    qb = np.asarray(qg[r0:r1], dtype=cdt) * cdt.type(scale)
+    # Top-left causal: rows < r1 never see keys >= r1, so those tiles are skipped outright.
+    k_end = min(S, r1) if is_causal else S
+    m = np.full(b, -np.inf, dtype=cdt)
+    acc = np.zeros((b, vg.shape[1]), dtype=cdt)
+    total = np.zeros(b, dtype=cdt)
+    head = np.unravel_index(g, lead)[-1] if (bias is not None and lead) else 0
+    rows = np.arange(r0, r1)
+    for c0 in range(0, k_end, k_block):
+        c1 = min(c0 + k_block, k_end)
+        kt = np.asarray(kg[c0:c1], dtype=cdt)
+        s = qb @ kt.T
+        if is_causal and c1 - 1 > r0:  # some key in the tile lies after some row
+            s[np.arange(c0, c1)[None, :] > rows[:, None]] = -np.inf
+        if mask_g is not None:
+            mt = mask_g[r0:r1, c0:c1]
+            if mt.dtype == np.bool_:
+                np.copyto(s, -np.inf, where=~mt)
+            else:
+                s += mt
+        if bias is not None:
+            s += bias.block(qpos[r0:r1], kpos[c0:c1])[head]
+        m_tile = s.max(axis=1)
+        m_new = np.maximum(m, m_tile)
+        # Rows whose every score so far is -inf keep a finite shift of 0 so exp gives 0, not NaN.
+        shift = np.where(np.isneginf(m_new), 0, m_new).astype(cdt, copy=False)
+        s -= shift[:, None]
+        np.exp(s, out=s)
+        alpha = np.exp(np.where(np.isneginf(m), -np.inf, m - shift))
+        total *= alpha
+        total += s.sum(axis=1)
+        acc *= alpha[:, None]
+        acc += s @ np.asarray(vg[c0:c1], dtype=cdt)
+        m = m_new
+    ok = total > 0
+    out_g[r0:r1][ok] = acc[ok] / total[ok, None]
+    lse_g[r0:r1] = np.where(ok, np.where(np.isneginf(m), 0, m) + np.log(np.where(ok, total, 1)), -np.inf)

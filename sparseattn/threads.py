@@ -1,0 +1,72 @@
+"""One place to set how many threads sparseattn uses: Numba kernels, FAISS, BLAS and the dense path.
+
+Why explicit: on a shared 2-core machine, 2 threads were measured slower than 1 for both Numba and FAISS
+when the other core was busy, and FAISS's OpenMP pool slowed ~20x under oversubscription.  The default
+is every core Numba sees; ``threads(1)`` makes everything serial (and CI runs that way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+import numba
+
+from ._validation import check_positive_int
+
+_dense_threads: int | None = None
+
+
+def get_num_threads() -> int:
+    """Threads the dense reference and kernels will use now."""
+    return _dense_threads if _dense_threads is not None else numba.get_num_threads()
+
+
+def _faiss_module():
+    # Only touch FAISS if it is already imported: importing it just to set threads costs ~0.3 s.
+    return sys.modules.get("faiss")
+
+
+@contextlib.contextmanager
+def threads(n: int) -> Iterator[int]:
+    """Context manager: run sparseattn with ``n`` threads, restoring previous settings on exit.
+
+    Sets Numba's thread count, FAISS's OpenMP threads (if FAISS is loaded, or gets loaded inside the
+    block: the selectors read :func:`get_num_threads`), BLAS threads (via threadpoolctl) and the worker
+    count of the dense reference.  Restored even when the body raises.
+
+    Examples
+    --------
+    >>> with threads(1):
+    ...     pass
+    """
+    global _dense_threads
+    n = check_positive_int(n, "n")
+    max_threads = numba.config.NUMBA_NUM_THREADS
+    if n > max_threads:
+        raise ValueError(f"n={n} exceeds the {max_threads} threads Numba was started with "
+                         f"(set NUMBA_NUM_THREADS before importing to raise it).")
+    prev_numba = numba.get_num_threads()
+    prev_dense = _dense_threads
+    faiss = _faiss_module()
+    prev_faiss = faiss.omp_get_max_threads() if faiss is not None else None
+    limiter = None
+    try:
+        from threadpoolctl import threadpool_limits
+        limiter = threadpool_limits(limits=n, user_api="blas")
+    except ImportError:  # pragma: no cover - threadpoolctl is a core dependency
+        limiter = None
+    try:
+        numba.set_num_threads(n)
+        _dense_threads = n
+        if faiss is not None:
+            faiss.omp_set_num_threads(n)
+        yield n
+    finally:
+        numba.set_num_threads(prev_numba)
+        _dense_threads = prev_dense
+        if faiss is not None and prev_faiss is not None:
+            faiss.omp_set_num_threads(prev_faiss)
+        if limiter is not None:
+            limiter.restore_original_limits()
