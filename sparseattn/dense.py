@@ -198,7 +198,7 @@ def _attend_block(qg, kg, vg, mask_g, g, lead, r0, r1, is_causal, scale, cdt, k_
             else:
                 s += mt
         if bias is not None:
-            s += bias.block(qpos[r0:r1], kpos[c0:c1])[head]
+            s += bias.block(qpos[r0:r1], kpos[c0:c1], head=head)
         m_tile = s.max(axis=1)
         m_new = np.maximum(m, m_tile)
         # Rows whose every score so far is -inf keep a finite shift of 0 so exp gives 0, not NaN.

@@ -21,6 +21,7 @@ from .pattern import SparsePattern, _positions, stack_patterns
 from .threads import get_num_threads
 
 CHUNK_ROWS = 64  # rows per prange task: big enough to amortise scratch allocation, small for balance
+PARALLEL_MIN_WORK = 1 << 20  # gathered elements below which the serial kernel is faster
 
 
 @dataclass
@@ -183,7 +184,11 @@ def sparse_attention(
 
     out = np.empty((G, L, Ev), dtype=cdt)
     lse = np.empty((G, L), dtype=cdt)
-    kernel = fused.fused_parallel if get_num_threads() > 1 else fused.fused_serial
+    # Small problems run serially: thread start-up costs more than it saves there, and the serial
+    # variant compiles in a fraction of the parallel one's time (first-call latency).
+    work = indices.shape[0] * (G if shared else 1) * (E + Ev)
+    use_parallel = get_num_threads() > 1 and work > PARALLEL_MIN_WORK
+    kernel = fused.fused_parallel if use_parallel else fused.fused_serial
     t0 = time.perf_counter()
     if G and L:
         kernel(q3, k3, v3, q_map, kv_map, indptr, indices, shared, cdt.type(sc), max_nnz, CHUNK_ROWS,

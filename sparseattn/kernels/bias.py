@@ -42,7 +42,9 @@ def t5_bucket(rel, bidirectional, num_buckets, max_distance):
     max_exact = nb // 2
     if n < max_exact:
         return ret + n
-    large = max_exact + int(math.log(n / max_exact) / math.log(max_distance / max_exact) * (nb - max_exact))
+    # + 1e-9: a boundary that is an exact integer in real arithmetic must land on the same bucket with
+    # and without fastmath (log ratios like log(2)/log(32)*5 round either side of 1 otherwise).
+    large = max_exact + int(math.log(n / max_exact) / math.log(max_distance / max_exact) * (nb - max_exact) + 1e-9)
     if large > nb - 1:
         large = nb - 1
     return ret + large

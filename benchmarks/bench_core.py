@@ -1,0 +1,125 @@
+"""Core benchmark: dense reference and sparse kernels against torch SDPA and plain numpy, side by side.
+
+Run:  python benchmarks/bench_core.py [--n 16384 65536] [--repeats 3] [--threads 2]
+
+Shapes: d = 64 is the head size of most current LLMs (and 2x MiniLM's 32); k = 64 keys per query is the
+budget the issues set.  Every ratio below comes from timings taken in this one run (the machine is shared
+and noisy): medians over ``--repeats``.  Results go to benchmarks/results/core.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import sparseattn as sa
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def numpy_blocked(q, k, v, block=1024):
+    """The plain approach: one block of full score rows at a time (n x block scores), numpy ops."""
+    out = np.empty((q.shape[0], v.shape[1]), dtype=q.dtype)
+    scale = 1.0 / np.sqrt(q.shape[1])
+    for s0 in range(0, q.shape[0], block):
+        s = (q[s0:s0 + block] @ k.T) * scale
+        s = np.exp(s - s.max(axis=1, keepdims=True))
+        out[s0:s0 + block] = (s @ v) / s.sum(axis=1, keepdims=True)
+    return out
+
+
+def cold_warm_first_call() -> dict[str, float]:
+    """Seconds of the first sparse_attention call in a fresh process: empty cache, then warm cache."""
+    code = ("import time, numpy as np; t=time.perf_counter(); import sparseattn as sa; "
+            "q=np.ones((64,64),np.float32); p=sa.SparsePattern.window(64,64,8); "
+            "sa.sparse_attention(q,q,q,p); print(time.perf_counter()-t)")
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+        for label in ("cold_cache_s", "warm_cache_s"):
+            res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+            out[label] = float(res.stdout.strip().splitlines()[-1])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, nargs="+", default=[16384, 65536])
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--k", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="default: all cores Numba sees")
+    ap.add_argument("--skip-numpy", action="store_true", help="skip the slow plain-numpy baseline")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "core.json"))
+    args = ap.parse_args()
+    threads = args.threads or sa.get_num_threads()
+    try:
+        import torch
+        torch.set_num_threads(threads)
+    except ImportError:
+        torch = None
+    rows = []
+    with sa.threads(threads):
+        # Warm up the JIT so compile time never lands in a timing.
+        w = np.ones((8, args.d), np.float32)
+        sa.sparse_attention(w, w, w, sa.SparsePattern.window(8, 8, 4))
+        for n in args.n:
+            rng = np.random.default_rng(0)
+            q, k, v = (rng.standard_normal((n, args.d), dtype=np.float32) for _ in range(3))
+            row = {"n": n, "d": args.d, "k": args.k, "threads": threads}
+            if torch is not None:
+                tq, tk, tv = (torch.from_numpy(x)[None, None] for x in (q, k, v))  # 4-D: 2-D allocates n x n
+                row["torch_sdpa_s"] = median_time(
+                    lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv), args.repeats)
+            row["dense_s"] = median_time(lambda: sa.scaled_dot_product_attention(q, k, v), args.repeats)
+            if not args.skip_numpy:
+                row["numpy_blocked_s"] = median_time(lambda: numpy_blocked(q, k, v), 1)
+            rand = sa.SparsePattern.from_padded(rng.integers(0, n, (n, args.k)), n)
+            win = sa.SparsePattern.window(n, n, args.k, is_causal=True)
+            for name, pat in (("random", rand), ("window", win)):
+                t = median_time(lambda pat=pat: sa.sparse_attention(q, k, v, pat, check_finite=False),
+                                max(args.repeats, 5))
+                row[f"sparse_{name}_s"] = t
+                row[f"sparse_{name}_GBps"] = pat.nnz * (args.d + args.d) * 4 / t / 1e9
+            rows.append(row)
+            base = row.get("torch_sdpa_s")
+            msg = [f"n={n:>6}"]
+            for key in ("torch_sdpa_s", "dense_s", "numpy_blocked_s", "sparse_random_s", "sparse_window_s"):
+                if key in row:
+                    ratio = f" ({row[key] / base:.2f}x SDPA)" if base and key != "torch_sdpa_s" else ""
+                    msg.append(f"{key}={row[key]:.3f}{ratio}")
+            if base:
+                msg.append(f"speed-up vs SDPA: random {base / row['sparse_random_s']:.0f}x, "
+                           f"window {base / row['sparse_window_s']:.0f}x")
+            msg.append(f"gathered GB/s: random {row['sparse_random_GBps']:.1f}, window {row['sparse_window_GBps']:.1f}")
+            print("  ".join(msg), flush=True)
+    jit = cold_warm_first_call()
+    print(f"first call incl. JIT: cold cache {jit['cold_cache_s']:.2f} s, warm cache {jit['warm_cache_s']:.2f} s")
+    result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                          "python": platform.python_version(), "numpy": np.__version__,
+                          "torch": getattr(torch, "__version__", None)},
+              "rows": rows, "jit": jit}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
