@@ -1,0 +1,610 @@
+"""Accuracy of sparse attention against dense attention, computed blockwise so it scales to long sequences.
+
+Everything here is plain float64 numpy (plus one ``scipy.sparse`` product), deliberately independent of the
+Numba kernels: a benchmark harness recomputes quality with code that shares nothing with the code it
+measures.
+
+Memory stays bounded whatever the sequence length: queries are processed ``block`` rows at a time and,
+inside a query block, keys ``key_block`` at a time with an online (rescaled) softmax, so the largest
+temporary is a ``block x key_block`` float64 tile (512 x 8192 = 32 MiB by default).  At
+n = 262,144, d = 64 that is the only way to run: one 512-row block of full scores would already take 1 GiB.
+The float64 reference is compute-bound (two GEMMs and an ``exp`` per (query, key) pair): for long
+sequences evaluate a sample of query rows with ``rows=`` (e.g. 4096 sorted random rows), which costs
+``len(rows) * S`` instead of ``L * S``.
+
+Definitions, for query row i with dense logits ``s_ij = scale * q_i . k_j`` over its *allowed* keys
+A_i (all keys, or ``key_positions[j] <= query_positions[i]`` when causal) and selected keys
+P_i (the pattern's row, restricted to A_i when causal):
+
+* dense probabilities ``p_ij = exp(s_ij - lse_dense_i)``, ``lse_dense_i = log sum_{j in A_i} exp(s_ij)``;
+* sparse attention is the softmax over P_i only, ``lse_sparse_i = log sum_{j in P_i} exp(s_ij)``;
+* ``mass_recall_i = sum_{j in P_i} p_ij = exp(lse_sparse_i - lse_dense_i)``;
+* ``lse_error_i = lse_dense_i - lse_sparse_i >= 0``;
+* ``kl_i = KL(sparse_i || dense_i) = -log(mass_recall_i)``, see :class:`AccuracyReport` for why this
+  direction.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+
+from ._validation import as_float_array, check_positive_int, check_scale
+from .pattern import SparsePattern, _positions
+
+__all__ = ["AccuracyReport", "compare", "mass_recall", "output_relative_error", "topk_recall"]
+
+# Pairs (query, key) whose feature vectors are gathered at once when scoring the selected keys:
+# bounds the gather temporaries to about 2**21 float64 values (16 MiB) whatever the row lengths.
+_GATHER_ELEMS = 2 ** 21
+
+# Running top-k merge: when more than this fraction of a score tile beats the running k-th score,
+# partition the tile (O(tile)); otherwise merge only the few candidates.  After the first key tiles almost
+# nothing beats the running threshold, so the cheap path dominates on long rows.
+_CANDIDATE_FRACTION = 0.125
+
+
+# --------------------------------------------------------------------------------------- the report
+@dataclass(frozen=True, eq=False)
+class AccuracyReport:
+    """Sparse-vs-dense accuracy, per query row and overall.
+
+    Per-row arrays all have shape (L,) and dtype float64 unless noted.
+
+    Attributes
+    ----------
+    rel_error : (L,) float64
+        ``||o_sparse_i - o_dense_i|| / ||o_dense_i||``; where the dense row is exactly zero (no allowed
+        key, or zero values) the denominator is replaced by 1, i.e. the absolute error is reported.
+    mass_recall : (L,) float64
+        Dense softmax mass on the selected keys, in [0, 1].  1 for rows with no allowed key.
+    recall : (L,) float64
+        Tie-aware recall@k of the selected keys against the exact top-k raw scores ``q . k``, in [0, 1].
+        1 for rows with no allowed key.
+    kl : (L,) float64
+        ``KL(sparse || dense) = -log(mass_recall)`` where the sparse distribution is the dense one
+        renormalised over the selected keys.  ``+inf`` exactly when the row selects no key but has allowed
+        keys (selected mass 0); 0 for rows with no allowed key.  The other direction,
+        ``KL(dense || sparse)``, is ``+inf`` whenever *any* allowed key is left out (the sparse distribution
+        has no support there), so it carries no information about a sparse pattern.  Mathematically
+        equal to ``lse_error``; the two are kept under both names because readers look for both.
+    lse_error : (L,) float64
+        ``lse_dense - lse_sparse``, >= 0 (rounding noise below 0 is clipped).  ``+inf`` for missed rows,
+        0 for rows with no allowed key.
+    lse_dense, lse_sparse : (L,) float64
+        Log-sum-exp of the scaled scores over the allowed / the selected keys; ``-inf`` for no key.
+    n_selected : (L,) int64
+        Selected keys per row (after dropping non-causal ones when ``is_causal``).
+    n_allowed : (L,) int64
+        Keys the dense attention may use per row (S, or the causal count).
+    rel_error_overall : float
+        Frobenius ``||O_sparse - O_dense||_F / ||O_dense||_F`` (denominator 1 if the dense output is 0).
+    max_abs_error : float
+        ``max |O_sparse - O_dense|`` over all entries (0 for an empty output).
+    k : int
+        The k of ``recall``.
+    empty_rows : int
+        Rows with no selected key (after the causal filter).
+    missed_rows : int
+        Rows with allowed keys but no selected key (their ``kl`` and ``lse_error`` are ``+inf``).
+    dropped_noncausal : int
+        Selected (query, key) pairs removed because the key lies after the query (``is_causal`` only);
+        non-zero means the selector leaks future keys.
+    rows : (L,) or (R,) int64
+        The query rows the per-row arrays describe (``arange(L)`` unless ``rows=`` was given).
+    """
+
+    rel_error: np.ndarray
+    mass_recall: np.ndarray
+    recall: np.ndarray
+    kl: np.ndarray
+    lse_error: np.ndarray
+    lse_dense: np.ndarray
+    lse_sparse: np.ndarray
+    n_selected: np.ndarray
+    n_allowed: np.ndarray
+    rel_error_overall: float
+    max_abs_error: float
+    k: int
+    empty_rows: int
+    missed_rows: int
+    dropped_noncausal: int
+    rows: np.ndarray
+
+    @property
+    def n_rows(self) -> int:
+        """Number of evaluated query rows (L, or R with ``rows=``)."""
+        return int(self.rel_error.shape[0])
+
+    def summary(self) -> dict[str, float]:
+        """Scalar summary for JSON and tables; every value is a finite float.
+
+        Means and maxima of ``kl`` and ``lse_error`` are taken over the rows where they are finite
+        (``missed_rows`` counts the others), so one missed row does not turn the whole column into inf.
+        With no rows, errors are reported as 0 and recalls as 1.
+        """
+        finite_kl = self.kl[np.isfinite(self.kl)]
+        finite_lse = self.lse_error[np.isfinite(self.lse_error)]
+        return {
+            "n_rows": float(self.n_rows),
+            "k": float(self.k),
+            "mean_selected": _mean(self.n_selected.astype(np.float64), 0.0),
+            "rel_error_overall": float(self.rel_error_overall),
+            "rel_error_mean": _mean(self.rel_error, 0.0),
+            "rel_error_median": float(np.median(self.rel_error)) if self.rel_error.size else 0.0,
+            "rel_error_max": _max(self.rel_error, 0.0),
+            "max_abs_error": float(self.max_abs_error),
+            "mass_recall_mean": _mean(self.mass_recall, 1.0),
+            "mass_recall_min": float(self.mass_recall.min()) if self.mass_recall.size else 1.0,
+            "recall_mean": _mean(self.recall, 1.0),
+            "recall_min": float(self.recall.min()) if self.recall.size else 1.0,
+            "kl_mean": _mean(finite_kl, 0.0),
+            "kl_max": _max(finite_kl, 0.0),
+            "lse_error_mean": _mean(finite_lse, 0.0),
+            "lse_error_max": _max(finite_lse, 0.0),
+            "empty_rows": float(self.empty_rows),
+            "missed_rows": float(self.missed_rows),
+            "dropped_noncausal": float(self.dropped_noncausal),
+        }
+
+
+def _mean(x: np.ndarray, default: float) -> float:
+    return float(x.mean()) if x.size else default
+
+
+def _max(x: np.ndarray, default: float) -> float:
+    return float(x.max()) if x.size else default
+
+
+# ----------------------------------------------------------------------------------------- validation
+def _as_2d(x: object, name: str, hint: str) -> np.ndarray:
+    arr = as_float_array(x, name, min_ndim=2)
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be 2-D {hint}; got shape {arr.shape}. Evaluate one head at a time, "
+                         f"e.g. {name}[b, h].")
+    return np.ascontiguousarray(arr, dtype=np.float64)
+
+
+def _check_qk(query: object, key: object) -> tuple[np.ndarray, np.ndarray]:
+    q = _as_2d(query, "query", "(L, E)")
+    k = _as_2d(key, "key", "(S, E)")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"query and key must have the same feature size E; got query {q.shape} and "
+                         f"key {k.shape}.")
+    return q, k
+
+
+def _check_pattern(pattern: object, L: int, S: int) -> SparsePattern:
+    if not isinstance(pattern, SparsePattern):
+        raise TypeError(f"pattern must be a SparsePattern; got {type(pattern).__name__}. Build one with "
+                        f"SparsePattern.from_padded or a selector.")
+    if pattern.shape != (L, S):
+        raise ValueError(f"pattern shape must be (n_queries, n_keys) = ({L}, {S}) to match query and key; "
+                         f"got {pattern.shape}.")
+    return pattern
+
+
+def _check_eps(eps: object) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps must be a real number >= 0; got {eps!r} ({type(eps).__name__}).")
+    e = float(eps)
+    if not np.isfinite(e) or e < 0:
+        raise ValueError(f"eps must be finite and >= 0; got {eps!r}. Use 0 for exact score comparison.")
+    return e
+
+
+def _prepare(q: np.ndarray, kk: np.ndarray, pattern: object, query_positions: object,
+             key_positions: object, rows: object) -> tuple:
+    """Validate the pattern, positions and ``rows``; restrict queries, pattern and positions to ``rows``.
+
+    Positions are resolved on the full sequence first, so a sampled row keeps its original position.
+    Returns ``(q_rows, pattern_rows, qpos_rows, kpos, rows)`` with ``rows`` an int64 array.
+    """
+    L, S = q.shape[0], kk.shape[0]
+    pattern = _check_pattern(pattern, L, S)
+    qpos = _positions(query_positions, L, "query_positions")
+    kpos = _positions(key_positions, S, "key_positions")
+    if rows is None:
+        return q, pattern, qpos, kpos, np.arange(L, dtype=np.int64)
+    r = np.asarray(rows)
+    if r.dtype.kind not in "iu":
+        raise TypeError(f"rows must be an integer array of query indices; got dtype {r.dtype}.")
+    if r.ndim != 1:
+        raise ValueError(f"rows must be 1-D; got shape {r.shape}.")
+    if r.size and (r.min() < 0 or r.max() >= L):
+        raise ValueError(f"rows must lie in [0, L={L}); got values from {int(r.min())} to {int(r.max())}. "
+                         f"Negative indices are not wrapped.")
+    r = r.astype(np.int64)
+    return np.ascontiguousarray(q[r]), pattern.select_rows(r), qpos[r], kpos, r
+
+
+def _default_k(pattern: SparsePattern) -> int:
+    """Mean selected keys per row, rounded half up, at least 1."""
+    mean = pattern.nnz / pattern.n_queries if pattern.n_queries else 0.0
+    return max(1, int(np.floor(mean + 0.5)))
+
+
+# --------------------------------------------------------------------------------------- public API
+def output_relative_error(approx: object, reference: object, *, per_row: bool = False) -> float | np.ndarray:
+    """Relative error ``||approx - reference|| / ||reference||`` in float64.
+
+    Parameters
+    ----------
+    approx, reference : float arrays, shape (L, Ev)
+        The approximate (sparse) and the reference (dense) outputs.
+    per_row : bool, default False
+        False: one Frobenius ratio over the whole array.  True: an (L,) float64 array of row-wise ratios.
+
+    Returns
+    -------
+    float or (L,) float64 array
+        Where the reference norm is exactly zero the denominator is replaced by 1, so the absolute error
+        is reported (0 when both are zero) instead of NaN or inf.
+
+    Examples
+    --------
+    >>> output_relative_error(np.array([[3.0, 4.0]]), np.array([[0.0, 8.0]]))
+    0.625
+    """
+    a = _as_2d(approx, "approx", "(L, Ev)")
+    b = _as_2d(reference, "reference", "(L, Ev)")
+    if a.shape != b.shape:
+        raise ValueError(f"approx and reference must have the same shape; got {a.shape} and {b.shape}.")
+    diff = a - b
+    if per_row:
+        return _guarded_ratio(np.linalg.norm(diff, axis=1), np.linalg.norm(b, axis=1))
+    return float(_guarded_ratio(np.array([np.linalg.norm(diff)]), np.array([np.linalg.norm(b)]))[0])
+
+
+def _guarded_ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    return num / np.where(den > 0, den, 1.0)
+
+
+def topk_recall(pattern: SparsePattern, query: object, key: object, k: int, *, is_causal: bool = False,
+                query_positions: object = None, key_positions: object = None, eps: float = 1e-6,
+                rows: object = None, block: int = 512, key_block: int = 8192) -> np.ndarray:
+    """Tie-aware recall@k of a pattern against the exact top-k raw scores ``q . k``.
+
+    A selected (allowed) key j of row i is a hit when ``q_i . k_j >= t_i - eps*|t_i| - eps`` with ``t_i``
+    the k-th largest allowed score of row i, so any of several keys tied at the k-th place counts, and
+    ``eps`` absorbs the rounding difference between the blocked GEMM and the per-pair dot product.
+    Recall is ``hits / min(k, n_allowed_i)`` capped at 1 (1 when the row has no allowed key).
+
+    Parameters
+    ----------
+    pattern : SparsePattern, shape (L, S)
+    query : float array, shape (L, E)
+    key : float array, shape (S, E)
+    k : int >= 1
+    is_causal : bool
+        Only keys with ``key_positions[j] <= query_positions[i]`` are allowed (default positions arange);
+        selected keys that are not allowed never count as hits.
+    eps : float >= 0
+        Tie tolerance, relative and absolute.
+    rows : int array, shape (R,), optional
+        Evaluate only these query rows (see :func:`compare`).
+    block, key_block : int >= 1
+        Query rows and key rows per score tile (memory ``block * key_block`` float64).
+
+    Returns
+    -------
+    (L,) or (R,) float64 array in [0, 1].
+    """
+    q, kk = _check_qk(query, key)
+    q, pattern, qpos, kpos, _ = _prepare(q, kk, pattern, query_positions, key_positions, rows)
+    k = check_positive_int(k, "k")
+    res = _scan(q, kk, None, pattern, scale=1.0, is_causal=is_causal, qpos=qpos,
+                kpos=kpos, sparse_output=None, k=k, eps=_check_eps(eps),
+                block=check_positive_int(block, "block"), key_block=check_positive_int(key_block, "key_block"),
+                need_lse=False)
+    return res["recall"]
+
+
+def mass_recall(pattern: SparsePattern, query: object, key: object, *, scale: float | None = None,
+                is_causal: bool = False, query_positions: object = None, key_positions: object = None,
+                rows: object = None, block: int = 512, key_block: int = 8192) -> np.ndarray:
+    """Dense softmax probability mass on each row's selected keys.
+
+    Parameters
+    ----------
+    pattern : SparsePattern, shape (L, S)
+    query : float array, shape (L, E)
+    key : float array, shape (S, E)
+    scale : float or None
+        Score scale; None means ``1 / sqrt(E)``.
+    is_causal : bool
+        Dense attention over keys with ``key_positions[j] <= query_positions[i]`` only; selected keys
+        outside that set have probability 0.
+    rows : int array, shape (R,), optional
+        Evaluate only these query rows (see :func:`compare`).
+    block, key_block : int >= 1
+        Query rows and key rows per score tile.
+
+    Returns
+    -------
+    (L,) or (R,) float64 array in [0, 1]; 1 for rows with no allowed key, 0 for rows that select none.
+    """
+    q, kk = _check_qk(query, key)
+    q, pattern, qpos, kpos, _ = _prepare(q, kk, pattern, query_positions, key_positions, rows)
+    res = _scan(q, kk, None, pattern, scale=check_scale(scale, q.shape[1]), is_causal=is_causal,
+                qpos=qpos, kpos=kpos, sparse_output=None, k=None,
+                eps=0.0, block=check_positive_int(block, "block"),
+                key_block=check_positive_int(key_block, "key_block"), need_lse=True)
+    return res["mass_recall"]
+
+
+def compare(query: object, key: object, value: object, pattern: SparsePattern, *, scale: float | None = None,
+            is_causal: bool = False, query_positions: object = None, key_positions: object = None,
+            sparse_output: object = None, k: int | None = None, eps: float = 1e-6, rows: object = None,
+            block: int = 512, key_block: int = 8192) -> AccuracyReport:
+    """Measure sparse attention over ``pattern`` against exact dense attention, in float64.
+
+    Parameters
+    ----------
+    query : float array, shape (L, E)
+    key : float array, shape (S, E)
+    value : float array, shape (S, Ev)
+    pattern : SparsePattern, shape (L, S)
+        The selected keys.  With ``is_causal`` its non-causal keys are dropped first (and counted in
+        ``dropped_noncausal``), as a causal sparse kernel would.
+    scale : float or None
+        Score scale; None means ``1 / sqrt(E)``.
+    is_causal : bool
+        Dense attention over ``key_positions[j] <= query_positions[i]`` only (default positions arange:
+        SDPA's top-left alignment; pass ``query_positions=np.arange(S - L, S)`` for a KV cache).
+    query_positions, key_positions : int arrays, shapes (L,) and (S,), optional
+        Used when ``is_causal``.
+    sparse_output : float array, shape (L, Ev), optional
+        The output to judge (e.g. from the Numba kernel).  None: computed here in float64 from the
+        pattern, independently of the kernels.  The softmax-mass, KL and lse fields always come from this
+        module's own float64 computation.
+    k : int >= 1, optional
+        The k of recall@k; default the pattern's mean row size rounded (at least 1).
+    eps : float >= 0
+        Tie tolerance of recall@k (see :func:`topk_recall`).
+    rows : int array, shape (R,), optional
+        Evaluate only these query rows (with their original positions); every per-row array of the
+        report then has shape (R,) in this order, and the overall numbers cover these rows only.  Sorted
+        rows let causal blocks skip key tiles that no query of the block can see.  Default: all rows.
+    block : int >= 1
+        Query rows per block (default 512).
+    key_block : int >= 1
+        Keys per score tile inside a block (default 8192); memory ``block * key_block`` float64.
+
+    Returns
+    -------
+    AccuracyReport
+        Per-row fields of shape (L,) (or (R,) with ``rows``).
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> q, kk, v = rng.standard_normal((3, 8, 4))
+    >>> rep = compare(q, kk, v, SparsePattern.full(8, 8))
+    >>> bool(rep.rel_error_overall < 1e-12), rep.summary()["recall_mean"]
+    (True, 1.0)
+    """
+    q, kk = _check_qk(query, key)
+    v = _as_2d(value, "value", "(S, Ev)")
+    if v.shape[0] != kk.shape[0]:
+        raise ValueError(f"value must have one row per key: key has shape {kk.shape}, value has shape "
+                         f"{v.shape}.")
+    L = q.shape[0]
+    out = None
+    if sparse_output is not None:
+        out = _as_2d(sparse_output, "sparse_output", "(L, Ev)")
+        if out.shape != (L, v.shape[1]):
+            raise ValueError(f"sparse_output must have shape (L, Ev) = ({L}, {v.shape[1]}); got "
+                             f"{out.shape}.")
+    # k is a property of the selector: taken from the whole pattern, also when only some rows are scored.
+    k = _default_k(_check_pattern(pattern, L, kk.shape[0])) if k is None else check_positive_int(k, "k")
+    q, pattern, qpos, kpos, rows = _prepare(q, kk, pattern, query_positions, key_positions, rows)
+    if out is not None and rows.shape[0] != L:
+        out = out[rows]
+    res = _scan(q, kk, v, pattern, scale=check_scale(scale, q.shape[1]), is_causal=is_causal,
+                qpos=qpos, kpos=kpos, sparse_output=out, k=k,
+                eps=_check_eps(eps), block=check_positive_int(block, "block"),
+                key_block=check_positive_int(key_block, "key_block"), need_lse=True)
+    n_sel, n_allowed = res["n_selected"], res["n_allowed"]
+    return AccuracyReport(
+        rel_error=res["rel_error"], mass_recall=res["mass_recall"], recall=res["recall"],
+        kl=res["lse_error"].copy(), lse_error=res["lse_error"], lse_dense=res["lse_dense"],
+        lse_sparse=res["lse_sparse"], n_selected=n_sel, n_allowed=n_allowed,
+        rel_error_overall=float(_guarded_ratio(np.array([np.sqrt(res["diff_sq"])]),
+                                               np.array([np.sqrt(res["ref_sq"])]))[0]),
+        max_abs_error=float(res["max_abs"]), k=int(k), empty_rows=int((n_sel == 0).sum()),
+        missed_rows=int(((n_sel == 0) & (n_allowed > 0)).sum()),
+        dropped_noncausal=int(res["dropped"]), rows=rows,
+    )
+
+
+# ------------------------------------------------------------------------------------- the scan
+def _scan(q: np.ndarray, kk: np.ndarray, v: np.ndarray | None, pattern: SparsePattern, *, scale: float,
+          is_causal: bool, qpos: np.ndarray, kpos: np.ndarray, sparse_output: np.ndarray | None,
+          k: int | None, eps: float, block: int, key_block: int, need_lse: bool) -> dict:
+    """One pass over query blocks computing what the caller needs (validated float64 inputs).
+
+    ``v`` given: dense output and output errors.  ``k`` given: recall.  ``need_lse``: lse / mass / KL.
+    """
+    L, S = q.shape[0], kk.shape[0]
+    if is_causal:
+        n_allowed = np.searchsorted(np.sort(kpos), qpos, side="right").astype(np.int64)
+    else:
+        n_allowed = np.full(L, S, dtype=np.int64)
+    need_out = v is not None
+    res: dict = {
+        "n_allowed": n_allowed,
+        "n_selected": np.zeros(L, dtype=np.int64),
+        "lse_dense": np.full(L, -np.inf), "lse_sparse": np.full(L, -np.inf),
+        "mass_recall": np.ones(L), "lse_error": np.zeros(L), "recall": np.ones(L),
+        "rel_error": np.zeros(L), "diff_sq": 0.0, "ref_sq": 0.0, "max_abs": 0.0, "dropped": 0,
+    }
+    # Key tiles with their position range, so causal tiles that are fully hidden or fully visible for a
+    # query block skip the mask (about half of the tiles are skipped outright with top-left alignment).
+    tiles = [(c0, min(c0 + key_block, S)) for c0 in range(0, S, key_block)]
+    tile_min = [int(kpos[a:b].min()) for a, b in tiles]
+    tile_max = [int(kpos[a:b].max()) for a, b in tiles]
+
+    for r0 in range(0, L, block):
+        r1 = min(r0 + block, L)
+        nb = r1 - r0
+        qb = q[r0:r1]
+        qpb = qpos[r0:r1]
+        m = np.full(nb, -np.inf)
+        lsum = np.zeros(nb)
+        acc = np.zeros((nb, v.shape[1])) if need_out else None
+        top = np.full((nb, k), -np.inf) if k is not None else None
+        qmin, qmax = (int(qpb.min()), int(qpb.max())) if nb else (0, 0)
+        for (a, b), kmin, kmax in zip(tiles, tile_min, tile_max, strict=True):
+            mask = None
+            if is_causal:
+                if kmin > qmax:
+                    continue  # every key of the tile is after every query of the block
+                if kmax > qmin:
+                    mask = kpos[None, a:b] > qpb[:, None]
+            g = qb @ kk[a:b].T  # raw scores q.k, (nb, b - a)
+            if mask is not None:
+                np.copyto(g, -np.inf, where=mask)
+            if top is not None:
+                top = _merge_topk(top, g, k)
+            if not (need_lse or need_out):
+                continue
+            with np.errstate(invalid="ignore"):
+                g *= scale
+            if mask is not None and scale <= 0:
+                np.copyto(g, -np.inf, where=mask)  # 0 * -inf is NaN and a negative scale flips -inf
+            m_new = np.maximum(m, g.max(axis=1))
+            m_safe = np.where(np.isfinite(m_new), m_new, 0.0)  # rows with nothing allowed yet
+            alpha = np.exp(m - m_safe)
+            g -= m_safe[:, None]
+            np.exp(g, out=g)
+            lsum = lsum * alpha + g.sum(axis=1)
+            if need_out:
+                acc *= alpha[:, None]
+                acc += g @ v[a:b]
+            m = m_new
+        has = lsum > 0
+        lse_d = np.full(nb, -np.inf)
+        lse_d[has] = m[has] + np.log(lsum[has])
+
+        _sparse_block(res, q, kk, v, pattern, r0, r1, qpos, kpos, is_causal, scale, lse_d, top, k, eps,
+                      need_lse, sparse_output)
+
+        if need_lse:
+            res["lse_dense"][r0:r1] = lse_d
+        if need_out:
+            o_dense = np.zeros_like(acc)
+            o_dense[has] = acc[has] / lsum[has, None]
+            o_sparse = sparse_output[r0:r1] if sparse_output is not None else res.pop("_o_sparse")
+            diff = o_sparse - o_dense
+            dn = np.linalg.norm(diff, axis=1)
+            rn = np.linalg.norm(o_dense, axis=1)
+            res["rel_error"][r0:r1] = _guarded_ratio(dn, rn)
+            res["diff_sq"] += float(np.dot(dn, dn))
+            res["ref_sq"] += float(np.dot(rn, rn))
+            if diff.size:
+                res["max_abs"] = max(res["max_abs"], float(np.abs(diff).max()))
+    return res
+
+
+def _merge_topk(top: np.ndarray, g: np.ndarray, k: int) -> np.ndarray:
+    """The k largest values per row of ``top`` (nb, k) together with tile ``g`` (nb, c), unsorted.
+
+    The tile is consumed in column chunks of doubling width: the first small chunk is partitioned and
+    sets a running k-th value, after which typically only a few entries of the later (wider) chunks beat
+    it, so they go through the cheap candidate merge instead of a partition of the whole tile.
+    """
+    c = g.shape[1]
+    c0, width = 0, max(8 * k, 256)
+    while c0 < c:
+        c1 = min(c, c0 + width)
+        top = _merge_chunk(top, g[:, c0:c1], k)
+        c0, width = c1, 2 * width
+    return top
+
+
+def _merge_chunk(top: np.ndarray, g: np.ndarray, k: int) -> np.ndarray:
+    nb, c = g.shape
+    kth = top.min(axis=1)  # running k-th largest (-inf while fewer than k keys seen)
+    cand = g > kth[:, None]  # ties with the k-th value cannot change the k-th value: strict is enough
+    n_cand = int(np.count_nonzero(cand))
+    if n_cand == 0:
+        return top
+    if n_cand > _CANDIDATE_FRACTION * g.size:
+        part = np.partition(g, c - k, axis=1)[:, c - k:] if c > k else g
+        merged = np.concatenate([top, part], axis=1)
+    else:
+        rows, cols = np.nonzero(cand)
+        counts = np.bincount(rows, minlength=nb)
+        starts = np.zeros(nb, dtype=np.int64)
+        np.cumsum(counts[:-1], out=starts[1:])
+        slot = np.arange(rows.size) - starts[rows]
+        padded = np.full((nb, int(counts.max())), -np.inf)
+        padded[rows, slot] = g[rows, cols]
+        merged = np.concatenate([top, padded], axis=1)
+    w = merged.shape[1]
+    return np.partition(merged, w - k, axis=1)[:, w - k:]
+
+
+def _sparse_block(res: dict, q: np.ndarray, kk: np.ndarray, v: np.ndarray | None, pattern: SparsePattern,
+                  r0: int, r1: int, qpos: np.ndarray, kpos: np.ndarray, is_causal: bool, scale: float,
+                  lse_d: np.ndarray, top: np.ndarray | None, k: int | None, eps: float, need_lse: bool,
+                  sparse_output: np.ndarray | None) -> None:
+    """Sparse-side quantities of rows [r0, r1): scores of the selected keys, lse, mass, recall, output."""
+    nb = r1 - r0
+    lo, hi = int(pattern.indptr[r0]), int(pattern.indptr[r1])
+    idx = pattern.indices[lo:hi].astype(np.int64)
+    row = np.repeat(np.arange(nb), np.diff(pattern.indptr[r0:r1 + 1]))
+    if is_causal and idx.size:
+        keep = kpos[idx] <= qpos[r0 + row]
+        res["dropped"] += int(idx.size - np.count_nonzero(keep))
+        idx, row = idx[keep], row[keep]
+    n_sel = np.bincount(row, minlength=nb).astype(np.int64)
+    res["n_selected"][r0:r1] = n_sel
+    n_allowed = res["n_allowed"][r0:r1]
+
+    # Raw scores of the selected pairs, gathered in bounded chunks.
+    raw = np.empty(idx.size)
+    step = max(1, _GATHER_ELEMS // max(1, q.shape[1]))
+    for p0 in range(0, idx.size, step):
+        p1 = min(p0 + step, idx.size)
+        raw[p0:p1] = np.einsum("ij,ij->i", q[r0 + row[p0:p1]], kk[idx[p0:p1]])
+
+    if top is not None:
+        kth = top.min(axis=1)
+        with np.errstate(invalid="ignore"):
+            thr = np.where(np.isfinite(kth), kth - eps * np.abs(kth) - eps, -np.inf)
+        hits = np.bincount(row, weights=(raw >= thr[row]).astype(np.float64), minlength=nb)
+        den = np.minimum(k, n_allowed)
+        res["recall"][r0:r1] = np.where(den > 0, np.minimum(hits / np.maximum(den, 1), 1.0), 1.0)
+
+    need_out = v is not None and sparse_output is None
+    if not (need_lse or need_out):
+        return
+    s = raw * scale
+    nonempty = n_sel > 0
+    indptr_b = np.zeros(nb + 1, dtype=np.int64)
+    np.cumsum(n_sel, out=indptr_b[1:])
+    m = np.full(nb, -np.inf)
+    if idx.size:
+        # reduceat over the starts of non-empty rows only: empty rows add no elements in between.
+        m[nonempty] = np.maximum.reduceat(s, indptr_b[:-1][nonempty])
+    e = np.exp(s - m[row]) if idx.size else s
+    lsum = np.bincount(row, weights=e, minlength=nb)
+    lse_s = np.full(nb, -np.inf)
+    lse_s[nonempty] = m[nonempty] + np.log(lsum[nonempty])
+    if need_lse:
+        res["lse_sparse"][r0:r1] = lse_s
+        has_dense = np.isfinite(lse_d)
+        err = np.zeros(nb)  # rows with no allowed key: nothing to lose
+        with np.errstate(invalid="ignore"):
+            err[has_dense] = np.maximum(lse_d[has_dense] - lse_s[has_dense], 0.0)  # inf when missed
+        res["lse_error"][r0:r1] = err
+        res["mass_recall"][r0:r1] = np.exp(-err)
+    if need_out:
+        w = e / lsum[row] if idx.size else e
+        probs = sp.csr_matrix((w, idx, indptr_b), shape=(nb, kk.shape[0]))
+        res["_o_sparse"] = np.asarray(probs @ v)

@@ -1,0 +1,477 @@
+"""Tests of sparseattn.metrics against hand-worked numbers and an independent float64 brute force.
+
+The brute force below builds the full (L, S) score matrix and loops over rows with plain numpy: it shares
+no code with the blockwise implementation (no online softmax, no running top-k, no CSR products).
+Tolerances: float64 throughout, so 1e-12 absolute (or relative) unless a comment says otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparseattn import metrics
+from sparseattn.metrics import AccuracyReport, compare, mass_recall, output_relative_error, topk_recall
+from sparseattn.pattern import SparsePattern
+
+TOL = 1e-12
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(20240607)
+
+
+# ------------------------------------------------------------------------------------- the oracle
+def brute_force(q, k, v, pattern, *, scale=None, is_causal=False, query_positions=None, key_positions=None,
+                topk=1, eps=1e-6):
+    """Per-row metrics from the full float64 score matrix, one row at a time."""
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    L, S = q.shape[0], k.shape[0]
+    scale = 1.0 / math.sqrt(q.shape[1]) if scale is None else scale
+    raw = q @ k.T
+    qpos = np.arange(L) if query_positions is None else np.asarray(query_positions)
+    kpos = np.arange(S) if key_positions is None else np.asarray(key_positions)
+    allowed = kpos[None, :] <= qpos[:, None] if is_causal else np.ones((L, S), dtype=bool)
+    sel = pattern.to_mask() & allowed
+    out = {name: np.zeros(L) for name in ("rel", "mass", "recall", "kl", "lse_d", "lse_s")}
+    o_dense = np.zeros((L, v.shape[1]))
+    o_sparse = np.zeros((L, v.shape[1]))
+    for i in range(L):
+        A = np.flatnonzero(allowed[i])
+        P = np.flatnonzero(sel[i])
+        if A.size == 0:
+            out["lse_d"][i] = out["lse_s"][i] = -np.inf
+            out["mass"][i] = out["recall"][i] = 1.0
+            continue
+        s = scale * raw[i]
+        mx = s[A].max()
+        w = np.exp(s[A] - mx)
+        out["lse_d"][i] = mx + np.log(w.sum())
+        p = np.zeros(S)
+        p[A] = w / w.sum()
+        o_dense[i] = p @ v
+        out["mass"][i] = p[P].sum()
+        if P.size:
+            ms = s[P].max()
+            ws = np.exp(s[P] - ms)
+            out["lse_s"][i] = ms + np.log(ws.sum())
+            qdist = ws / ws.sum()
+            o_sparse[i] = qdist @ v[P]
+            out["kl"][i] = float(np.sum(qdist * np.log(qdist / p[P])))  # KL(sparse || dense), directly
+        else:
+            out["lse_s"][i] = -np.inf
+            out["kl"][i] = np.inf
+        ranked = np.sort(raw[i, A])[::-1]
+        t = ranked[topk - 1] if A.size >= topk else -np.inf
+        thr = t - eps * abs(t) - eps if np.isfinite(t) else -np.inf
+        hits = int(np.sum(raw[i, P] >= thr))
+        out["recall"][i] = min(hits / min(topk, A.size), 1.0)
+        dn = np.linalg.norm(o_sparse[i] - o_dense[i])
+        rn = np.linalg.norm(o_dense[i])
+        out["rel"][i] = dn / rn if rn > 0 else dn
+    out["o_dense"], out["o_sparse"] = o_dense, o_sparse
+    out["overall"] = np.linalg.norm(o_sparse - o_dense) / np.linalg.norm(o_dense)
+    out["max_abs"] = np.abs(o_sparse - o_dense).max()
+    return out
+
+
+def assert_matches(rep: AccuracyReport, ref: dict) -> None:
+    np.testing.assert_allclose(rep.rel_error, ref["rel"], rtol=1e-10, atol=TOL)
+    np.testing.assert_allclose(rep.mass_recall, ref["mass"], rtol=1e-10, atol=TOL)
+    np.testing.assert_array_equal(rep.recall, ref["recall"])
+    np.testing.assert_allclose(rep.kl, ref["kl"], rtol=1e-9, atol=1e-11)
+    np.testing.assert_allclose(rep.lse_dense, ref["lse_d"], rtol=1e-12, atol=TOL)
+    np.testing.assert_allclose(rep.lse_sparse, ref["lse_s"], rtol=1e-12, atol=TOL)
+    np.testing.assert_allclose(rep.rel_error_overall, ref["overall"], rtol=1e-10)
+    np.testing.assert_allclose(rep.max_abs_error, ref["max_abs"], rtol=1e-10, atol=TOL)
+
+
+def random_qkv(rng, L, S, E=8, Ev=5, spread=2.0):
+    return (spread * rng.standard_normal((L, E)), rng.standard_normal((S, E)), rng.standard_normal((S, Ev)))
+
+
+def random_pattern(rng, L, S, density=0.3, empty_rows=()):
+    mask = rng.random((L, S)) < density
+    mask[list(empty_rows)] = False
+    return SparsePattern.from_mask(mask)
+
+
+# ------------------------------------------------------------------------------- hand-worked 2 x 3
+# q = [[1,0],[0,1]], k = [[1,0],[0,1],[1,1]]: raw scores row0 [1,0,1], row1 [0,1,1].
+# scale = ln 2: exp(logits) row0 [2,1,2], row1 [1,2,2], both sum 5 -> lse_dense = ln 5,
+# probabilities row0 [.4,.2,.4], row1 [.2,.4,.4].  v = [[10,0],[0,10],[5,5]]:
+# dense row0 = .4*[10,0] + .2*[0,10] + .4*[5,5] = [6,4]; row1 = [4,6].
+# Pattern: row0 -> {0}, row1 -> {1, 2}.
+# sparse row0 = [10,0] (lse ln 2); row1 = .5*[0,10] + .5*[5,5] = [2.5,7.5] (lse ln 4).
+# errors: row0 |[4,-4]| / |[6,4]| = sqrt(32/52); row1 |[-1.5,1.5]| / sqrt(52) = sqrt(4.5/52);
+# overall sqrt((32 + 4.5) / 104); max abs 4.
+# mass .4 and .8; KL(sparse||dense) = -ln .4 = ln 2.5 and -ln .8 = ln 1.25 (= lse error).
+# recall, default k = round(1.5) = 2: row0 2nd-largest raw score 1, selected {0} -> 1 hit / 2 = .5;
+# row1 selected {1, 2} both score 1 -> 2 / 2 = 1.
+Q2 = np.array([[1.0, 0.0], [0.0, 1.0]])
+K2 = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+V2 = np.array([[10.0, 0.0], [0.0, 10.0], [5.0, 5.0]])
+P2 = SparsePattern.from_rows([[0], [1, 2]], n_keys=3)
+LN2 = math.log(2.0)
+
+
+def test_hand_computed_2x3():
+    rep = compare(Q2, K2, V2, P2, scale=LN2)
+    np.testing.assert_allclose(rep.rel_error, [math.sqrt(32 / 52), math.sqrt(4.5 / 52)], rtol=1e-13)
+    np.testing.assert_allclose(rep.rel_error_overall, math.sqrt(36.5 / 104), rtol=1e-13)
+    np.testing.assert_allclose(rep.max_abs_error, 4.0, rtol=1e-13)
+    np.testing.assert_allclose(rep.mass_recall, [0.4, 0.8], rtol=1e-13)
+    np.testing.assert_allclose(rep.kl, [math.log(2.5), math.log(1.25)], rtol=1e-13)
+    np.testing.assert_allclose(rep.lse_error, [math.log(2.5), math.log(1.25)], rtol=1e-13)
+    np.testing.assert_allclose(rep.lse_dense, [math.log(5.0)] * 2, rtol=1e-13)
+    np.testing.assert_allclose(rep.lse_sparse, [math.log(2.0), math.log(4.0)], rtol=1e-13)
+    assert rep.k == 2
+    np.testing.assert_array_equal(rep.recall, [0.5, 1.0])
+    assert rep.n_selected.tolist() == [1, 2] and rep.n_allowed.tolist() == [3, 3]
+    assert (rep.empty_rows, rep.missed_rows, rep.dropped_noncausal) == (0, 0, 0)
+    # k = 1: both rows select a key tied at the top -> recall 1 each (row1's 2 hits capped at 1).
+    np.testing.assert_array_equal(compare(Q2, K2, V2, P2, scale=LN2, k=1).recall, [1.0, 1.0])
+    # The separate helpers give the same numbers.
+    np.testing.assert_allclose(mass_recall(P2, Q2, K2, scale=LN2), [0.4, 0.8], rtol=1e-13)
+    np.testing.assert_array_equal(topk_recall(P2, Q2, K2, 2), [0.5, 1.0])
+
+
+def test_hand_computed_2x3_causal():
+    # Causal, top-left: row0 may use key 0 only, row1 keys 0, 1.  Pattern row1 {1, 2}: key 2 is dropped.
+    # row0: dense = sparse = v0 -> error 0, mass 1.  row1 logits [0, ln2] -> probs [1/3, 2/3],
+    # dense = [10/3, 20/3]; sparse = v1 = [0, 10]; error |[-10/3, 10/3]| / |[10/3, 20/3]| = sqrt(2/5);
+    # mass 2/3, KL = ln 1.5; recall k=1: row1 top raw score 1 (key 1) selected -> 1.
+    rep = compare(Q2, K2, V2, P2, scale=LN2, is_causal=True, k=1)
+    np.testing.assert_allclose(rep.rel_error, [0.0, math.sqrt(2 / 5)], rtol=1e-13, atol=TOL)
+    np.testing.assert_allclose(rep.mass_recall, [1.0, 2 / 3], rtol=1e-13)
+    np.testing.assert_allclose(rep.kl, [0.0, math.log(1.5)], rtol=1e-13, atol=TOL)
+    np.testing.assert_array_equal(rep.recall, [1.0, 1.0])
+    assert rep.n_allowed.tolist() == [1, 2] and rep.n_selected.tolist() == [1, 1]
+    assert rep.dropped_noncausal == 1
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_zero_and_negative_scale(rng, is_causal):
+    # scale = 0: uniform attention over the allowed keys, so mass = n_selected / n_allowed exactly.
+    q, kk, v = random_qkv(rng, 12, 12)
+    pat = random_pattern(rng, 12, 12, density=0.4)
+    rep = compare(q, kk, v, pat, scale=0.0, is_causal=is_causal, k=2, key_block=5)
+    np.testing.assert_allclose(rep.mass_recall, rep.n_selected / rep.n_allowed, rtol=1e-13)
+    assert_matches(rep, brute_force(q, kk, v, pat, scale=0.0, is_causal=is_causal, topk=2))
+    # A negative scale is legal (attention then favours small q.k); still exact against the oracle.
+    rep = compare(q, kk, v, pat, scale=-0.7, is_causal=is_causal, k=2, key_block=5)
+    assert_matches(rep, brute_force(q, kk, v, pat, scale=-0.7, is_causal=is_causal, topk=2))
+
+
+def test_output_relative_error_hand_values():
+    # |[3,4] - [0,8]| = |[3,-4]| = 5, |[0,8]| = 8.
+    assert output_relative_error(np.array([[3.0, 4.0]]), np.array([[0.0, 8.0]])) == pytest.approx(0.625)
+    a = np.array([[3.0, 4.0], [1.0, 0.0], [0.0, 0.0]])
+    b = np.array([[0.0, 8.0], [0.0, 0.0], [0.0, 0.0]])
+    # Zero reference rows fall back to the absolute error (1 and 0), never NaN.
+    np.testing.assert_allclose(output_relative_error(a, b, per_row=True), [0.625, 1.0, 0.0], rtol=1e-15)
+    assert output_relative_error(np.zeros((2, 2)), np.zeros((2, 2))) == 0.0
+
+
+# ----------------------------------------------------------------------------------------- ties
+def test_duplicate_keys_tie_either_counts():
+    # Keys 0 and 3 are identical: tied for the top score of every query; choosing either is a hit.
+    keys = np.array([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [1.0, 0.0]])
+    queries = np.array([[2.0, 0.5], [3.0, -1.0]])
+    for chosen in (0, 3):
+        pat = SparsePattern.from_rows([[chosen], [chosen]], n_keys=4)
+        np.testing.assert_array_equal(topk_recall(pat, queries, keys, 1, eps=0.0), [1.0, 1.0])
+    # k = 2 with both duplicates selected: 2 hits out of min(2, 4).
+    pat = SparsePattern.from_rows([[0, 3], [0, 3]], n_keys=4)
+    np.testing.assert_array_equal(topk_recall(pat, queries, keys, 2), [1.0, 1.0])
+    # Selecting a non-tied key instead is a miss.
+    pat = SparsePattern.from_rows([[2], [2]], n_keys=4)
+    np.testing.assert_array_equal(topk_recall(pat, queries, keys, 1), [0.0, 0.0])
+
+
+def test_tie_tolerance_eps():
+    # Raw scores 1, 1 - 1e-9, 0.5 (E = 1, q = 1): key 1 is within eps = 1e-6 of the top score.
+    keys = np.array([[1.0], [1.0 - 1e-9], [0.5]])
+    q = np.array([[1.0]])
+    pat = SparsePattern.from_rows([[1]], n_keys=3)
+    assert topk_recall(pat, q, keys, 1)[0] == 1.0
+    assert topk_recall(pat, q, keys, 1, eps=0.0)[0] == 0.0
+    # Far below the threshold: a miss whatever the (small) eps.
+    pat = SparsePattern.from_rows([[2]], n_keys=3)
+    assert topk_recall(pat, q, keys, 1, eps=1e-3)[0] == 0.0
+
+
+def test_recall_k_larger_than_row(rng):
+    # k > S: denominator min(k, S); selecting everything gives 1, half of the keys 0.5.
+    q, kk, _ = random_qkv(rng, 3, 6)
+    full = SparsePattern.full(3, 6)
+    np.testing.assert_array_equal(topk_recall(full, q, kk, 50), [1.0, 1.0, 1.0])
+    half = SparsePattern.from_rows([[0, 1, 2]] * 3, n_keys=6)
+    np.testing.assert_array_equal(topk_recall(half, q, kk, 50), [0.5, 0.5, 0.5])
+
+
+# ------------------------------------------------------------------------------- against the oracle
+def test_full_pattern_is_exact(rng):
+    q, kk, v = random_qkv(rng, 40, 55)
+    rep = compare(q, kk, v, SparsePattern.full(40, 55), k=7, block=16, key_block=20)
+    assert rep.rel_error.max() < 1e-13 and rep.rel_error_overall < 1e-13 and rep.max_abs_error < 1e-13
+    np.testing.assert_allclose(rep.mass_recall, 1.0, atol=1e-13)
+    np.testing.assert_array_equal(rep.recall, 1.0)
+    assert rep.kl.max() < 1e-13 and rep.lse_error.min() >= 0.0
+    s = rep.summary()
+    assert s["recall_mean"] == 1.0 and s["missed_rows"] == 0.0 and s["mean_selected"] == 55.0
+
+
+def test_full_causal_pattern_is_exact(rng):
+    q, kk, v = random_qkv(rng, 30, 30)
+    rep = compare(q, kk, v, SparsePattern.full(30, 30, is_causal=True), is_causal=True, k=4, key_block=7)
+    assert rep.rel_error_overall < 1e-13
+    np.testing.assert_allclose(rep.mass_recall, 1.0, atol=1e-13)
+    np.testing.assert_array_equal(rep.recall, 1.0)
+    np.testing.assert_array_equal(rep.n_allowed, np.arange(1, 31))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_window_pattern_matches_brute_force(rng, is_causal):
+    L = S = 64
+    q, kk, v = random_qkv(rng, L, S)
+    pat = SparsePattern.window(L, S, 9, is_causal=is_causal)
+    rep = compare(q, kk, v, pat, is_causal=is_causal, k=5, block=13, key_block=17)
+    ref = brute_force(q, kk, v, pat, is_causal=is_causal, topk=5)
+    assert_matches(rep, ref)
+    assert rep.dropped_noncausal == 0 and rep.empty_rows == 0
+    # Observed on this seed: mean mass ~0.4-0.5 for a 9-key window of 64 random keys; loosely bounded.
+    assert 0.1 < rep.mass_recall.mean() < 0.95
+
+
+def test_random_pattern_causal_with_leaks(rng):
+    # A pattern that selects future keys: they are dropped (and counted) before anything is measured.
+    L = S = 40
+    q, kk, v = random_qkv(rng, L, S)
+    pat = random_pattern(rng, L, S, density=0.3)
+    rep = compare(q, kk, v, pat, is_causal=True, k=3, block=9, key_block=11)
+    ref = brute_force(q, kk, v, pat, is_causal=True, topk=3)
+    assert_matches(rep, ref)
+    upper = np.triu(pat.to_mask(), k=1).sum()
+    assert rep.dropped_noncausal == upper > 0
+
+
+def test_causal_kv_cache_positions(rng):
+    # 8 new queries at positions 24..31 over a cache of 32 keys (bottom-right alignment).
+    L, S = 8, 32
+    q, kk, v = random_qkv(rng, L, S)
+    qpos = np.arange(S - L, S)
+    pat = random_pattern(rng, L, S, density=0.25)
+    rep = compare(q, kk, v, pat, is_causal=True, query_positions=qpos, k=4, key_block=5)
+    ref = brute_force(q, kk, v, pat, is_causal=True, query_positions=qpos, topk=4)
+    assert_matches(rep, ref)
+    np.testing.assert_array_equal(rep.n_allowed, qpos + 1)
+
+
+def test_sparse_output_given(rng):
+    q, kk, v = random_qkv(rng, 20, 30)
+    pat = random_pattern(rng, 20, 30)
+    ref = brute_force(q, kk, v, pat, topk=3)
+    own = compare(q, kk, v, pat, k=3)
+    given_out = compare(q, kk, v, pat, k=3, sparse_output=ref["o_sparse"].astype(np.float32))
+    # float32 rounding of the given output: relative 6e-8 per entry, so 1e-6 on the errors.
+    np.testing.assert_allclose(given_out.rel_error, own.rel_error, rtol=1e-5, atol=1e-6)
+    # A wrong output is judged as given: the dense output itself has error exactly 0.
+    exact = compare(q, kk, v, pat, k=3, sparse_output=ref["o_dense"])
+    assert exact.rel_error.max() < 1e-13
+    # The mass / KL fields still describe the pattern, not the given output.
+    np.testing.assert_allclose(exact.mass_recall, ref["mass"], rtol=1e-10)
+
+
+def test_float32_inputs(rng):
+    q, kk, v = (a.astype(np.float32) for a in random_qkv(rng, 16, 24))
+    pat = random_pattern(rng, 16, 24)
+    rep = compare(q, kk, v, pat, k=3)
+    assert_matches(rep, brute_force(q, kk, v, pat, topk=3))
+
+
+# ------------------------------------------------------------------------------------- blocking
+@pytest.mark.parametrize("fraction", [0.0, 0.125, 2.0])
+def test_blocked_equals_unblocked(rng, monkeypatch, fraction):
+    # fraction 0 forces the partition merge of the running top-k, 2.0 the candidate merge.
+    monkeypatch.setattr(metrics, "_CANDIDATE_FRACTION", fraction)
+    L, S = 37, 83
+    q, kk, v = random_qkv(rng, L, S)
+    pat = random_pattern(rng, L, S, density=0.1, empty_rows=(3, 30))
+    for causal in (False, True):
+        one = compare(q, kk, v, pat, is_causal=causal, k=6, block=1, key_block=1)
+        mid = compare(q, kk, v, pat, is_causal=causal, k=6, block=10, key_block=9)
+        big = compare(q, kk, v, pat, is_causal=causal, k=6, block=10**6, key_block=10**6)
+        ref = brute_force(q, kk, v, pat, is_causal=causal, topk=6)
+        for rep in (one, mid, big):
+            assert_matches(rep, ref)
+        np.testing.assert_allclose(one.rel_error, big.rel_error, rtol=1e-10, atol=TOL)
+
+
+def test_gather_chunks(rng, monkeypatch):
+    # Tiny gather budget: the selected-pair scores are computed a few pairs at a time.
+    monkeypatch.setattr(metrics, "_GATHER_ELEMS", 3 * 8)
+    q, kk, v = random_qkv(rng, 12, 20)
+    pat = random_pattern(rng, 12, 20, density=0.4)
+    assert_matches(compare(q, kk, v, pat, k=2, block=5), brute_force(q, kk, v, pat, topk=2))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_rows_subset_matches_full(rng, is_causal):
+    # Evaluating a sample of rows gives exactly the full report's rows, with their original positions.
+    L, S = 30, 41
+    q, kk, v = random_qkv(rng, L, S)
+    pat = random_pattern(rng, L, S, density=0.2, empty_rows=(7,))
+    full = compare(q, kk, v, pat, is_causal=is_causal, block=8, key_block=10)
+    rows = np.array([29, 3, 7, 7, 15])
+    sub = compare(q, kk, v, pat, is_causal=is_causal, rows=rows, block=2, key_block=10)
+    assert sub.k == full.k  # k from the whole pattern, not the sample
+    np.testing.assert_array_equal(sub.rows, rows)
+    for f in ("rel_error", "mass_recall", "recall", "kl", "lse_dense", "n_selected", "n_allowed"):
+        np.testing.assert_allclose(getattr(sub, f), getattr(full, f)[rows], rtol=1e-12, atol=TOL, err_msg=f)
+    ref = brute_force(q[rows], kk, v, pat.select_rows(rows), is_causal=is_causal, query_positions=rows,
+                      topk=full.k)
+    np.testing.assert_allclose(sub.rel_error_overall, ref["overall"], rtol=1e-10)
+    given_out = compare(q, kk, v, pat, is_causal=is_causal, rows=rows,
+                        sparse_output=brute_force(q, kk, v, pat, is_causal=is_causal)["o_sparse"])
+    np.testing.assert_allclose(given_out.rel_error, sub.rel_error, rtol=1e-10, atol=TOL)
+    np.testing.assert_allclose(mass_recall(pat, q, kk, is_causal=is_causal, rows=rows), sub.mass_recall,
+                               rtol=1e-12)
+    np.testing.assert_array_equal(topk_recall(pat, q, kk, full.k, is_causal=is_causal, rows=rows), sub.recall)
+    assert sub.summary()["n_rows"] == 5.0
+
+
+# ------------------------------------------------------------------------------------ empty rows
+def test_empty_rows(rng):
+    q, kk, v = random_qkv(rng, 10, 15)
+    pat = random_pattern(rng, 10, 15, density=0.4, empty_rows=(0, 4, 9))
+    rep = compare(q, kk, v, pat, k=3)
+    assert_matches(rep, brute_force(q, kk, v, pat, topk=3))
+    assert rep.empty_rows == rep.missed_rows == 3
+    for i in (0, 4, 9):
+        assert rep.mass_recall[i] == 0.0 and rep.recall[i] == 0.0
+        assert rep.kl[i] == np.inf and rep.lse_error[i] == np.inf and rep.lse_sparse[i] == -np.inf
+        assert rep.rel_error[i] == pytest.approx(1.0)  # zero output vs non-zero dense: relative error 1
+    for f in ("rel_error", "mass_recall", "recall", "kl", "lse_error"):
+        assert not np.isnan(getattr(rep, f)).any()
+    s = rep.summary()
+    assert all(math.isfinite(x) for x in s.values())
+    finite = np.isfinite(rep.kl)
+    assert s["kl_mean"] == pytest.approx(rep.kl[finite].mean()) and s["missed_rows"] == 3.0
+
+
+def test_rows_without_allowed_keys(rng):
+    # Keys at positions 5..9, queries at 0..9, causal: queries 0..4 see no key at all.
+    q, kk, v = random_qkv(rng, 10, 5)
+    kpos = np.arange(5, 10)
+    pat = SparsePattern.full(10, 5)
+    rep = compare(q, kk, v, pat, is_causal=True, key_positions=kpos, k=2)
+    assert_matches(rep, brute_force(q, kk, v, pat, is_causal=True, key_positions=kpos, topk=2))
+    assert rep.n_allowed.tolist() == [0] * 5 + [1, 2, 3, 4, 5]
+    assert rep.empty_rows == 5 and rep.missed_rows == 0
+    np.testing.assert_array_equal(rep.rel_error[:5], 0.0)
+    np.testing.assert_array_equal(rep.mass_recall[:5], 1.0)
+    np.testing.assert_array_equal(rep.kl[:5], 0.0)
+    np.testing.assert_array_equal(rep.lse_dense[:5], -np.inf)
+    assert all(math.isfinite(x) for x in rep.summary().values())
+
+
+def test_degenerate_sizes():
+    # No keys at all, and no queries: vacuous but finite reports.
+    rep = compare(np.ones((3, 2)), np.zeros((0, 2)), np.zeros((0, 4)), SparsePattern.full(3, 0))
+    assert rep.k == 1 and rep.recall.tolist() == [1.0] * 3 and rep.rel_error.tolist() == [0.0] * 3
+    assert all(math.isfinite(x) for x in rep.summary().values())
+    rep = compare(np.ones((0, 2)), np.ones((4, 2)), np.ones((4, 1)), SparsePattern.full(0, 4))
+    assert rep.n_rows == 0 and rep.summary()["recall_mean"] == 1.0
+
+
+def test_all_zero_values_gives_zero_error(rng):
+    q, kk, _ = random_qkv(rng, 6, 9)
+    pat = random_pattern(rng, 6, 9, density=0.5)
+    rep = compare(q, kk, np.zeros((9, 3)), pat, k=2)
+    assert rep.rel_error_overall == 0.0 and rep.max_abs_error == 0.0
+
+
+# ------------------------------------------------------------------------------------ bad inputs
+def test_bad_inputs():
+    q, kk, v, pat = Q2, K2, V2, P2
+    with pytest.raises(ValueError, match="same feature size E"):
+        compare(q, np.ones((3, 4)), v, pat)
+    with pytest.raises(ValueError, match="value must have one row per key"):
+        compare(q, kk, np.ones((4, 2)), pat)
+    with pytest.raises(ValueError, match=r"pattern shape must be .*\(2, 3\).*got \(2, 4\)"):
+        compare(q, kk, v, SparsePattern.full(2, 4))
+    with pytest.raises(ValueError, match=r"pattern shape must be .*got \(3, 3\)"):
+        topk_recall(SparsePattern.full(3, 3), q, kk, 1)
+    with pytest.raises(TypeError, match="pattern must be a SparsePattern; got ndarray"):
+        compare(q, kk, v, np.ones((2, 3), dtype=bool))
+    with pytest.raises(ValueError, match="k must be >= 1; got 0"):
+        compare(q, kk, v, pat, k=0)
+    with pytest.raises(ValueError, match="k must be >= 1; got -2"):
+        topk_recall(pat, q, kk, -2)
+    with pytest.raises(TypeError, match="k must be an integer"):
+        compare(q, kk, v, pat, k=2.0)
+    with pytest.raises(ValueError, match="eps must be finite and >= 0"):
+        compare(q, kk, v, pat, eps=-1e-3)
+    with pytest.raises(TypeError, match="eps must be a real number"):
+        compare(q, kk, v, pat, eps="1e-6")
+    with pytest.raises(ValueError, match="block must be >= 1; got 0"):
+        compare(q, kk, v, pat, block=0)
+    with pytest.raises(ValueError, match="key_block must be >= 1; got 0"):
+        mass_recall(pat, q, kk, key_block=0)
+    with pytest.raises(ValueError, match=r"query must be 2-D \(L, E\); got shape \(1, 2, 2\)"):
+        compare(q[None], kk, v, pat)
+    with pytest.raises(ValueError, match="key must have at least 2 dimensions"):
+        compare(q, kk[0], v, pat)
+    with pytest.raises(TypeError, match="value must have dtype float16, float32 or float64; got int64"):
+        compare(q, kk, np.ones((3, 2), dtype=np.int64), pat)
+    with pytest.raises(ValueError, match="query contains NaN or Inf"):
+        compare(np.array([[np.nan, 0.0], [0.0, 1.0]]), kk, v, pat)
+    with pytest.raises(ValueError, match=r"sparse_output must have shape \(L, Ev\) = \(2, 2\); got \(2, 3\)"):
+        compare(q, kk, v, pat, sparse_output=np.ones((2, 3)))
+    with pytest.raises(ValueError, match="sparse_output contains NaN or Inf"):
+        compare(q, kk, v, pat, sparse_output=np.full((2, 2), np.nan))
+    with pytest.raises(ValueError, match=r"query_positions must have shape \(2,\)"):
+        compare(q, kk, v, pat, is_causal=True, query_positions=np.arange(3))
+    with pytest.raises(ValueError, match=r"rows must lie in \[0, L=2\); got values from -1 to 0"):
+        compare(q, kk, v, pat, rows=np.array([0, -1]))
+    with pytest.raises(TypeError, match="rows must be an integer array"):
+        mass_recall(pat, q, kk, rows=np.array([0.0]))
+    with pytest.raises(ValueError, match=r"rows must be 1-D; got shape \(1, 1\)"):
+        topk_recall(pat, q, kk, 1, rows=np.array([[0]]))
+    with pytest.raises(TypeError, match="scale must be a real number or None"):
+        mass_recall(pat, q, kk, scale="big")
+    with pytest.raises(ValueError, match="approx and reference must have the same shape"):
+        output_relative_error(np.ones((2, 2)), np.ones((2, 3)))
+
+
+# ------------------------------------------------------------------------------- property tests
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(L=st.integers(1, 12), S=st.integers(1, 12), density=st.floats(0.0, 1.0), k=st.integers(1, 6),
+       causal=st.booleans(), seed=st.integers(0, 2**31 - 1), block=st.integers(1, 5),
+       key_block=st.integers(1, 5))
+def test_properties(L, S, density, k, causal, seed, block, key_block):
+    rng = np.random.default_rng(seed)
+    q, kk, v = random_qkv(rng, L, S, E=3, Ev=2)
+    pat = random_pattern(rng, L, S, density=density)
+    rep = compare(q, kk, v, pat, is_causal=causal, k=k, block=block, key_block=key_block)
+    for f in ("rel_error", "mass_recall", "recall", "kl", "lse_error"):
+        assert not np.isnan(getattr(rep, f)).any(), f
+    assert ((rep.mass_recall >= 0) & (rep.mass_recall <= 1)).all()
+    assert ((rep.recall >= 0) & (rep.recall <= 1)).all()
+    assert (rep.kl >= 0).all() and (rep.lse_error >= 0).all()
+    np.testing.assert_allclose(rep.mass_recall, np.exp(-rep.kl), rtol=1e-12, atol=1e-300)
+    assert all(math.isfinite(x) for x in rep.summary().values())
+    # Adding keys never loses softmax mass.
+    bigger = pat | random_pattern(rng, L, S, density=0.3)
+    more = mass_recall(bigger, q, kk, is_causal=causal)
+    assert (more >= rep.mass_recall - 1e-12).all()
+    # Block sizes do not matter.
+    ref = compare(q, kk, v, pat, is_causal=causal, k=k, block=10**6, key_block=10**6)
+    np.testing.assert_allclose(rep.rel_error, ref.rel_error, rtol=1e-10, atol=TOL)
+    np.testing.assert_array_equal(rep.recall, ref.recall)
