@@ -13,7 +13,7 @@ Data path (one module each): Q/K/V -> ``selectors`` (which keys) -> ``pattern.Sp
 True
 """
 
-from .kernels import _options  # noqa: F401  (first: picks a writable Numba cache directory)
+from . import _numba_setup, metrics  # _numba_setup first: a writable Numba cache before numba loads
 from .dense import scaled_dot_product_attention
 from .layers import AttentionHead, AttentionSteps, MultiHeadAttention, attention_steps, seed_example
 from .pattern import SparsePattern
@@ -27,5 +27,5 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionHead", "AttentionSteps", "MultiHeadAttention", "Selector", "SparseAttentionResult",
     "SparsePattern", "attention_steps", "available_selectors", "exact_topk", "get_num_threads",
-    "get_selector", "scaled_dot_product_attention", "seed_example", "sparse_attention", "threads",
+    "get_selector", "metrics", "scaled_dot_product_attention", "seed_example", "sparse_attention", "threads",
 ]

@@ -299,9 +299,9 @@ class SparsePattern:
         per_row = self.nnz_per_row[rows]
         indptr = np.zeros(rows.size + 1, dtype=np.int64)
         np.cumsum(per_row, out=indptr[1:])
-        take = np.concatenate([np.arange(self.indptr[r], self.indptr[r + 1]) for r in rows]) \
-            if rows.size else np.zeros(0, dtype=np.int64)
-        return SparsePattern(indptr, self.indices[take.astype(np.int64)], self.n_keys, validate=False)
+        # Position p of the new rows maps to old position p + (old row start - new row start).
+        take = np.arange(indptr[-1], dtype=np.int64) + np.repeat(self.indptr[rows] - indptr[:-1], per_row)
+        return SparsePattern(indptr, self.indices[take], self.n_keys, validate=False)
 
 
 def stack_patterns(patterns: list[SparsePattern]) -> tuple[np.ndarray, np.ndarray]:
@@ -318,6 +318,6 @@ def stack_patterns(patterns: list[SparsePattern]) -> tuple[np.ndarray, np.ndarra
         if p.shape != shape:
             raise ValueError(f"patterns[{g}] has shape {p.shape}; expected {shape} like patterns[0].")
     offsets = np.cumsum([0] + [p.nnz for p in patterns[:-1]])
-    indptr = np.concatenate([patterns[0].indptr[:1]] + [p.indptr[1:] + off for p, off in zip(patterns, offsets)])
+    indptr = np.concatenate([patterns[0].indptr[:1]] + [p.indptr[1:] + off for p, off in zip(patterns, offsets, strict=True)])
     indices = np.concatenate([p.indices for p in patterns])
     return indptr.astype(np.int64), indices.astype(np.int32)
