@@ -13,7 +13,7 @@ Data path (one module each): Q/K/V -> ``selectors`` (which keys) -> ``pattern.Sp
 True
 """
 
-from . import _numba_setup, metrics  # _numba_setup first: a writable Numba cache before numba loads
+from . import _numba_setup, metrics  # noqa: F401  (_numba_setup first: writable Numba cache)
 from .dense import scaled_dot_product_attention
 from .layers import AttentionHead, AttentionSteps, MultiHeadAttention, attention_steps, seed_example
 from .pattern import SparsePattern
