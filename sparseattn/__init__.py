@@ -13,7 +13,7 @@ Data path (one module each): Q/K/V -> ``selectors`` (which keys) -> ``pattern.Sp
 True
 """
 
-from . import _numba_setup, metrics  # noqa: F401  (_numba_setup first: writable Numba cache)
+from . import _numba_setup, data, metrics  # noqa: F401  (_numba_setup first: writable Numba cache)
 from .dense import scaled_dot_product_attention
 from .layers import AttentionHead, AttentionSteps, MultiHeadAttention, attention_steps, seed_example
 from .pattern import SparsePattern
@@ -27,5 +27,5 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionHead", "AttentionSteps", "MultiHeadAttention", "Selector", "SparseAttentionResult",
     "SparsePattern", "attention_steps", "available_selectors", "exact_topk", "get_num_threads",
-    "get_selector", "metrics", "scaled_dot_product_attention", "seed_example", "sparse_attention", "threads",
+    "data", "get_selector", "metrics", "scaled_dot_product_attention", "seed_example", "sparse_attention", "threads",
 ]
