@@ -223,9 +223,10 @@ class SparsePattern:
         """Every query attends every key (causal: key j <= query i, top-left aligned like SDPA)."""
         n_queries = check_positive_int(n_queries, "n_queries", minimum=0)
         n_keys = check_positive_int(n_keys, "n_keys", minimum=0)
+        reach = n_keys + n_queries  # row i's window must still cover key 0 when i > n_keys
         if is_causal:
-            return cls.band(n_queries, n_keys, before=n_keys, after=0)
-        return cls.band(n_queries, n_keys, before=n_keys, after=n_keys)
+            return cls.band(n_queries, n_keys, before=reach, after=0)
+        return cls.band(n_queries, n_keys, before=reach, after=reach)
 
     @classmethod
     def band(cls, n_queries: int, n_keys: int, *, before: int, after: int = 0, dilation: int = 1,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._validation import as_float_array, check_positive_int
+from .kernels.select_topk import block_topk
 from .pattern import _positions
 
 
@@ -24,6 +25,7 @@ def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, *, is_causal: bool
     keys : float array, shape (S, E)
     k : int >= 1
         Keys per query; rows with fewer than k allowed keys are padded with id -1 / score -inf.
+        Among keys tied with the k-th score the lower ids are kept.
     is_causal : bool
         Only keys with ``key_positions[j] <= query_positions[i]``.
     block : int
@@ -54,20 +56,21 @@ def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, *, is_causal: bool
     ids_out = np.full((L, k), -1, dtype=np.int64)
     if S == 0 or L == 0:
         return scores_out, ids_out
+    qpos_a = qpos if qpos is not None else np.zeros(L, np.int64)
+    kpos_a = kpos if kpos is not None else np.zeros(S, np.int64)
+    ids_blk = np.empty((min(block, L), kk_eff), dtype=np.int32)
+    counts = np.empty(min(block, L), dtype=np.int64)
     for start in range(0, L, block):
         stop = min(start + block, L)
+        b = stop - start
         s = q[start:stop] @ kk.T
-        if is_causal:
-            s[kpos[None, :] > qpos[start:stop, None]] = -np.inf
-        if kk_eff < S:
-            part = np.argpartition(-s, kk_eff - 1, axis=1)[:, :kk_eff]
-        else:
-            part = np.broadcast_to(np.arange(S), (stop - start, S))
-        top = np.take_along_axis(s, part, axis=1)
-        order = np.argsort(-top, axis=1, kind="stable")
-        top = np.take_along_axis(top, order, axis=1)
-        ids = np.take_along_axis(part, order, axis=1).astype(np.int64)
-        ids[~np.isfinite(top)] = -1  # masked keys are not neighbours
-        scores_out[start:stop, :kk_eff] = top
-        ids_out[start:stop, :kk_eff] = ids
+        # One heap scan per row (Numba): ties at the k-th score keep the lower key id, deterministically.
+        block_topk(s, kk_eff, is_causal, qpos_a[start:stop], kpos_a, ids_blk[:b], counts[:b])
+        valid = np.arange(kk_eff)[None, :] < counts[:b, None]
+        ids = np.where(valid, ids_blk[:b], 0).astype(np.int64)
+        top = np.where(valid, np.take_along_axis(s, ids, axis=1), -np.inf)
+        order = np.argsort(-top, axis=1, kind="stable")  # ids ascending within equal scores
+        scores_out[start:stop, :kk_eff] = np.take_along_axis(top, order, axis=1)
+        ids_out[start:stop, :kk_eff] = np.where(np.take_along_axis(valid, order, axis=1),
+                                                np.take_along_axis(ids, order, axis=1), -1)
     return scores_out, ids_out

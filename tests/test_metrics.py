@@ -87,7 +87,7 @@ def assert_matches(rep: AccuracyReport, ref: dict) -> None:
     np.testing.assert_allclose(rep.kl, ref["kl"], rtol=1e-9, atol=1e-11)
     np.testing.assert_allclose(rep.lse_dense, ref["lse_d"], rtol=1e-12, atol=TOL)
     np.testing.assert_allclose(rep.lse_sparse, ref["lse_s"], rtol=1e-12, atol=TOL)
-    np.testing.assert_allclose(rep.rel_error_overall, ref["overall"], rtol=1e-10)
+    np.testing.assert_allclose(rep.rel_error_overall, ref["overall"], rtol=1e-10, atol=TOL)
     np.testing.assert_allclose(rep.max_abs_error, ref["max_abs"], rtol=1e-10, atol=TOL)
 
 

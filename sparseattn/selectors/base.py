@@ -193,7 +193,7 @@ class IndexSelector(Selector):
 
     def _build(self, keys: np.ndarray) -> None:
         center = self._params.get("center", True)
-        self.mean_ = keys.mean(axis=0, dtype=np.float64).astype(keys.dtype) if center \
+        self.mean_ = keys.mean(axis=0, dtype=np.float64).astype(keys.dtype) if center and keys.shape[0] \
             else np.zeros(keys.shape[1], keys.dtype)
         self.centered_ = np.ascontiguousarray(keys - self.mean_) if center else keys
         self.index_ = self._make_index(self.centered_)
@@ -262,14 +262,19 @@ class IndexSelector(Selector):
                 continue
             starts = ((n_full >> (level + 1)) << (level + 1))  # in units of B
             t_idx = starts >> level  # block index at this level
-            block_ids = np.full((L, min(k, B << level)), -1, dtype=np.int64)
+            found: list[tuple[np.ndarray, np.ndarray]] = []
             for t in np.unique(t_idx[has]):
                 rows = np.nonzero(has & (t_idx == t))[0]
                 index = self._block_index(level, int(t))
                 _, ids = self._search(index, q[rows], min(k, B << level))
                 ids = np.asarray(ids, dtype=np.int64)
                 offset = int(t) * (B << level)
-                block_ids[rows, :ids.shape[1]] = np.where(ids >= 0, ids + offset, -1)
+                found.append((rows, np.where(ids >= 0, ids + offset, -1)))
+            # Backends may return more than k candidates (e.g. for their own re-rank): size by the widest.
+            width = max(ids.shape[1] for _, ids in found)
+            block_ids = np.full((L, width), -1, dtype=np.int64)
+            for rows, ids in found:
+                block_ids[rows, :ids.shape[1]] = ids
             pieces.append(block_ids)
         cand = np.concatenate(pieces, axis=1)
         _, ids = rerank_topk(q, self.keys_, cand, k)
