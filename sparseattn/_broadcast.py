@@ -46,4 +46,5 @@ def group_maps(q_lead: tuple[int, ...], kv_lead: tuple[int, ...], *, enable_gqa:
 
 def flat3(x: np.ndarray) -> np.ndarray:
     """View (or copy if unavoidable) of x as (prod(lead), n, f)."""
-    return x.reshape((-1,) + x.shape[-2:])
+    # Explicit group count: reshape(-1, ...) is ambiguous when L or S is 0.
+    return x.reshape((int(np.prod(x.shape[:-2], dtype=np.int64)),) + x.shape[-2:])

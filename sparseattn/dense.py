@@ -17,7 +17,8 @@ Conventions (identical to ``torch.nn.functional.scaled_dot_product_attention``):
 * ``is_causal``: query i sees keys ``j <= i`` (top-left aligned, also when L != S);
 * default scale ``1 / sqrt(E)``.
 
-Where we differ: a row with no allowed key returns zeros and ``lse = -inf`` (SDPA returns NaN).
+A row with no allowed key returns zeros and ``lse = -inf``, never NaN (older PyTorch releases return NaN
+there; 2.13 on CPU returns zeros).
 Dtypes: float64 inputs compute in float64; float16/float32 compute in float32.  The output has the
 promoted input dtype (float16 in -> float16 out), ``lse`` the computation dtype.
 """

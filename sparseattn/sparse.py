@@ -57,12 +57,15 @@ def _bias_args(bias: Any, lead: tuple[int, ...], L: int, S: int, G: int, cdt: np
             raise ValueError(f"bias has {bias.num_heads} heads but the inputs have {n_heads} (dimension -3).")
         return (int(kind), np.ascontiguousarray(params, np.float64), np.ascontiguousarray(ints, np.int64),
                 qpos, kpos, np.zeros((1, 1, 1), cdt), np.zeros(G, np.int64), int(n_heads))
-    arr = as_float_array(bias, "bias", min_ndim=2)
+    arr = as_float_array(bias, "bias", min_ndim=2, check_finite=False)  # -inf forbids a pair: legal
     if arr.shape[-2:] != (L, S):
         raise ValueError(f"bias array must end in (L, S) = {(L, S)}; got {arr.shape}.")
     if np.isnan(arr).any():
         raise ValueError("bias contains NaN; use -inf to forbid a pair.")
-    _, _, bmap = group_maps(lead, arr.shape[:-2], kv_name="bias")
+    blead, _, bmap = group_maps(lead, arr.shape[:-2], kv_name="bias")
+    if tuple(blead) != tuple(lead):
+        raise ValueError(f"bias leading dims {arr.shape[:-2]} must broadcast to the inputs' {lead} without "
+                         f"widening them.")
     dense = np.ascontiguousarray(flat3(arr), dtype=cdt)
     return (BIAS_DENSE, np.zeros((1, 1)), np.zeros(3, np.int64), qpos, kpos, dense, bmap, 1)
 

@@ -82,7 +82,8 @@ def from_padded(ids, n_keys):
     """
     n_rows, k = ids.shape
     counts = np.zeros(n_rows, dtype=np.int64)
-    bad = np.full(n_rows, -2, dtype=np.int64)
+    is_bad = np.zeros(n_rows, dtype=np.bool_)
+    bad = np.zeros(n_rows, dtype=np.int64)
     sorted_rows = np.empty((n_rows, k), dtype=np.int64)
     for i in prange(n_rows):
         row = np.sort(ids[i].astype(np.int64))
@@ -91,12 +92,13 @@ def from_padded(ids, n_keys):
         for p in range(k):
             j = row[p]
             if j < -1 or j >= n_keys:
+                is_bad[i] = True
                 bad[i] = j
             if j >= 0 and (p == 0 or row[p - 1] != j):
                 c += 1
         counts[i] = c
     for i in range(n_rows):
-        if bad[i] != -2:
+        if is_bad[i]:
             return np.zeros(1, np.int64), np.zeros(0, np.int32), i, bad[i]
     indptr = np.zeros(n_rows + 1, dtype=np.int64)
     for i in range(n_rows):
