@@ -1,0 +1,199 @@
+"""The benchmark suite behind ``sparseattn bench``: grids of workloads x selectors x k x causal.
+
+Each case (one workload, k and causal flag; every selector of the grid plus the dense baselines) runs in
+its own subprocess so that its peak RSS is its own and a crash cannot take the sweep down; results are
+appended to ``suite.json`` as they arrive (an interrupted sweep keeps what it measured).  Plots are made
+from the JSON only (:func:`plot_suite`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+# Shapes: d = 64 is the common LLM head size; norm-matched Gaussian keys follow a real MiniLM head's row
+# norms (as peaky as real attention); clustered keys are the favourable case for every index.
+_FAST = ["topk", "window", "window:width=48+sinks:g=4+random:n_random=12", "angular-lsh", "faiss-hnsw",
+         "faiss-ivf", "cluster"]
+_ALL = _FAST + ["lsh", "kdtree", "faiss-flat", "faiss-ivfpq"]
+
+SUITES: dict[str, dict[str, Any]] = {
+    "quick": {
+        "repeats": 2,
+        "cases": (
+            [{"data": "window", "k": 64, "causal": False, "selectors": _FAST + ["faiss-flat", "kdtree"],
+              "max_groups": 24},
+             {"data": "store", "k": 64, "causal": False, "selectors": _FAST + ["faiss-flat"]}]
+            + [{"data": f"synthetic:n={n},d=64,kind={kind},seed=0" + (",norm_profile=minilm" if kind == "gaussian" else ""),
+                "k": 64, "causal": False, "selectors": _FAST}
+               for n in (4096, 16384) for kind in ("gaussian", "clustered")]
+            + [{"data": "store", "k": kk, "causal": False, "selectors": ["topk", "faiss-ivf", "cluster"], "tag": "k-sweep"}
+               for kk in (16, 256)]
+        ),
+    },
+    "full": {
+        "repeats": 3,
+        "cases": (
+            [{"data": "window", "k": kk, "causal": c, "selectors": _ALL, "max_groups": 72}
+             for kk in (16, 64, 256) for c in (False, True)]
+            + [{"data": "store", "k": kk, "causal": False, "selectors": _ALL, "tag": "k-sweep"}
+               for kk in (16, 64, 256, 1024)]
+            + [{"data": f"synthetic:n={n},d=64,kind={kind},seed=0" + (",norm_profile=minilm" if kind == "gaussian" else ""),
+                "k": 64, "causal": c, "selectors": _FAST if n > 16384 else _ALL, "repeats": 1 if n > 65536 else 3}
+               for n in (4096, 16384, 65536, 262144) for kind in ("gaussian", "clustered") for c in (False, True)]
+        ),
+    },
+}
+
+
+def run_case(case: dict[str, Any], repeats: int, threads: int | None) -> dict[str, Any]:
+    """Run one case in this process (used by the subprocess entry point)."""
+    from . import bench
+    from .threads import get_num_threads
+    from .threads import threads as threads_ctx
+
+    with threads_ctx(threads or get_num_threads()):
+        res = bench.compare(case["data"], case["selectors"], k=case["k"], is_causal=case["causal"],
+                            repeats=case.get("repeats", repeats), max_groups=case.get("max_groups"))
+    res["tag"] = case.get("tag")
+    return res
+
+
+def run_suite(name: str, out_dir: str, *, threads: int | None = None, repeats: int | None = None) -> str:
+    """Run a named suite case by case in subprocesses; returns the JSON path."""
+    if name not in SUITES:
+        raise ValueError(f"unknown suite {name!r}; available: {', '.join(SUITES)}.")
+    suite = SUITES[name]
+    reps = repeats or suite["repeats"]
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"suite-{name}.json")
+    results: list[dict[str, Any]] = []
+    cases = suite["cases"]
+    for i, case in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] {case['data']} k={case['k']} causal={case['causal']}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        cmd = [sys.executable, "-m", "sparseattn.suite", "--case", json.dumps(case), "--repeats", str(reps)]
+        if threads:
+            cmd += ["--threads", str(threads)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            results.append({"case": case, "error": proc.stderr.strip().splitlines()[-5:]})
+            print(f"    failed: {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        else:
+            res = json.loads(proc.stdout.strip().splitlines()[-1])
+            res["case"] = case
+            res["wall_s"] = time.perf_counter() - t0
+            results.append(res)
+        with open(path, "w") as f:
+            json.dump({"schema": "sparseattn.suite/1", "suite": name, "cases": results}, f, indent=1)
+    plot_suite(path, out_dir)
+    return path
+
+
+def plot_suite(json_path: str, out_dir: str) -> list[str]:
+    """time vs n (log-log, dense included), mass recall vs speed-up (Pareto), recall vs k; from JSON."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    with open(json_path) as f:
+        cases = [c for c in json.load(f)["cases"] if "results" in c]
+    paths = []
+    # 1. time vs n on synthetic data (non-causal), one line per selector + dense baselines.
+    synth = [c for c in cases if c["data"].startswith("synthetic") and not c["is_causal"]]
+    for kind in ("gaussian", "clustered"):
+        sub = sorted((c for c in synth if f"kind={kind}" in c["data"]), key=lambda c: c["workload"]["S"])
+        if len(sub) < 2:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 5))
+        ns = [c["workload"]["S"] for c in sub]
+        ax.plot(ns, [c["dense"]["dense_s"] for c in sub], "k-", lw=2, label="dense (ours)")
+        if all(c["dense"].get("sdpa_s") for c in sub):
+            ax.plot(ns, [c["dense"]["sdpa_s"] for c in sub], "k--", lw=2, label="torch SDPA")
+        names = sorted({r["selector"] for c in sub for r in c["results"] if "total_s" in r})
+        for name in names:
+            pts = [(c["workload"]["S"], r["total_s"]) for c in sub for r in c["results"]
+                   if r.get("selector") == name and "total_s" in r]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), "o-", ms=3, label=name[:40])
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("n (keys = queries)")
+        ax.set_ylabel("seconds, build + select + kernel (median)")
+        ax.set_title(f"time vs n, synthetic {kind}, d=64, k=64")
+        ax.legend(fontsize=6)
+        ax.grid(alpha=0.3, which="both")
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, f"time_vs_n_{kind}.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    # 2. Pareto: mass recall vs speed-up, every case.
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for c in cases:
+        pts = [((r.get("speedup_vs_sdpa") or r.get("speedup_vs_dense")), r["quality"]["mass_recall_mean"])
+               for r in c["results"] if "total_s" in r]
+        if pts:
+            label = c["data"].replace("synthetic:", "")[:30] + f" k={c['k']}" + (" causal" if c["is_causal"] else "")
+            ax.scatter(*zip(*pts, strict=True), s=12, label=label)
+    ax.axvline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log")
+    ax.set_xlabel("speed-up over exact attention, end to end")
+    ax.set_ylabel("softmax mass recall")
+    ax.legend(fontsize=5, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "pareto.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    # 3. recall vs k on the store.
+    ks = sorted((c for c in cases if c["data"] == "store" and not c["is_causal"]), key=lambda c: c["k"])
+    if len({c["k"] for c in ks}) > 1:
+        fig, ax = plt.subplots(figsize=(7, 5))
+        names = sorted({r["selector"] for c in ks for r in c["results"] if "total_s" in r})
+        for name in names:
+            pts = [(c["k"], r["quality"]["recall_mean"], r["quality"]["mass_recall_mean"]) for c in ks
+                   for r in c["results"] if r.get("selector") == name and "total_s" in r]
+            if len(pts) > 1:
+                x, rec, mass = zip(*pts, strict=True)
+                ax.plot(x, rec, "o-", ms=3, label=f"{name[:30]} recall@k")
+                ax.plot(x, mass, "x:", ms=3, label=f"{name[:30]} mass")
+        ax.set_xscale("log")
+        ax.set_xlabel("k")
+        ax.set_ylabel("recall@k / softmax mass recall")
+        ax.set_title("store (16,384 real keys): recall vs k")
+        ax.legend(fontsize=6)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, "recall_vs_k.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    path = run_suite(args.suite, args.out, threads=args.threads, repeats=args.repeats)
+    print(f"wrote {path}")
+    return 0
+
+
+def _main() -> int:
+    ap = argparse.ArgumentParser(description="run one suite case (internal; used by `sparseattn bench`)")
+    ap.add_argument("--case", required=True)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args()
+    from .report import _json_default
+    res = run_case(json.loads(a.case), a.repeats, a.threads)
+    print(json.dumps(res, default=_json_default))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
