@@ -30,7 +30,6 @@ import numbers
 from dataclasses import dataclass
 
 import numpy as np
-import scipy.sparse as sp
 
 from ._validation import as_float_array, check_positive_int, check_scale
 from .pattern import SparsePattern, _positions
@@ -606,5 +605,7 @@ def _sparse_block(res: dict, q: np.ndarray, kk: np.ndarray, v: np.ndarray | None
         res["mass_recall"][r0:r1] = np.exp(-err)
     if need_out:
         w = e / lsum[row] if idx.size else e
+        import scipy.sparse as sp  # lazy: keeps `import sparseattn` fast
+
         probs = sp.csr_matrix((w, idx, indptr_b), shape=(nb, kk.shape[0]))
         res["_o_sparse"] = np.asarray(probs @ v)

@@ -3,10 +3,15 @@
 Plain functions over arrays (no closures), so ``cache=True`` works.  Every function returns freshly
 allocated ``indptr`` (int64, length L+1) and ``indices`` (int32), with each row's indices sorted
 ascending and unique: the canonical form that :class:`sparseattn.SparsePattern` guarantees.
+
+Each transform is compiled twice from one Python function, serial and parallel: small patterns (the common
+case in tests, per-head windows, first calls) take the serial variant, which compiles in a fraction of
+the time and avoids waking a thread pool for microseconds of work.
 """
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -42,8 +47,7 @@ def check_csr(indptr, indices, n_keys):
     return 0, -1, 0
 
 
-@njit(cache=True, parallel=True)
-def canonicalize_rows(indptr, indices):
+def _canonicalize_rows_impl(indptr, indices):
     """Sort each row and drop duplicates; returns a new (indptr, indices)."""
     n_rows = indptr.shape[0] - 1
     counts = np.zeros(n_rows, dtype=np.int64)
@@ -74,8 +78,7 @@ def canonicalize_rows(indptr, indices):
     return new_ptr, out
 
 
-@njit(cache=True, parallel=True)
-def from_padded(ids, n_keys):
+def _from_padded_impl(ids, n_keys):
     """CSR from an (L, k) id matrix where negative ids mean "no key" (the FAISS -1 convention).
 
     Returns (indptr, indices, bad_row, bad_value); bad_row >= 0 reports an id >= n_keys or < -1.
@@ -115,8 +118,7 @@ def from_padded(ids, n_keys):
     return indptr, indices, -1, 0
 
 
-@njit(cache=True, parallel=True)
-def band(n_rows, n_keys, centers, before, after, dilation):
+def _band_impl(n_rows, n_keys, centers, before, after, dilation):
     """Row i selects keys centers[i] + t*dilation for t in [-before, after], clipped to [0, n_keys)."""
     counts = np.zeros(n_rows, dtype=np.int64)
     for i in prange(n_rows):
@@ -140,8 +142,7 @@ def band(n_rows, n_keys, centers, before, after, dilation):
     return indptr, indices
 
 
-@njit(cache=True, parallel=True)
-def union2(ptr_a, idx_a, ptr_b, idx_b):
+def _union2_impl(ptr_a, idx_a, ptr_b, idx_b):
     """Row-wise sorted merge of two canonical CSR patterns with the same number of rows."""
     n_rows = ptr_a.shape[0] - 1
     counts = np.zeros(n_rows, dtype=np.int64)
@@ -186,8 +187,7 @@ def union2(ptr_a, idx_a, ptr_b, idx_b):
     return indptr, indices
 
 
-@njit(cache=True, parallel=True)
-def filter_by_position(indptr, indices, query_positions, key_positions):
+def _filter_by_position_impl(indptr, indices, query_positions, key_positions):
     """Keep key j in row i only when key_positions[j] <= query_positions[i] (causal filtering)."""
     n_rows = indptr.shape[0] - 1
     counts = np.zeros(n_rows, dtype=np.int64)
@@ -210,3 +210,50 @@ def filter_by_position(indptr, indices, query_positions, key_positions):
                 out[w] = indices[p]
                 w += 1
     return new_ptr, out
+
+
+PARALLEL_MIN_WORK = 1 << 16  # elements touched below which the serial variant is faster
+
+
+def _variants(impl):
+    return njit(cache=True)(impl), njit(cache=True, parallel=True)(impl)
+
+
+_VARIANTS = {
+    "canonicalize_rows": _variants(_canonicalize_rows_impl),
+    "from_padded": _variants(_from_padded_impl),
+    "band": _variants(_band_impl),
+    "union2": _variants(_union2_impl),
+    "filter_by_position": _variants(_filter_by_position_impl),
+}
+
+
+def _pick(name: str, work: int):
+    serial, parallel = _VARIANTS[name]
+    return parallel if work > PARALLEL_MIN_WORK and numba.get_num_threads() > 1 else serial
+
+
+def canonicalize_rows(indptr, indices):
+    """Sort each row and drop duplicates; returns a new (indptr, indices)."""
+    return _pick("canonicalize_rows", indices.shape[0])(indptr, indices)
+
+
+def from_padded(ids, n_keys):
+    """CSR from an (L, k) id matrix with -1 = no key; returns (indptr, indices, bad_row, bad_value)."""
+    return _pick("from_padded", ids.size)(ids, n_keys)
+
+
+def band(n_rows, n_keys, centers, before, after, dilation):
+    """Row i selects keys centers[i] + t*dilation for t in [-before, after], clipped to [0, n_keys)."""
+    work = n_rows * min(before + after + 1, n_keys + 1)
+    return _pick("band", work)(n_rows, n_keys, centers, before, after, dilation)
+
+
+def union2(ptr_a, idx_a, ptr_b, idx_b):
+    """Row-wise sorted merge of two canonical CSR patterns with the same number of rows."""
+    return _pick("union2", idx_a.shape[0] + idx_b.shape[0])(ptr_a, idx_a, ptr_b, idx_b)
+
+
+def filter_by_position(indptr, indices, query_positions, key_positions):
+    """Keep key j in row i only when key_positions[j] <= query_positions[i] (causal filtering)."""
+    return _pick("filter_by_position", indices.shape[0])(indptr, indices, query_positions, key_positions)
