@@ -16,6 +16,7 @@ True
 from . import _numba_setup, data, metrics  # noqa: F401  (_numba_setup first: writable Numba cache)
 from .dense import scaled_dot_product_attention
 from .layers import AttentionHead, AttentionSteps, MultiHeadAttention, attention_steps, seed_example
+from .merge import merge_attention, merge_pair
 from .pattern import SparsePattern
 from .selectors import Selector, available_selectors, get_selector
 from .sparse import SparseAttentionResult, sparse_attention
@@ -27,5 +28,5 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionHead", "AttentionSteps", "MultiHeadAttention", "Selector", "SparseAttentionResult",
     "SparsePattern", "attention_steps", "available_selectors", "exact_topk", "get_num_threads",
-    "data", "get_selector", "metrics", "scaled_dot_product_attention", "seed_example", "sparse_attention", "threads",
+    "data", "get_selector", "merge_attention", "merge_pair", "metrics", "scaled_dot_product_attention", "seed_example", "sparse_attention", "threads",
 ]

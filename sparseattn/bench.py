@@ -30,7 +30,7 @@ from . import metrics
 from .dense import scaled_dot_product_attention
 from .pattern import SparsePattern
 from .selectors import get_selector, spec_string
-from .sparse import sparse_attention
+from .sparse import _uses_attend, sparse_attention
 from .threads import get_num_threads
 
 
@@ -177,31 +177,41 @@ def run_selector(wl: Workload, spec: str, *, k: int, is_causal: bool, repeats: i
     """
     template = get_selector(spec)
     spec_str = spec_string(template)
-    G = wl.q.shape[0]
+    attends = _uses_attend(template)
+    G, L = wl.q.shape[0], wl.q.shape[1]
     per_rep: list[dict[str, float]] = []
-    patterns: list[SparsePattern] = []
+    selectors: list[Any] = []
+    patterns: list[SparsePattern | None] = []
     outputs: list[np.ndarray] = []
-    # Untimed warm-up on the first group: compiles this selector's own kernels (JIT is not measured).
-    warm = get_selector(spec_str).build(wl.k[0], check_finite=False)
-    sparse_attention(wl.q[0], wl.k[0], wl.v[0], warm.query(wl.q[0], k, is_causal=is_causal, check_finite=False),
-                     scale=wl.scale, check_finite=False)
+
+    def one(g: int) -> tuple[Any, SparsePattern | None, np.ndarray, tuple[float, float, float]]:
+        sel = get_selector(spec_str)
+        t0 = time.perf_counter()
+        sel.build(wl.k[g], check_finite=False)
+        t1 = time.perf_counter()
+        if attends:  # cluster block mode: exact attention over routed blocks, no pattern
+            out, _ = sel.attend(wl.q[g], wl.v[g], scale=wl.scale, is_causal=is_causal, check_finite=False)
+            t2 = t3 = time.perf_counter()
+            pat = None
+        else:
+            pat = sel.query(wl.q[g], k, is_causal=is_causal, check_finite=False)
+            t2 = time.perf_counter()
+            out = sparse_attention(wl.q[g], wl.k[g], wl.v[g], pat, scale=wl.scale, check_finite=False)
+            t3 = time.perf_counter()
+        return sel, pat, out, (t1 - t0, t2 - t1, t3 - t2)
+
+    one(0)  # untimed warm-up: compiles this selector's own kernels (JIT time is not measured)
     tracemalloc.start()
     try:
         for rep in range(repeats):
             tot = {"build": 0.0, "select": 0.0, "kernel": 0.0}
             for g in range(G):
-                sel = get_selector(spec_str)
-                t0 = time.perf_counter()
-                sel.build(wl.k[g], check_finite=False)
-                t1 = time.perf_counter()
-                pat = sel.query(wl.q[g], k, is_causal=is_causal, check_finite=False)
-                t2 = time.perf_counter()
-                out = sparse_attention(wl.q[g], wl.k[g], wl.v[g], pat, scale=wl.scale, check_finite=False)
-                t3 = time.perf_counter()
-                tot["build"] += t1 - t0
-                tot["select"] += t2 - t1
-                tot["kernel"] += t3 - t2
+                sel, pat, out, (tb, ts, tk) = one(g)
+                tot["build"] += tb
+                tot["select"] += ts
+                tot["kernel"] += tk
                 if rep == 0:
+                    selectors.append(sel)
                     patterns.append(pat)
                     outputs.append(out)
             per_rep.append(tot)
@@ -210,25 +220,33 @@ def run_selector(wl: Workload, spec: str, *, k: int, is_causal: bool, repeats: i
         tracemalloc.stop()
     timing = {f"{key}_s": _median([r[key] for r in per_rep]) for key in ("build", "select", "kernel")}
     timing["total_s"] = _median([sum(r.values()) for r in per_rep])
-    # Quality: recomputed from the patterns in float64 by metrics (independent of the kernel).
+    # Quality: recomputed in float64 by metrics from the selected keys of sampled rows (never a
+    # selector's own report); output error is that of the actual output (kernel or attend).
+    rows = _quality_rows(L, max_quality_rows)
+    rows = np.arange(L) if rows is None else rows
     qual_groups = np.unique(np.linspace(0, G - 1, min(G, max_quality_groups)).round().astype(int))
     summaries = []
+    selected = []
     for g in qual_groups:
-        rows = _quality_rows(wl.q.shape[1], max_quality_rows)
-        # Output error is that of the kernel's actual output; recalls and mass come from the pattern.
-        rep = metrics.compare(wl.q[g], wl.k[g], wl.v[g], patterns[g], scale=wl.scale, is_causal=is_causal,
-                              k=k, rows=rows, sparse_output=outputs[g])
+        if patterns[g] is not None:
+            pat_rows = patterns[g].select_rows(rows)
+        else:  # block mode: the routed keys of the sampled rows, exactly what attend used
+            pat_rows = selectors[g].query(wl.q[g][rows], k, is_causal=is_causal, query_positions=rows,
+                                          check_finite=False)
+        selected.append(pat_rows.nnz / max(len(rows), 1))
+        rep = metrics.compare(wl.q[g][rows], wl.k[g], wl.v[g], pat_rows, scale=wl.scale, is_causal=is_causal,
+                              query_positions=rows, k=k, sparse_output=outputs[g][rows])
         summaries.append(rep.summary())
     quality = {key: float(np.mean([s[key] for s in summaries])) for key in summaries[0]}
-    nnz = np.array([p.nnz for p in patterns], dtype=np.float64)
+    empty = [int((p.nnz_per_row == 0).sum()) for p in patterns if p is not None]
     return {
         "selector": spec_str, "name": template.name, "params": template.params,
         "metric": template.metric, "guarantee": template.guarantee,
         **timing,
-        "keys_per_query": float(nnz.sum() / (G * wl.q.shape[1])),
-        "empty_rows": int(sum(int((p.nnz_per_row == 0).sum()) for p in patterns)),
+        "keys_per_query": float(np.mean(selected)),
+        "empty_rows": int(sum(empty)) if empty else int(quality.get("empty_rows", 0)),
         "quality": quality,
-        "quality_rows": None if _quality_rows(wl.q.shape[1], max_quality_rows) is None else max_quality_rows,
+        "quality_rows": int(len(rows)),
         "quality_groups": len(qual_groups),
         "traced_peak_mb": traced_peak / 2**20,
         "rss_peak_mb": _rss_peak_mb(),
@@ -268,7 +286,7 @@ def default_selectors(wl: Workload) -> list[str]:
 
     avail = {name for name, reason in available_selectors().items() if reason is None}
     wanted = ["topk", "window", "window:width=48+sinks:g=4+random:n_random=12", "angular-lsh", "lsh",
-              "kdtree", "faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-ivfpq", "cluster"]
+              "kdtree", "faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-ivfpq", "cluster", "cluster:mode=block"]
     out = []
     for spec in wanted:
         names = [part.partition(":")[0] for part in spec.split("+")]

@@ -32,7 +32,8 @@ class SparseAttentionResult:
     ----------
     output : array (..., L, Ev)
     lse : array (..., L); ``-inf`` on rows that selected no key
-    patterns : list of SparsePattern, one per flattened (batch, head) group (or one shared)
+    patterns : list of SparsePattern, one per flattened (batch, head) group (or one shared); empty for
+        selectors that attend by themselves (``cluster:mode=block``)
     timings : dict with ``build``, ``select``, ``kernel`` seconds (perf_counter)
     selector : the selector's spec string, or None for an explicit pattern
     """
@@ -68,6 +69,11 @@ def _bias_args(bias: Any, lead: tuple[int, ...], L: int, S: int, G: int, cdt: np
                          f"widening them.")
     dense = np.ascontiguousarray(flat3(arr), dtype=cdt)
     return (BIAS_DENSE, np.zeros((1, 1)), np.zeros(3, np.int64), qpos, kpos, dense, bmap, 1)
+
+
+def _uses_attend(selector: Any) -> bool:
+    """True for selectors that compute attention themselves (cluster routing in block mode)."""
+    return callable(getattr(selector, "attend", None)) and selector.params.get("mode") == "block"
 
 
 def sparse_attention(
@@ -159,6 +165,9 @@ def sparse_attention(
         qpos = _positions(query_positions, L, "query_positions")
         kpos = _positions(key_positions, S, "key_positions")
         built: dict[int, Selector] = {}
+        attends = _uses_attend(template)
+        out_direct = np.empty((G, L, Ev), dtype=cdt) if attends else None
+        lse_direct = np.empty((G, L), dtype=cdt) if attends else None
         for g in range(G):
             kv = int(kv_map[g])
             if kv not in built:
@@ -168,9 +177,25 @@ def sparse_attention(
                 timings["build"] += time.perf_counter() - t0
                 built[kv] = sel
             t0 = time.perf_counter()
-            patterns.append(built[kv].query(q3[q_map[g]], k, is_causal=is_causal, query_positions=qpos,
-                                            key_positions=kpos, check_finite=False))
+            if attends:
+                # Block-mode selectors compute exact attention over their routed key blocks themselves
+                # (dense products per cluster): no pattern is materialised.
+                o, ls = built[kv].attend(q3[q_map[g]], v3[kv], scale=sc, is_causal=is_causal,
+                                         query_positions=qpos, key_positions=kpos, check_finite=False)
+                out_direct[g], lse_direct[g] = o, ls
+            else:
+                patterns.append(built[kv].query(q3[q_map[g]], k, is_causal=is_causal, query_positions=qpos,
+                                                key_positions=kpos, check_finite=False))
             timings["select"] += time.perf_counter() - t0
+        if attends:
+            if bias is not None:
+                raise ValueError(f"bias is not supported by selector {spec!r} (block mode attends by itself); "
+                                 f"use mode=topk or drop bias.")
+            output = out_direct.reshape(lead + (L, Ev)).astype(out_dtype, copy=False)
+            lse_out = lse_direct.reshape(lead + (L,))
+            if return_result:
+                return SparseAttentionResult(output, lse_out, [], timings, spec)
+            return (output, lse_out) if return_lse else output
 
     for i, p in enumerate(patterns):
         if not isinstance(p, SparsePattern):

@@ -19,7 +19,7 @@ from typing import Any
 # Shapes: d = 64 is the common LLM head size; norm-matched Gaussian keys follow a real MiniLM head's row
 # norms (as peaky as real attention); clustered keys are the favourable case for every index.
 _FAST = ["topk", "window", "window:width=48+sinks:g=4+random:n_random=12", "angular-lsh", "faiss-hnsw",
-         "faiss-ivf", "cluster"]
+         "faiss-ivf", "cluster", "cluster:mode=block"]
 _ALL = _FAST + ["lsh", "kdtree", "faiss-flat", "faiss-ivfpq"]
 
 SUITES: dict[str, dict[str, Any]] = {

@@ -1,3 +1,9 @@
 """Imports every selector module so that each registers itself (kept explicit: no import magic)."""
 
-from . import union  # noqa: F401
+from . import (  # noqa: F401
+    cluster,
+    exact,
+    kdtree,
+    union,
+    window,
+)

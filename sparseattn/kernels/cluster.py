@@ -1,0 +1,442 @@
+"""Numba kernels of the cluster-routing selector (``sparseattn.selectors.cluster``).
+
+The selector does the dense arithmetic (per-cluster ``Q_c K_c^T`` and ``P_c V_c``) with BLAS on contiguous
+blocks; these kernels do the irregular parts around it without Python loops or numpy fancy indexing:
+
+* ``row_argmax`` / ``row_top_p``: key -> cluster assignment and query -> top-p cluster routing;
+* ``group_pairs``: counting sort of the (query, probe) pairs by cluster (a CSR cluster -> queries);
+* ``gather_rows``: row gathers (keys and values into cluster order, queries for top-k);
+* ``gather_pairs``: the contiguous copy of each cluster's queries for attention: scaled, with an extra
+  column holding minus an upper bound m of the row's scores, so that one GEMM with keys carrying a
+  column of ones yields ``s - m`` directly;
+* ``cluster_radius``: per cluster the largest key-to-centroid distance (for that bound);
+* ``causal_mask_block``: ``-inf`` where a key lies after its query, inside one cluster block;
+* ``exact_pairs``: a scalar last-resort recomputation of pairs with their true row maximum;
+* ``merge_partials``: each query's partials (unnormalised output, shift, row sum) across its clusters,
+  merged exactly by log-sum-exp;
+* ``rows_topk`` / ``merge_topk``: per-cluster top-k of a score block, then per-query top-k over its
+  clusters' candidates, emitted as canonical CSR (selection by value bisection with SIMD counts);
+* ``routed_pattern``: the CSR of all keys of each query's routed clusters.
+
+The serial ``nogil`` kernels (``causal_mask_block``, ``rows_topk``) are the ones the selector calls from its
+own worker threads: Numba's parallel pool must not be entered from several Python threads at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ._options import FASTMATH
+
+
+@njit(parallel=True, cache=True, fastmath=FASTMATH)
+def row_argmax(scores):
+    """Column of the largest entry of each row (first one on ties): (n, C) float -> (n,) int32."""
+    n, C = scores.shape
+    out = np.empty(n, dtype=np.int32)
+    for i in prange(n):
+        best = 0
+        bv = scores[i, 0]
+        for c in range(1, C):
+            if scores[i, c] > bv:
+                bv = scores[i, c]
+                best = c
+        out[i] = best
+    return out
+
+
+@njit(parallel=True, cache=True, fastmath=FASTMATH)
+def row_top_p(scores, p):
+    """The p largest columns of each row, best first (lower column first on ties).
+
+    scores (L, C) float, 1 <= p <= C; returns ids (L, p) int32 and their scores (L, p).
+    """
+    L, C = scores.shape
+    out = np.empty((L, p), dtype=np.int32)
+    out_s = np.empty((L, p), dtype=scores.dtype)
+    for i in prange(L):
+        vals = np.empty(p, dtype=scores.dtype)
+        ids = np.empty(p, dtype=np.int32)
+        n = 0
+        for c in range(C):
+            s = scores[i, c]
+            if n == p and not (s > vals[p - 1]):
+                continue
+            # insertion into the sorted buffer (strictly greater moves up: stable on ties)
+            pos = n if n < p else p - 1  # a full buffer drops its last entry
+            while pos > 0 and s > vals[pos - 1]:
+                vals[pos] = vals[pos - 1]
+                ids[pos] = ids[pos - 1]
+                pos -= 1
+            vals[pos] = s
+            ids[pos] = c
+            if n < p:
+                n += 1
+        for t in range(p):
+            out[i, t] = ids[t]
+            out_s[i, t] = vals[t]
+    return out, out_s
+
+
+@njit(cache=True)
+def group_pairs(route, n_clusters):
+    """Counting sort of the (query i, probe t) pairs by routed cluster ``route[i, t]``.
+
+    Returns
+    -------
+    ptr : (n_clusters + 1,) int64   pairs of cluster c are ``[ptr[c], ptr[c+1])`` in sorted order
+    src : (L*p,) int64              ``i*p + t`` of each sorted pair (queries ascending within a cluster)
+    slot : (L*p,) int64             sorted position of pair (i, t), stored at ``i*p + t``
+    """
+    L, p = route.shape
+    counts = np.zeros(n_clusters + 1, dtype=np.int64)
+    for i in range(L):
+        for t in range(p):
+            counts[route[i, t] + 1] += 1
+    for c in range(n_clusters):
+        counts[c + 1] += counts[c]
+    ptr = counts.copy()
+    fill = counts[:n_clusters].copy()
+    src = np.empty(L * p, dtype=np.int64)
+    slot = np.empty(L * p, dtype=np.int64)
+    for i in range(L):
+        for t in range(p):
+            c = route[i, t]
+            pos = fill[c]
+            fill[c] = pos + 1
+            src[pos] = i * p + t
+            slot[i * p + t] = pos
+    return ptr, src, slot
+
+
+@njit(parallel=True, cache=True, fastmath=FASTMATH)
+def gather_rows(x, rows, out):
+    """``out[t, :E] = x[rows[t]]`` (x (n, E), rows (m,) int64, out (m, >= E))."""
+    m = rows.shape[0]
+    E = x.shape[1]
+    for t in prange(m):
+        r = rows[t]
+        for e in range(E):
+            out[t, e] = x[r, e]
+
+
+@njit(parallel=True, cache=True, fastmath=FASTMATH)
+def cluster_radius(kp, kptr, cent):
+    """Per cluster, the largest distance of a member key to its centroid: (C,) float64.
+
+    kp (S, >= E) keys in cluster order (only the first E columns are read), kptr (C+1,), cent (C, E).
+    """
+    C, E = cent.shape
+    out = np.zeros(C, dtype=np.float64)
+    for c in prange(C):
+        best = 0.0
+        for j in range(kptr[c], kptr[c + 1]):
+            d2 = 0.0
+            for e in range(E):
+                diff = np.float64(kp[j, e]) - np.float64(cent[c, e])
+                d2 += diff * diff
+            if d2 > best:
+                best = d2
+        out[c] = np.sqrt(best)
+    return out
+
+
+@njit(parallel=True, cache=True, fastmath=FASTMATH)
+def gather_pairs(q, q0, src, p, route, route_scores, radius, scale, out, m_out, lo_out):
+    """The scaled, shift-augmented query row of every sorted (query, cluster) pair.
+
+    For sorted pair t with ``src[t] = i*p + r`` (query ``q0 + i``, probe r, cluster ``c = route[i, r]``):
+    ``out[t, :E] = scale * q[q0 + i]``, ``out[t, E] = -m`` and ``m_out[t] = m`` where
+    ``m = scale * (q . cent_c) + |scale| * |q| * radius[c]`` bounds every scaled score of the query in
+    cluster c from above (Cauchy-Schwarz), so ``exp(out[t] . [k, 1])`` never overflows;
+    ``lo_out[t] = -2 |scale| |q| radius[c]`` bounds ``s - m`` from below (used to skip the denormal
+    clamp when no weight can underflow).  ``route_scores[i, r]`` is ``q . cent_c``.
+    """
+    m = src.shape[0]
+    E = q.shape[1]
+    abs_scale = abs(scale)
+    for t in prange(m):
+        il = src[t] // p
+        r = src[t] - il * p
+        i = q0 + il
+        nrm = 0.0
+        for e in range(E):
+            x = q[i, e]
+            nrm += np.float64(x) * np.float64(x)
+            out[t, e] = x * scale
+        c = route[il, r]
+        slack = abs_scale * np.sqrt(nrm) * radius[c]
+        mm = scale * np.float64(route_scores[il, r]) + slack
+        out[t, E] = -mm
+        m_out[t] = mm
+        lo_out[t] = -2.0 * slack
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def causal_mask_block(S, qpos, kpos):
+    """In place: ``S[r, c] = -inf`` where ``kpos[c] > qpos[r]``. Serial (called from worker threads)."""
+    R, Cn = S.shape
+    for r in range(R):
+        lim = qpos[r]
+        for c in range(Cn):
+            if kpos[c] > lim:
+                S[r, c] = -np.inf
+
+
+@njit(parallel=True, cache=True, fastmath=FASTMATH)
+def exact_pairs(bad, Qs, kp, vp, kptr, pair_cluster, is_causal, qpos_s, kpos_p, po, pm):
+    """Recompute the listed pairs with their true row maximum (last-resort fallback of the bound shift).
+
+    bad (n,) int64 sorted-pair ids; Qs (n_pairs, E + 1) scaled queries (last column ignored); kp
+    (S, E + 1), vp (S, Ev + 1) keys / values in cluster order (last columns ignored / ones);
+    pair_cluster (n_pairs,) cluster of each pair.  Writes po[t] (unnormalised output, row sum in
+    the last column) and pm[t] (row max; ``-inf`` with a zero sum when no key is allowed).
+    """
+    E = Qs.shape[1] - 1
+    Ev = vp.shape[1] - 1
+    for b in prange(bad.shape[0]):
+        t = bad[b]
+        c = pair_cluster[t]
+        ka = kptr[c]
+        kb = kptr[c + 1]
+        sc = np.empty(max(kb - ka, 1), dtype=np.float64)
+        m = -np.inf
+        for j in range(ka, kb):
+            s = 0.0
+            for e in range(E):
+                s += np.float64(Qs[t, e]) * np.float64(kp[j, e])
+            if is_causal and kpos_p[j] > qpos_s[t]:
+                s = -np.inf
+            sc[j - ka] = s
+            if s > m:
+                m = s
+        for e in range(Ev + 1):
+            po[t, e] = 0.0
+        if m == -np.inf:
+            pm[t] = -np.inf
+            continue
+        tot = 0.0
+        for j in range(ka, kb):
+            w = np.exp(sc[j - ka] - m)
+            tot += w
+            for e in range(Ev):
+                po[t, e] += w * vp[j, e]
+        po[t, Ev] = tot
+        pm[t] = m
+
+
+@njit(parallel=True, cache=True, fastmath=FASTMATH)
+def merge_partials(po, pm, slot, p, lse_shift, out, lse):
+    """Merge each query's p partials exactly (log-sum-exp weights).
+
+    po (n_pairs, Ev + 1): unnormalised partial outputs ``Σ_j exp(s_j - m) v_j`` with the row sum
+    ``Σ_j exp(s_j - m)`` in the last column; pm (n_pairs,) the shifts m (``-inf`` or a zero sum: no key,
+    the partial is not read); slot (L*p,) sorted position of the pair (i, t); lse_shift (L,) added to
+    each lse (the score offset removed by centring the keys).  Writes out (L, Ev) and lse (L,):
+    zeros and ``-inf`` for a query none of whose partials holds a key.
+    """
+    L = out.shape[0]
+    Ev = out.shape[1]
+    for i in prange(L):
+        M = -np.inf
+        for t in range(p):
+            s = slot[i * p + t]
+            if po[s, Ev] > 0 and pm[s] > M:
+                M = pm[s]
+        for e in range(Ev):
+            out[i, e] = 0.0
+        if M == -np.inf:
+            lse[i] = -np.inf
+            continue
+        tot = 0.0
+        for t in range(p):
+            s = slot[i * p + t]
+            if po[s, Ev] > 0 and pm[s] > -np.inf:
+                w = np.exp(pm[s] - M)
+                tot += w * po[s, Ev]
+                for e in range(Ev):
+                    out[i, e] += w * po[s, e]
+        inv = 1.0 / tot
+        for e in range(Ev):
+            out[i, e] *= inv
+        lse[i] = M + np.log(tot) + lse_shift[i]
+
+
+@njit(cache=True, nogil=True)
+def _count_ge(vals, n, t):
+    c = 0
+    for j in range(n):
+        c += vals[j] >= t
+    return c
+
+
+@njit(cache=True, nogil=True)
+def _kth_threshold(vals, n, k):
+    """A value t with ``#(vals[:n] > t) <= k <= #(vals[:n] >= t)`` (1 <= k <= n, finite values).
+
+    Bisection on the value with a branch-free (SIMD) count per step, stopping as soon as exactly k
+    values are >= the midpoint; 7x faster than ``np.partition`` in Numba on rows of 256.  Compiled
+    without fastmath so the midpoint ``0.5*lo + 0.5*hi`` cannot overflow and adjacent floats end it.
+    """
+    lo = vals[0]
+    hi = vals[0]
+    for j in range(1, n):
+        v = vals[j]
+        if v < lo:
+            lo = v
+        if v > hi:
+            hi = v
+    if _count_ge(vals, n, hi) >= k:
+        return hi
+    # invariant: #(>= lo) > k and #(>= hi) < k
+    for _ in range(4096):
+        mid = 0.5 * lo + 0.5 * hi
+        if not (lo < mid and mid < hi):
+            break  # lo and hi are adjacent floats: the values in [lo, hi) all equal lo
+        c = _count_ge(vals, n, mid)
+        if c == k:
+            return mid
+        if c > k:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@njit(cache=True, nogil=True)
+def _select_topk(vals, ids, n, k, out_s, out_i):
+    """Copy the k largest of ``vals[:n]`` (with their ``ids``) to out_s/out_i, unordered; return the count.
+
+    Values above the threshold of :func:`_kth_threshold` first, then values equal to it (in input order)
+    until k are taken: exact, ties broken by position.
+    """
+    if n <= k:
+        for j in range(n):
+            out_s[j] = vals[j]
+            out_i[j] = ids[j]
+        return n
+    thr = _kth_threshold(vals, n, k)
+    cnt = 0
+    for j in range(n):
+        if vals[j] > thr and cnt < k:
+            out_s[cnt] = vals[j]
+            out_i[cnt] = ids[j]
+            cnt += 1
+    for j in range(n):
+        if cnt == k:
+            break
+        if vals[j] == thr:
+            out_s[cnt] = vals[j]
+            out_i[cnt] = ids[j]
+            cnt += 1
+    return cnt
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def rows_topk(S, k, key_ids, out_s, out_i):
+    """Top-k entries of each row of a score block; serial, ``nogil`` (called from worker threads).
+
+    S (R, n) scores (``-inf`` = not allowed, never selected); key_ids (n,) int64 global id of each column;
+    writes out_s (R, k) scores and out_i (R, k) int32 ids, unordered, padded with ``-inf`` / -1.
+    """
+    R, n = S.shape
+    vals = np.empty(n, dtype=S.dtype)
+    ids = np.empty(n, dtype=np.int64)
+    for r in range(R):
+        m = 0
+        for c in range(n):
+            s = S[r, c]
+            if s != -np.inf:
+                vals[m] = s
+                ids[m] = key_ids[c]
+                m += 1
+        cnt = _select_topk(vals, ids, m, k, out_s[r], out_i[r])
+        for t in range(cnt, k):
+            out_s[r, t] = -np.inf
+            out_i[r, t] = -1
+
+
+@njit(parallel=True, cache=True, fastmath=FASTMATH)
+def merge_topk(cand_s, cand_i, slot, p, k):
+    """Per query, the top-k of its p candidate lists, as canonical CSR (ids sorted ascending).
+
+    cand_s (n_pairs, k) float, cand_i (n_pairs, k) int32 (-1 = none); slot (L*p,) int64.
+    Returns indptr (L+1,) int64 and indices (nnz,) int32.  Candidate ids are unique across a query's
+    lists (each key belongs to exactly one cluster), so no deduplication is needed.
+    """
+    L = slot.shape[0] // p
+    counts = np.zeros(L, dtype=np.int64)
+    for i in prange(L):
+        c = 0
+        for t in range(p):
+            s = slot[i * p + t]
+            for j in range(k):
+                if cand_i[s, j] >= 0:
+                    c += 1
+        counts[i] = min(c, k)
+    indptr = np.zeros(L + 1, dtype=np.int64)
+    for i in range(L):
+        indptr[i + 1] = indptr[i] + counts[i]
+    indices = np.empty(indptr[L], dtype=np.int32)
+    for i in prange(L):
+        kk = counts[i]
+        if kk == 0:
+            continue
+        vals = np.empty(p * k, dtype=cand_s.dtype)
+        ids = np.empty(p * k, dtype=np.int32)
+        m = 0
+        for t in range(p):
+            s = slot[i * p + t]
+            for j in range(k):
+                if cand_i[s, j] >= 0:
+                    vals[m] = cand_s[s, j]
+                    ids[m] = cand_i[s, j]
+                    m += 1
+        top_s = np.empty(kk, dtype=cand_s.dtype)
+        top_i = np.empty(kk, dtype=np.int32)
+        _select_topk(vals, ids, m, kk, top_s, top_i)
+        top_i.sort()
+        a = indptr[i]
+        for t in range(kk):
+            indices[a + t] = top_i[t]
+    return indptr, indices
+
+
+@njit(parallel=True, cache=True)
+def routed_pattern(route, kptr, perm, is_causal, qpos, kpos):
+    """CSR of every key in each query's routed clusters (causal: only ``kpos[j] <= qpos[i]``).
+
+    route (L, p) int32 cluster ids (distinct per row); kptr (C+1,) int64 cluster -> range of ``perm``;
+    perm (S,) int64 original key id at each cluster-ordered position; qpos (L,), kpos (S,) int64
+    (original key order).  Returns indptr (L+1,) int64 and indices int32, sorted per row.
+    """
+    L, p = route.shape
+    counts = np.zeros(L, dtype=np.int64)
+    for i in prange(L):
+        c = 0
+        for t in range(p):
+            cl = route[i, t]
+            if is_causal:
+                for q in range(kptr[cl], kptr[cl + 1]):
+                    if kpos[perm[q]] <= qpos[i]:
+                        c += 1
+            else:
+                c += kptr[cl + 1] - kptr[cl]
+        counts[i] = c
+    indptr = np.zeros(L + 1, dtype=np.int64)
+    for i in range(L):
+        indptr[i + 1] = indptr[i] + counts[i]
+    indices = np.empty(indptr[L], dtype=np.int32)
+    for i in prange(L):
+        a = indptr[i]
+        w = a
+        for t in range(p):
+            cl = route[i, t]
+            for q in range(kptr[cl], kptr[cl + 1]):
+                j = perm[q]
+                if not is_causal or kpos[j] <= qpos[i]:
+                    indices[w] = j
+                    w += 1
+        indices[a:w].sort()
+    return indptr, indices

@@ -1,0 +1,604 @@
+"""Cluster routing: k-means over the keys, each query attends to the keys of its best clusters.
+
+Build: the keys are centred (subtracting the mean key changes no softmax), a k-means with ``n_clusters``
+centroids is trained on a sample of them with FAISS (``faiss.Kmeans``: Lloyd iterations with Euclidean
+assignment, or cosine when ``spherical=True``), then every key is assigned to a centroid by ``assign``:
+default ``"ip"``, the centroid of largest inner product ``k.c`` (the same score that routes queries);
+``"l2"``, the nearest centroid.  Measured at n = 16,384 (d = 64, C = 128, n_probe = 8): on clustered
+keys "ip" kept 0.998 of the softmax mass (output error 0.019) against 0.90 (0.35) for "l2"; on Gaussian
+keys neither works (0.42 / 0.09 of the mass).  Keys (and at attention time values) are permuted once
+into cluster order, so each cluster is one contiguous block: a CSR over clusters.
+
+Query: each query is routed to the ``n_probe`` clusters of largest centroid score ``q.c`` (the mean key
+is a per-query constant, so routing against centred centroids ranks the same).  The (query, cluster)
+pairs are counting-sorted by cluster, each cluster's queries are gathered once into a contiguous block,
+and the arithmetic is BLAS products per cluster block:
+
+* ``mode="topk"``: ``query(q, k)`` is the exact top-k by inner product among the keys of the routed
+  clusters (per-cluster ``Q_c K_c^T``, per-row top-k, then a per-query merge of the candidate lists);
+* ``mode="block"``: :meth:`ClusterSelector.attend` computes softmax attention over *every* key of the
+  routed clusters (per cluster ``exp(scale Q_c K_c^T - m) [V_c, 1]``, partial results merged per query
+  by log-sum-exp as in :mod:`sparseattn.merge`); ``query(q, k)`` ignores ``k`` and returns the pattern
+  of all routed keys (about L x n_probe x S / n_clusters ids: large).
+
+Exactness of ``attend``: the shift ``m`` is not the row maximum but a Cauchy-Schwarz upper bound
+``scale q.c + |scale| |q| r_c`` (``r_c``: the cluster's largest key-to-centroid distance), folded into
+the product as an extra column, so one GEMM yields ``s - m`` and ``exp`` never overflows.  Pairs whose
+bound overshoots so far that their row sum drops below 1e-20 are recomputed with a tighter shift, and
+weights below ``exp(-80)`` (float32; ``exp(-700)`` float64) are clamped up to it when they can occur
+(subnormal floats made the next GEMM 160x slower): a relative change below ``2e-15 * n_keys``.  The
+result equals softmax attention restricted to the routed keys up to floating-point rounding
+(tests: 1e-5 in float32, 1e-12 in float64).
+
+Causal masking keeps the routing pure: keys after the query are masked inside each cluster; a query
+whose routed clusters hold no allowed key gets zeros and ``lse = -inf`` (union with a window selector if
+local keys must always be seen).
+
+Threads: the per-cluster products run on ``n_threads`` Python worker threads with BLAS held to one
+thread each (on a machine whose other core is busy, multi-threaded BLAS on these small products was
+10x slower); Numba kernels use ``n_threads`` too.  The k-means runs single-threaded (FAISS's OpenMP
+pool is set to 1 thread for it and restored afterwards: 0.023 s against 0.40 s on two threads with a
+busy core, 16k keys).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numba
+import numpy as np
+
+from .._validation import as_float_array, check_scale, result_dtype
+from ..kernels import cluster as ck
+from ..pattern import SparsePattern, _positions
+from .base import Param, Selector, non_negative, positive, register
+
+_MODES = ("topk", "block")
+_ASSIGN = ("ip", "l2")
+# Elements (not bytes) of the per-block buffers: queries are processed in blocks so the gathered query
+# copies and the partial results stay near 2**24 elements (64 MiB in float32).
+_BLOCK_BUDGET = 1 << 24
+# Row sums below this after the bound shift trigger the exact fallback (see ClusterSelector._attend_block):
+# relevant weights are then at least exp(-46 - ln(n_keys) - 20) > float32's smallest normal.
+_TINY = {np.float32: 1e-20, np.float64: 1e-200}
+# Shifted scores are clamped from below here before exp when the bound allows smaller ones: exp would
+# return subnormal floats, and a GEMM over subnormals ran 160x slower (40 ms instead of 0.26 ms for a
+# 1024 x 256 x 65 product).  exp(-80) = 1.8e-35 is normal; since a row sum is >= _TINY = 1e-20, the
+# clamp changes a row's weights by at most n_keys * exp(-80) / 1e-20 ~ 2e-15 * n_keys relative.
+_CLAMP = {np.float32: -80.0, np.float64: -700.0}
+# Elements of one score tile ``Q_c K_c^T`` (rows of a large cluster are processed in tiles).
+_TILE = 1 << 18
+# Fewest query rows per GEMM tile (large clusters would otherwise give skinny, slow products).
+_MIN_ROWS = 64
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        return None if v in choices else "must be one of " + ", ".join(repr(c) for c in choices)
+    return check
+
+
+_controller: Any = None
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """BLAS pinned to one thread (we parallelise over clusters ourselves), Numba to n threads."""
+    global _controller
+    from threadpoolctl import ThreadpoolController
+
+    if _controller is None:
+        _controller = ThreadpoolController()
+    old = numba.get_num_threads()
+    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+    try:
+        with _controller.limit(limits=1, user_api="blas"):
+            yield
+    finally:
+        numba.set_num_threads(old)
+
+
+@register
+class ClusterSelector(Selector):
+    """K-means cluster routing with exact attention (or exact top-k) inside the routed clusters.
+
+    Parameters
+    ----------
+    n_clusters : int, optional
+        Number of k-means clusters C (default ``round(sqrt(S))`` clipped to [1, S]; 256 at S = 65,536).
+    n_probe : int, optional
+        Clusters each query is routed to (default ``min(8, C)``); must not exceed ``n_clusters``.
+    mode : {"topk", "block"}, default "topk"
+        ``"topk"``: ``query`` returns the exact top-k among the routed keys.  ``"block"``: use
+        :meth:`attend` (exact attention over all routed keys); ``query`` returns all routed keys.
+    train_sample : int, optional
+        Keys sampled for k-means training (default ``min(S, 64 * C)``); must be >= n_clusters.
+    n_iter : int, default 10
+        K-means (Lloyd) iterations.
+    seed : int, default 0
+        Seed of the training sample and of FAISS's k-means initialisation.
+    center : bool, default True
+        Subtract the mean key before clustering (exact for softmax; better conditioned clusters).
+    spherical : bool, default False
+        Spherical k-means (unit-norm centroids, cosine assignment during training).
+    assign : {"ip", "l2"}, default "ip"
+        Key -> cluster rule after training: largest inner product or nearest centroid.
+    n_threads : int, optional
+        Worker threads (default: Numba's current thread count).
+
+    Attributes
+    ----------
+    n_clusters_, n_probe_ : int
+        The sizes in force (set by ``build``, like every attribute below).
+    centroids_ : (C, E) array in the keys' dtype
+        Centroids in centred coordinates (subtract ``mean_`` from a key before comparing).
+    mean_ : (E,) array
+        The mean key (zeros when ``center=False``).
+    assignment_ : (S,) int32
+        Cluster of each key.
+    perm_ : (S,) int64
+        Key ids in cluster order: cluster c is ``perm_[cluster_ptr_[c]:cluster_ptr_[c+1]]``.
+    cluster_ptr_ : (C + 1,) int64
+    radius_ : (C,) float64
+        Largest distance of a member key to its centroid (for the softmax shift bound).
+    last_refined_pairs_ : int
+        (query, cluster) pairs the last ``attend`` recomputed with a tighter shift (diagnostics).
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> keys = rng.standard_normal((512, 16)).astype(np.float32)
+    >>> sel = ClusterSelector(n_clusters=8, n_probe=8, mode="block").build(keys)
+    >>> v = rng.standard_normal((512, 4)).astype(np.float32)
+    >>> out, lse = sel.attend(keys[:3], v)   # n_probe == n_clusters: exact full attention
+    >>> out.shape, lse.shape
+    ((3, 4), (3,))
+    """
+
+    name = "cluster"
+    metric = "inner_product"
+    guarantee = ("k-means clusters of the (centred) keys, each query routed to its n_probe clusters of "
+                 "largest q.c. mode=topk: exact top-k by inner product among the routed clusters' keys. "
+                 "mode=block: attend() is exact softmax attention restricted to all keys of the routed "
+                 "clusters (query() returns that key set). n_probe = n_clusters is exact full attention. "
+                 "Causal: masked inside clusters; no key -> zeros and lse = -inf.")
+    params_spec = {
+        "n_clusters": Param(int, None, "k-means clusters C (default round(sqrt(S)))", positive),
+        "n_probe": Param(int, None, "clusters per query (default min(8, C))", positive),
+        "mode": Param(str, "topk", "'topk' (exact top-k in routed clusters) or 'block' (attend())",
+                      _one_of(_MODES)),
+        "train_sample": Param(int, None, "keys sampled to train k-means (default min(S, 64*C))", positive),
+        "n_iter": Param(int, 10, "k-means iterations", positive),
+        "seed": Param(int, 0, "seed of the sample and the k-means initialisation", non_negative),
+        "center": Param(bool, True, "subtract the mean key before clustering"),
+        "spherical": Param(bool, False, "spherical (cosine) k-means"),
+        "assign": Param(str, "ip", "key -> cluster rule: 'ip' (max k.c) or 'l2' (nearest centroid)",
+                        _one_of(_ASSIGN)),
+        "n_threads": Param(int, None, "worker threads (default: numba.get_num_threads())", positive),
+    }
+
+    def __init__(self, **params: Any) -> None:
+        super().__init__(**params)
+        c, p = self._params["n_clusters"], self._params["n_probe"]
+        if c is not None and p is not None and p > c:
+            raise ValueError(f"cluster: n_probe must be <= n_clusters; got n_probe={p} > n_clusters={c}. "
+                             f"Routing a query to every cluster is n_probe = n_clusters (exact attention).")
+        t = self._params["train_sample"]
+        if c is not None and t is not None and t < c:
+            raise ValueError(f"cluster: train_sample must be >= n_clusters; got train_sample={t} < "
+                             f"n_clusters={c}. k-means needs at least one training key per centroid.")
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        try:
+            import faiss  # noqa: F401
+        except ImportError as exc:  # pragma: no cover - faiss is a dependency
+            return f"faiss is not importable ({exc}); install faiss-cpu."
+        return None
+
+    def not_supported_reasons(self, *, n_keys: int | None = None, dim: int | None = None,
+                              is_causal: bool = False) -> list[str]:
+        reasons = super().not_supported_reasons(n_keys=n_keys, dim=dim, is_causal=is_causal)
+        c = self._params["n_clusters"]
+        if n_keys is not None:
+            if n_keys < 1:
+                reasons.append("cluster routing needs at least one key")
+            elif c is not None and c > n_keys:
+                reasons.append(f"n_clusters={c} > n_keys={n_keys}; use n_clusters <= n_keys "
+                               f"(default round(sqrt(S)))")
+        return reasons
+
+    # ------------------------------------------------------------------------------------- helpers
+    @property
+    def n_threads(self) -> int:
+        t = self._params["n_threads"]
+        return int(t) if t is not None else int(numba.get_num_threads())
+
+    def _sizes(self, S: int) -> tuple[int, int, int]:
+        C = self._params["n_clusters"]
+        if C is None:
+            C = int(min(max(round(float(np.sqrt(S))), 1), S))
+        p = self._params["n_probe"]
+        if p is None:
+            p = min(8, C)
+        elif p > C:
+            raise ValueError(f"cluster: n_probe={p} exceeds the {C} clusters chosen for S={S} keys; pass "
+                             f"n_probe <= {C} or set n_clusters explicitly.")
+        t = self._params["train_sample"]
+        if t is None:
+            t = min(S, 64 * C)
+        elif t < C:
+            raise ValueError(f"cluster: train_sample={t} < n_clusters={C}; k-means needs at least one "
+                             f"training key per centroid.")
+        return C, p, min(t, S)
+
+    def _kmeans(self, centred: np.ndarray, C: int, n_train: int) -> np.ndarray:
+        import faiss
+
+        S, E = centred.shape
+        rng = np.random.default_rng(self._params["seed"])
+        sample = centred if n_train >= S else centred[np.sort(rng.choice(S, n_train, replace=False))]
+        sample = np.ascontiguousarray(sample, dtype=np.float32)
+        if C == 1:
+            cent = sample.mean(axis=0, keepdims=True)
+            if self._params["spherical"]:
+                cent /= max(float(np.linalg.norm(cent)), 1e-30)
+            return cent
+        old = faiss.omp_get_max_threads()
+        # One OpenMP thread, whatever n_threads: with the other core busy, FAISS's k-means took 0.40 s
+        # on 2 threads against 0.023 s on 1 (16k x 64 sample, 128 centroids): its many short parallel
+        # regions spin at barriers.  Single-threaded it is a small part of the build anyway.  Set it
+        # before limiting BLAS: FAISS's OpenBLAS is OpenMP-threaded and follows the OpenMP setting.
+        faiss.omp_set_num_threads(1)
+        try:
+            with _threads(1):
+                km = faiss.Kmeans(E, C, niter=self._params["n_iter"], seed=self._params["seed"],
+                                  spherical=self._params["spherical"], verbose=False,
+                                  max_points_per_centroid=1 << 30, min_points_per_centroid=1)
+                km.train(sample)
+        finally:
+            faiss.omp_set_num_threads(old)
+        return np.asarray(km.centroids, dtype=np.float32).reshape(C, E)
+
+    def _build(self, keys: np.ndarray) -> None:
+        S, E = keys.shape
+        C, p, n_train = self._sizes(S)
+        self.n_clusters_, self.n_probe_ = C, p
+        if self._params["center"]:
+            self.mean_ = keys.mean(axis=0, dtype=np.float64).astype(keys.dtype)
+        else:
+            self.mean_ = np.zeros(E, dtype=keys.dtype)
+        centred = keys - self.mean_ if self._params["center"] else keys
+        self.centroids_ = self._kmeans(centred, C, n_train).astype(keys.dtype)
+        with _threads(self.n_threads):
+            bias = None
+            if self._params["assign"] == "l2":
+                bias = (-0.5 * (self.centroids_.astype(np.float64) ** 2).sum(axis=1)).astype(keys.dtype)
+            assignment = np.empty(S, dtype=np.int32)
+            block = max(1, _BLOCK_BUDGET // (2 * C))
+            for a in range(0, S, block):
+                sc = centred[a:a + block] @ self.centroids_.T
+                if bias is not None:
+                    sc += bias
+                assignment[a:a + block] = ck.row_argmax(sc)
+            self.assignment_ = assignment
+            self.perm_ = np.argsort(assignment, kind="stable").astype(np.int64)
+            self.cluster_ptr_ = np.zeros(C + 1, dtype=np.int64)
+            np.cumsum(np.bincount(assignment, minlength=C), out=self.cluster_ptr_[1:])
+            # Centred keys in cluster order with a column of ones: [k - mean, 1] (see attend).
+            kp = np.empty((S, E + 1), dtype=keys.dtype)
+            ck.gather_rows(centred, self.perm_, kp)
+            kp[:, E] = 1.0
+            self.radius_ = ck.cluster_radius(kp, self.cluster_ptr_, self.centroids_)
+        self.keys_perm_ = kp
+        self._keys_cast: dict[np.dtype, np.ndarray] = {keys.dtype: kp}
+
+    def _check_built(self) -> None:
+        if self.keys_ is None:
+            raise RuntimeError(f"selector {self.name!r} is not built: call build(keys) first.")
+
+    def _route_rows(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(route (L, p) int32 cluster ids, best first; their scores q.c (L, p))."""
+        L = q.shape[0]
+        route = np.empty((L, self.n_probe_), dtype=np.int32)
+        scores = np.empty((L, self.n_probe_), dtype=q.dtype)
+        cent = self.centroids_.astype(q.dtype, copy=False)
+        block = max(1, _BLOCK_BUDGET // (2 * self.n_clusters_))
+        for a in range(0, L, block):
+            route[a:a + block], scores[a:a + block] = ck.row_top_p(q[a:a + block] @ cent.T, self.n_probe_)
+        return route, scores
+
+    def route(self, queries: np.ndarray, *, check_finite: bool = True) -> np.ndarray:
+        """The clusters each query is routed to.
+
+        Parameters
+        ----------
+        queries : float array, shape (L, E)
+
+        Returns
+        -------
+        (L, n_probe) int32 cluster ids, best centroid score ``q . c`` first.
+        """
+        self._check_built()
+        q = self._queries(queries, check_finite)
+        with _threads(self.n_threads):
+            return self._route_rows(q)[0]
+
+    def _queries(self, queries: np.ndarray, check_finite: bool) -> np.ndarray:
+        q = as_float_array(queries, "queries", min_ndim=2, check_finite=check_finite)
+        if q.ndim != 2:
+            raise ValueError(f"queries must be 2-D (L, E); got shape {q.shape}.")
+        if q.shape[1] != self.keys_.shape[1]:
+            raise ValueError(f"queries have E={q.shape[1]} features but the keys have {self.keys_.shape[1]}.")
+        return np.ascontiguousarray(q, dtype=self.keys_.dtype)
+
+    def _keys_as(self, dtype: np.dtype) -> np.ndarray:
+        if dtype not in self._keys_cast:
+            self._keys_cast[dtype] = self.keys_perm_.astype(dtype)
+        return self._keys_cast[dtype]
+
+    def _run(self, jobs: list[int], work: Callable[[int], None]) -> None:
+        """Run ``work(cluster)`` for each cluster, largest first, on the worker threads."""
+        n = self.n_threads
+        if n <= 1 or len(jobs) <= 1:
+            for c in jobs:
+                work(c)
+            return
+        with ThreadPoolExecutor(max_workers=n) as ex:
+            for _ in ex.map(work, jobs):
+                pass
+
+    def _jobs(self, qptr: np.ndarray) -> list[int]:
+        nq = np.diff(qptr)
+        nk = np.diff(self.cluster_ptr_)
+        cost = nq * nk
+        order = np.argsort(-cost, kind="stable")
+        return [int(c) for c in order if cost[c] > 0]
+
+    # --------------------------------------------------------------------------------------- query
+    def _query(self, q, k, is_causal, qpos, kpos) -> SparsePattern:
+        S = self.keys_.shape[0]
+        with _threads(self.n_threads):
+            route = self._route_rows(q)[0]
+            if self._params["mode"] == "block":
+                kp = np.ascontiguousarray(kpos, dtype=np.int64)
+                indptr, indices = ck.routed_pattern(route, self.cluster_ptr_, self.perm_, bool(is_causal),
+                                                    np.ascontiguousarray(qpos, dtype=np.int64), kp)
+                return SparsePattern(indptr, indices, S, validate=False)
+            return self._topk(q, route, min(k, S), is_causal, qpos, kpos)
+
+    def _topk(self, q, route, k, is_causal, qpos, kpos) -> SparsePattern:
+        L, E = q.shape
+        p = self.n_probe_
+        Kp = self._keys_as(q.dtype)[:, :E]  # centred keys: same ranking as the raw keys per query
+        kptr = self.cluster_ptr_
+        kpos_p = kpos[self.perm_] if is_causal else None
+        block = max(1, _BLOCK_BUDGET // (p * (E + 2 * k)))
+        ptrs, idxs = [np.zeros(1, dtype=np.int64)], []
+        offset = 0
+        for q0 in range(0, L, block):
+            q1 = min(L, q0 + block)
+            qptr, src, slot = ck.group_pairs(route[q0:q1], self.n_clusters_)
+            rows = src // p + q0
+            n_pairs = rows.shape[0]
+            Qs = np.empty((n_pairs, E), dtype=q.dtype)
+            ck.gather_rows(q, rows, Qs)
+            cand_s = np.empty((n_pairs, k), dtype=q.dtype)
+            cand_i = np.full((n_pairs, k), -1, dtype=np.int32)  # pairs of empty clusters stay -1
+            qpos_s = qpos[rows] if is_causal else None
+
+            def work(c: int, Qs=Qs, cand_s=cand_s, cand_i=cand_i, qptr=qptr, qpos_s=qpos_s) -> None:
+                ka, kb = int(kptr[c]), int(kptr[c + 1])
+                Kc = Kp[ka:kb]
+                ids = self.perm_[ka:kb]
+                tile = max(_MIN_ROWS, _TILE // (kb - ka))
+                for a in range(int(qptr[c]), int(qptr[c + 1]), tile):
+                    b = min(int(qptr[c + 1]), a + tile)
+                    sc = Qs[a:b] @ Kc.T
+                    if is_causal:
+                        ck.causal_mask_block(sc, qpos_s[a:b], kpos_p[ka:kb])
+                    ck.rows_topk(sc, k, ids, cand_s[a:b], cand_i[a:b])
+
+            self._run(self._jobs(qptr), work)
+            indptr, indices = ck.merge_topk(cand_s, cand_i, slot, p, k)
+            ptrs.append(indptr[1:] + offset)
+            idxs.append(indices)
+            offset += int(indptr[-1])
+        indices = np.concatenate(idxs) if idxs else np.zeros(0, dtype=np.int32)
+        return SparsePattern(np.concatenate(ptrs), indices, self.keys_.shape[0], validate=False)
+
+    # -------------------------------------------------------------------------------------- attend
+    def attend(self, queries: np.ndarray, values: np.ndarray, *, scale: float | None = None,
+               is_causal: bool = False, query_positions: object = None, key_positions: object = None,
+               check_finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Exact softmax attention of each query over every key of its routed clusters.
+
+        Works in either mode (``mode`` only changes what :meth:`query` returns).
+
+        Parameters
+        ----------
+        queries : float array, shape (L, E)
+        values : float array, shape (S, Ev)
+            One value row per key given to ``build``, in the original key order.
+        scale : float, optional
+            Score scale (default ``1/sqrt(E)``).  Routing ranks clusters by ``q . c`` whatever the scale.
+        is_causal : bool
+            Key j is visible to query i only when ``key_positions[j] <= query_positions[i]``.
+        query_positions, key_positions : int arrays of shape (L,) and (S,), optional
+            Default ``arange`` (top-left alignment, like SDPA).
+
+        Returns
+        -------
+        output : (L, Ev) array, float64 if any of queries, keys, values is float64, else float32.
+            Zeros for a query whose routed clusters hold no allowed key.
+        lse : (L,) array, same dtype: log-sum-exp of the scaled scores over the routed keys
+            (``-inf`` for no key).  ``exp(lse - lse_full)`` is the softmax mass the routing kept.
+        """
+        self._check_built()
+        S, E = self.keys_.shape
+        q_in = as_float_array(queries, "queries", min_ndim=2, check_finite=check_finite)
+        v_in = as_float_array(values, "values", min_ndim=2, check_finite=check_finite)
+        if q_in.ndim != 2 or q_in.shape[1] != E:
+            raise ValueError(f"queries must have shape (L, E={E}); got {q_in.shape}.")
+        if v_in.ndim != 2 or v_in.shape[0] != S:
+            raise ValueError(f"values must have shape (S={S}, Ev), one row per key; got {v_in.shape}.")
+        if not isinstance(is_causal, (bool, np.bool_)):
+            raise TypeError(f"is_causal must be a bool; got {is_causal!r}.")
+        is_causal = bool(is_causal)
+        sc = check_scale(scale, E)
+        dtype = result_dtype(q_in, self.keys_, v_in)
+        q = np.ascontiguousarray(q_in, dtype=dtype)
+        L = q.shape[0]
+        Ev = v_in.shape[1]
+        qpos = _positions(query_positions, L, "query_positions")
+        kpos = _positions(key_positions, S, "key_positions")
+        out = np.zeros((L, Ev), dtype=dtype)
+        lse = np.full(L, -np.inf, dtype=dtype)
+        if L == 0:
+            return out, lse
+        with _threads(self.n_threads):
+            route, route_scores = self._route_rows(q)
+            Kp = self._keys_as(dtype)
+            Vp = np.empty((S, Ev + 1), dtype=dtype)
+            ck.gather_rows(np.ascontiguousarray(v_in), self.perm_, Vp)
+            Vp[:, Ev] = 1.0  # P @ [V, 1] also yields the row sums
+            lse_shift = (q @ self.mean_.astype(dtype)) * sc  # scores against raw keys = centred + q.mean
+            if is_causal:
+                kpos_p = kpos[self.perm_]
+                kptr = self.cluster_ptr_
+                nonempty = np.diff(kptr) > 0
+                kmin = np.zeros(self.n_clusters_, dtype=np.int64)
+                kmax = np.zeros(self.n_clusters_, dtype=np.int64)
+                kmin[nonempty] = np.minimum.reduceat(kpos_p, kptr[:-1][nonempty])
+                kmax[nonempty] = np.maximum.reduceat(kpos_p, kptr[:-1][nonempty])
+            else:
+                kpos_p = kmin = kmax = None
+            block = min(L, max(1, _BLOCK_BUDGET // (self.n_probe_ * (E + Ev + 2))))
+            # Buffers allocated once and reused by every block: fresh multi-MB arrays are page-faulted
+            # on first touch, which cost up to 40 ms per block with two threads faulting at once.
+            n_buf = block * self.n_probe_
+            bufs = (np.empty((n_buf, E + 1), dtype=dtype), np.empty((n_buf, Ev + 1), dtype=dtype),
+                    np.empty(n_buf, dtype=dtype), np.empty(n_buf, dtype=np.float64))
+            for q0 in range(0, L, block):
+                q1 = min(L, q0 + block)
+                self._attend_block(q, q0, q1, route[q0:q1], route_scores[q0:q1], Kp, Vp, sc, qpos,
+                                   kpos_p, kmin, kmax, lse_shift, out, lse, bufs)
+        return out, lse
+
+    def _refine(self, Qs, pm, po, Kp, Vp, pair_cluster, clamp, causal_args) -> int:
+        """Fix the pairs whose shift m was too loose; return how many were recomputed.
+
+        After the clamp every allowed key has a weight >= exp(-80) > 0, so a zero row sum means "no
+        allowed key" (the pair becomes empty).  A row sum below ``_TINY`` means relevant weights may have
+        underflowed: the pair is recomputed with ``m' = m + log(l)``, which is still >= the true
+        log-sum-exp (the clamp only raises weights), hence a valid bound, and lies within
+        ``log(n_keys)`` of the true maximum unless that was below the clamp, in which case it drops by
+        ``>= 80 - log(n_keys)`` and the loop repeats.  Any pair left after 64 rounds (not expected) is
+        recomputed with its exact maximum by a scalar kernel.
+        """
+        E = Qs.shape[1] - 1
+        Ev = Vp.shape[1] - 1
+        kptr = self.cluster_ptr_
+        tiny = _TINY[Qs.dtype.type]
+        refined = 0
+        for _ in range(64):
+            live = pm > -np.inf
+            sums = po[:, Ev]
+            empty = live & (sums == 0)
+            if empty.any():
+                pm[empty] = -np.inf
+            bad = np.nonzero(live & (sums > 0) & ~(sums >= tiny))[0]
+            if bad.size == 0:
+                return refined
+            refined += int(bad.size)
+            new_m = pm[bad].astype(np.float64) + np.log(po[bad, Ev].astype(np.float64))
+            clusters = pair_cluster[bad]
+            cuts = np.flatnonzero(np.diff(clusters)) + 1
+            for run, m_run in zip(np.split(bad, cuts), np.split(new_m, cuts), strict=True):
+                c = int(pair_cluster[run[0]])
+                ka, kb = int(kptr[c]), int(kptr[c + 1])
+                Kc, Vc = Kp[ka:kb], Vp[ka:kb]
+                step = max(_MIN_ROWS, _TILE // (kb - ka))
+                for a in range(0, run.size, step):
+                    idx = run[a:a + step]
+                    qb = Qs[idx]
+                    qb[:, E] = -m_run[a:a + step]
+                    sc = qb @ Kc.T
+                    np.maximum(sc, clamp, out=sc)
+                    if causal_args is not None:
+                        ck.causal_mask_block(sc, causal_args[0][idx], causal_args[1][ka:kb])
+                    np.exp(sc, out=sc)
+                    po[idx] = sc @ Vc
+                    pm[idx] = m_run[a:a + step]
+        live = pm > -np.inf
+        bad = np.nonzero(live & ~(po[:, Ev] >= tiny))[0]  # pragma: no cover - not expected
+        if bad.size:  # pragma: no cover
+            qpos_s, kpos_p = causal_args if causal_args is not None else (np.zeros(1, np.int64),) * 2
+            ck.exact_pairs(bad, Qs, Kp, Vp, kptr, pair_cluster, causal_args is not None, qpos_s, kpos_p,
+                           po, pm)
+        return refined
+
+    def _attend_block(self, q, q0, q1, route, route_scores, Kp, Vp, scale, qpos, kpos_p, kmin, kmax,
+                      lse_shift, out, lse, bufs) -> None:
+        """Attention of queries q0..q1 over their routed clusters.
+
+        Per cluster tile: ``s = [scale q, -m] @ [k - mean, 1]^T`` (one GEMM gives scores minus the
+        Cauchy-Schwarz bound m, so ``exp`` cannot overflow), a clamp at ``_CLAMP`` when the bound allows
+        subnormal weights, the causal mask, ``exp`` in place, ``[po | l] = s @ [V, 1]``
+        (one GEMM gives the unnormalised output and the row sum).  A pair whose bound was so loose that
+        every weight is tiny (row sum < ``_TINY``: relevant weights could have underflowed) is recomputed
+        with a tighter shift (:meth:`_refine`).  Partials are then merged per query.
+        """
+        Ev = Vp.shape[1] - 1
+        p = self.n_probe_
+        kptr = self.cluster_ptr_
+        is_causal = kpos_p is not None
+        qptr, src, slot = ck.group_pairs(route, self.n_clusters_)
+        n_pairs = src.shape[0]
+        Qs, po, pm, lo = (b[:n_pairs] for b in bufs)
+        ck.gather_pairs(q, q0, src, p, route, route_scores, self.radius_, scale, Qs, pm, lo)
+        clamp = _CLAMP[q.dtype.type]
+        qpos_s = qpos[src // p + q0] if is_causal else None
+        scratch = threading.local()
+
+        def work(c: int) -> None:
+            ka, kb = int(kptr[c]), int(kptr[c + 1])
+            nk = kb - ka
+            Kc, Vc = Kp[ka:kb], Vp[ka:kb]
+            tile = max(_MIN_ROWS, _TILE // nk)
+            buf = getattr(scratch, "buf", None)
+            if buf is None or buf.size < tile * nk:
+                buf = scratch.buf = np.empty(max(_TILE, tile * nk), dtype=q.dtype)
+            for a in range(int(qptr[c]), int(qptr[c + 1]), tile):
+                b = min(int(qptr[c + 1]), a + tile)
+                masked = False
+                if is_causal:
+                    qp = qpos_s[a:b]
+                    if kmin[c] > qp.max():  # every key of the cluster lies after every query of the tile
+                        pm[a:b] = -np.inf
+                        po[a:b, Ev] = 0.0
+                        continue
+                    masked = kmax[c] > qp.min()
+                s = buf[:(b - a) * nk].reshape(b - a, nk)
+                np.matmul(Qs[a:b], Kc.T, out=s)
+                if lo[a:b].min() < clamp:  # some weights could be subnormal: clamp (before masking)
+                    np.maximum(s, clamp, out=s)
+                if masked:
+                    ck.causal_mask_block(s, qp, kpos_p[ka:kb])
+                np.exp(s, out=s)
+                np.matmul(s, Vc, out=po[a:b])
+
+        self._run(self._jobs(qptr), work)
+        pair_cluster = route.ravel()[src].astype(np.int64)
+        # Pairs of empty clusters were never computed: mark them empty.
+        empty_cl = np.diff(kptr)[pair_cluster] == 0
+        if empty_cl.any():
+            pm[empty_cl] = -np.inf
+            po[empty_cl, Ev] = 0.0
+        causal_args = (qpos_s, kpos_p) if is_causal else None
+        self.last_refined_pairs_ = self._refine(Qs, pm, po, Kp, Vp, pair_cluster, clamp, causal_args)
+        ck.merge_partials(po, pm, slot, p, lse_shift[q0:q1], out[q0:q1], lse[q0:q1])

@@ -1,0 +1,396 @@
+"""ClusterSelector: block attention and top-k against independent numpy oracles of the routed key sets.
+
+The oracle recomputes, with plain numpy, (1) each key's cluster from the fitted centroids, (2) each query's
+routed clusters, (3) the routed mask, then float64 softmax attention / top-k restricted to that mask.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparseattn.kernels import cluster as ck
+from sparseattn.selectors.base import get_selector
+from sparseattn.selectors.cluster import ClusterSelector
+from sparseattn.topk import exact_topk
+
+# Output tolerance per dtype (absolute, outputs are O(1)); observed max error: f32 ~3e-7, f64 ~1e-15.
+TOL = {np.float32: 1e-5, np.float64: 1e-12}
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(7)
+
+
+def clustered(rng: np.random.Generator, n: int, L: int, d: int = 16, centres: int = 24,
+              dtype=np.float32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Keys around random centres (plus a shared offset), queries near centres, Gaussian values."""
+    cent = rng.standard_normal((centres, d)) * 1.5
+    k = cent[rng.integers(0, centres, n)] + 0.2 * rng.standard_normal((n, d)) + 0.5
+    q = cent[rng.integers(0, centres, L)] * 1.5 + 0.2 * rng.standard_normal((L, d))
+    v = rng.standard_normal((n, 6))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def oracle_assignment(sel: ClusterSelector, k: np.ndarray) -> np.ndarray:
+    """Check ``sel.assignment_`` against a float64 recomputation; return it.
+
+    Each key must sit in a cluster whose score (inner product, or minus the squared distance for "l2")
+    is the best one up to float32 rounding (near-ties may legitimately go either way).
+    """
+    kc = k.astype(np.float64) - sel.mean_.astype(np.float64)
+    c = sel.centroids_.astype(np.float64)
+    if sel.params["assign"] == "l2":
+        scores = -((kc[:, None, :] - c[None]) ** 2).sum(-1)
+    else:
+        scores = kc @ c.T
+    got = scores[np.arange(len(k)), sel.assignment_]
+    tol = 1e-5 * (1 + np.abs(scores).max(axis=1))
+    np.testing.assert_array_less(scores.max(axis=1) - tol, got + 1e-300)
+    agree = np.mean(sel.assignment_ == scores.argmax(axis=1))
+    assert agree > 0.99, agree
+    return sel.assignment_
+
+
+def oracle_mask(sel: ClusterSelector, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """(L, S) bool: key j lies in one of query i's n_probe clusters of largest q.c.
+
+    The routing is checked against a float64 recomputation (the chosen clusters' scores must all be at
+    least the best unchosen score, up to float32 rounding), then the mask is built with numpy.
+    """
+    assignment = oracle_assignment(sel, k)
+    scores = q.astype(np.float64) @ sel.centroids_.astype(np.float64).T
+    route = sel.route(q)
+    routed = np.zeros((q.shape[0], sel.n_clusters_), dtype=bool)
+    np.put_along_axis(routed, route.astype(np.int64), True, axis=1)
+    assert (routed.sum(axis=1) == sel.n_probe_).all()
+    if sel.n_probe_ < sel.n_clusters_:
+        worst_chosen = np.where(routed, scores, np.inf).min(axis=1)
+        best_other = np.where(routed, -np.inf, scores).max(axis=1)
+        tol = 1e-5 * (1 + np.abs(scores).max(axis=1))
+        np.testing.assert_array_less(best_other - tol, worst_chosen)
+    return routed[:, assignment]
+
+
+def masked_attention(q, k, v, mask, scale):
+    """Float64 softmax over the allowed keys; rows without one -> zeros and -inf."""
+    s = q.astype(np.float64) @ k.astype(np.float64).T * scale
+    s = np.where(mask, s, -np.inf)
+    m = s.max(axis=1, keepdims=True)
+    empty = ~np.isfinite(m[:, 0])
+    m[empty] = 0.0
+    w = np.exp(s - m)
+    tot = w.sum(axis=1, keepdims=True)
+    out = (w @ v.astype(np.float64)) / np.where(tot > 0, tot, 1.0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(empty, -np.inf, (m + np.log(tot))[:, 0])
+    return out, lse
+
+
+def causal_mask(L, S, qpos=None, kpos=None):
+    qpos = np.arange(L) if qpos is None else qpos
+    kpos = np.arange(S) if kpos is None else kpos
+    return kpos[None, :] <= qpos[:, None]
+
+
+# ------------------------------------------------------------------------------------------ block mode
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("assign", ["ip", "l2"])
+def test_block_attend_equals_masked_dense(rng, dtype, assign):
+    q, k, v = clustered(rng, 1500, 200, dtype=dtype)
+    sel = ClusterSelector(n_clusters=20, n_probe=3, mode="block", assign=assign).build(k)
+    mask = oracle_mask(sel, q, k)
+    # away from near-ties the routing is exactly numpy's top-3 by q.c
+    scores = q.astype(np.float64) @ sel.centroids_.astype(np.float64).T
+    expected = np.sort(np.argsort(-scores, axis=1)[:, :3], axis=1)
+    assert np.mean(np.all(np.sort(sel.route(q), axis=1) == expected, axis=1)) > 0.98
+    out, lse = sel.attend(q, v, scale=0.3)
+    ref, ref_lse = masked_attention(q, k, v, mask, 0.3)
+    assert out.dtype == dtype and lse.dtype == dtype
+    np.testing.assert_allclose(out, ref, rtol=0, atol=TOL[dtype])
+    np.testing.assert_allclose(lse, ref_lse, rtol=TOL[dtype], atol=TOL[dtype])
+    # query() in block mode returns exactly the routed key set, whatever k
+    np.testing.assert_array_equal(sel.query(q, 1).to_mask(), mask)
+
+
+def test_full_probe_is_exact_full_attention(rng):
+    q, k, v = clustered(rng, 1200, 150)
+    sel = ClusterSelector(n_clusters=12, n_probe=12, mode="block").build(k)
+    out, lse = sel.attend(q, v)
+    ref, ref_lse = masked_attention(q, k, v, np.ones((150, 1200), dtype=bool), 16 ** -0.5)
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
+    out, lse = sel.attend(q, v, is_causal=True)
+    ref, ref_lse = masked_attention(q, k, v, causal_mask(150, 1200), 16 ** -0.5)
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
+
+
+def test_block_causal_matches_oracle_and_does_not_leak(rng):
+    S, L = 1000, 1000
+    q, k, v = clustered(rng, S, L)
+    sel = ClusterSelector(n_clusters=16, n_probe=4, mode="block").build(k)
+    mask = oracle_mask(sel, q, k) & causal_mask(L, S)
+    out, lse = sel.attend(q, v, is_causal=True)
+    ref, ref_lse = masked_attention(q, k, v, mask, 0.25)
+    # rows with no routed allowed key: exactly zeros and -inf (the first rows, typically)
+    empty = ~mask.any(axis=1)
+    assert empty.any()
+    np.testing.assert_array_equal(out[empty], 0.0)
+    np.testing.assert_array_equal(lse[empty], -np.inf)
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=1e-5)
+    # no leak: poisoning the values of every key after position 499 leaves rows 0..499 unchanged
+    v2 = v.copy()
+    v2[500:] = 1e6
+    out2, lse2 = sel.attend(q, v2, is_causal=True)
+    np.testing.assert_array_equal(out2[:500], out[:500])
+    np.testing.assert_array_equal(lse2[:500], lse[:500])
+    pattern = sel.query(q, 8, is_causal=True)
+    np.testing.assert_array_equal(pattern.to_mask(), mask)
+
+
+def test_block_causal_with_cache_positions(rng):
+    S, L = 800, 100
+    q, k, v = clustered(rng, S, L)
+    kpos = rng.permutation(S)  # keys need not be stored in position order
+    qpos = np.arange(S - L, S)  # L new tokens after a cache (bottom-right alignment)
+    sel = ClusterSelector(n_clusters=10, n_probe=3, mode="block").build(k)
+    out, lse = sel.attend(q, v, is_causal=True, query_positions=qpos, key_positions=kpos, scale=0.5)
+    mask = oracle_mask(sel, q, k) & causal_mask(L, S, qpos, kpos)
+    ref, _ = masked_attention(q, k, v, mask, 0.5)
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    none_visible = np.full(L, -1)
+    out, lse = sel.attend(q, v, is_causal=True, query_positions=none_visible)
+    np.testing.assert_array_equal(out, 0.0)
+    np.testing.assert_array_equal(lse, -np.inf)
+
+
+def test_many_blocks_and_tiles(rng, monkeypatch):
+    # Tiny buffers: queries in many blocks, large clusters in many row tiles, buffers reused.
+    import sparseattn.selectors.cluster as mod
+
+    monkeypatch.setattr(mod, "_BLOCK_BUDGET", 3000)
+    monkeypatch.setattr(mod, "_TILE", 512)
+    monkeypatch.setattr(mod, "_MIN_ROWS", 2)
+    q, k, v = clustered(rng, 700, 260)
+    sel = ClusterSelector(n_clusters=5, n_probe=2, mode="block").build(k)
+    for is_causal in (False, True):
+        out, lse = sel.attend(q, v, is_causal=is_causal)
+        mask = oracle_mask(sel, q, k)
+        if is_causal:
+            mask &= causal_mask(260, 700)
+        ref, _ = masked_attention(q, k, v, mask, 0.25)
+        np.testing.assert_allclose(out, ref, atol=1e-5)
+    sel_t = ClusterSelector(n_clusters=5, n_probe=2).build(k)
+    pattern = sel_t.query(q, 7)
+    full = ClusterSelector(n_clusters=5, n_probe=2).build(k)
+    monkeypatch.undo()
+    assert pattern == full.query(q, 7)
+
+
+def test_threads_give_identical_results(rng):
+    q, k, v = clustered(rng, 2000, 300)
+    a = ClusterSelector(n_clusters=20, n_probe=5, mode="block", n_threads=1).build(k)
+    b = ClusterSelector(n_clusters=20, n_probe=5, mode="block", n_threads=2).build(k)
+    np.testing.assert_array_equal(a.assignment_, b.assignment_)
+    oa, la = a.attend(q, v, is_causal=True)
+    ob, lb = b.attend(q, v, is_causal=True)
+    np.testing.assert_array_equal(oa, ob)
+    np.testing.assert_array_equal(la, lb)
+
+
+def test_block_variants_stay_exact_on_their_routing(rng):
+    q, k, v = clustered(rng, 900, 80)
+    for params in ({"center": False}, {"spherical": True}, {"n_clusters": 1, "n_probe": 1},
+                   {"train_sample": 100, "n_iter": 3, "seed": 5}):
+        sel = ClusterSelector(mode="block", **{"n_clusters": 9, "n_probe": 2, **params}).build(k)
+        out, _ = sel.attend(q, v, scale=0.2)
+        ref, _ = masked_attention(q, k, v, oracle_mask(sel, q, k), 0.2)
+        np.testing.assert_allclose(out, ref, atol=1e-5, err_msg=str(params))
+
+
+@pytest.mark.parametrize(("dtype", "scale", "atol"), [(np.float32, 6.0, 1e-4), (np.float64, 80.0, 1e-10)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_loose_shift_bound_is_refined_exactly(rng, dtype, scale, atol, is_causal):
+    # Large scores: the Cauchy-Schwarz shift overshoots the true row maximum by far more than exp's
+    # range, so the first pass underflows and the pairs go through the refinement loop.
+    S, L = 600, 120
+    k = (rng.standard_normal((S, 16)) * 2).astype(dtype)
+    q = (rng.standard_normal((L, 16)) * 2).astype(dtype)
+    v = rng.standard_normal((S, 3)).astype(dtype)
+    sel = ClusterSelector(n_clusters=6, n_probe=2, mode="block").build(k)
+    out, lse = sel.attend(q, v, scale=scale, is_causal=is_causal)
+    assert sel.last_refined_pairs_ > 0
+    mask = oracle_mask(sel, q, k)
+    if is_causal:
+        mask &= causal_mask(L, S)
+    ref, ref_lse = masked_attention(q, k, v, mask, scale)
+    np.testing.assert_allclose(out, ref, atol=atol)
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=atol)
+
+
+def test_exact_pairs_kernel_matches_oracle(rng):
+    # The last-resort scalar kernel: pair t = (query row Qs[t], cluster c) recomputed with its true max.
+    E, Ev = 5, 3
+    kp = np.ones((30, E + 1))
+    kp[:, :E] = rng.standard_normal((30, E))
+    vp = np.ones((30, Ev + 1))
+    vp[:, :Ev] = rng.standard_normal((30, Ev))
+    kptr = np.array([0, 10, 10, 30], dtype=np.int64)
+    Qs = rng.standard_normal((4, E + 1))
+    pair_cluster = np.array([0, 1, 2, 2], dtype=np.int64)
+    qpos_s = np.array([100, 100, 100, 12], dtype=np.int64)
+    kpos_p = np.arange(30, dtype=np.int64)
+    po = np.full((4, Ev + 1), np.nan)
+    pm = np.zeros(4)
+    ck.exact_pairs(np.arange(4, dtype=np.int64), Qs, kp, vp, kptr, pair_cluster, True, qpos_s, kpos_p, po, pm)
+    assert pm[1] == -np.inf and po[1, Ev] == 0.0  # empty cluster
+    for t, (a, b) in ((0, (0, 10)), (2, (10, 30)), (3, (10, 13))):  # row 3 sees positions <= 12 only
+        s = kp[a:b, :E] @ Qs[t, :E]
+        w = np.exp(s - s.max())
+        assert pm[t] == pytest.approx(s.max(), abs=1e-12)
+        np.testing.assert_allclose(po[t, :Ev], w @ vp[a:b, :Ev], atol=1e-12)
+        assert po[t, Ev] == pytest.approx(w.sum(), abs=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 300), seed=st.integers(0, 2**32 - 1), ties=st.sampled_from([0, 1, 2]),
+       big=st.booleans(), f64=st.booleans())
+def test_property_select_topk_is_exact_with_ties(n, seed, ties, big, f64):
+    rng = np.random.default_rng(seed)
+    vals = rng.standard_normal(n)
+    if ties == 1:
+        vals = np.round(vals * 2)
+    elif ties == 2:
+        vals[:] = 1.5
+    if big:
+        vals *= 1e300 if f64 else 1e37
+    vals = vals.astype(np.float64 if f64 else np.float32)
+    k = int(rng.integers(1, n + 1))
+    out_s = np.empty(k, dtype=vals.dtype)
+    out_i = np.empty(k, dtype=np.int64)
+    cnt = ck._select_topk(vals, np.arange(n, dtype=np.int64), n, k, out_s, out_i)
+    assert cnt == k
+    assert len(set(out_i.tolist())) == k
+    np.testing.assert_array_equal(np.sort(vals[out_i]), np.sort(vals)[n - k:])
+    np.testing.assert_array_equal(out_s, vals[out_i])
+
+
+# ------------------------------------------------------------------------------------------- top-k mode
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_topk_equals_exact_topk_of_routed_keys(rng, is_causal):
+    S, L, kk = 1500, 300, 20
+    q, k, _ = clustered(rng, S, L)
+    sel = ClusterSelector(n_clusters=20, n_probe=3).build(k)
+    pattern = sel.query(q, kk, is_causal=is_causal)
+    mask = oracle_mask(sel, q, k)
+    if is_causal:
+        mask &= causal_mask(L, S)
+    s = q.astype(np.float64) @ k.astype(np.float64).T
+    s_masked = np.where(mask, s, -np.inf)
+    per_row = pattern.nnz_per_row
+    np.testing.assert_array_equal(per_row, np.minimum(mask.sum(axis=1), kk))
+    sel_mask = pattern.to_mask()
+    assert not (sel_mask & ~mask).any(), "selected a key outside the routed (causal) set"
+    # tie-aware: the selected scores equal the oracle's top scores (float32 scoring: 1e-4 slack)
+    for i in range(L):
+        got = np.sort(s[i, sel_mask[i]])[::-1]
+        want = np.sort(s_masked[i])[::-1][:per_row[i]]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_topk_recall_vs_global_exact_topk_on_clustered_data(rng):
+    S, L, kk = 4000, 400, 16
+    q, k, _ = clustered(rng, S, L, centres=32)
+    sel = ClusterSelector(n_clusters=32, n_probe=4).build(k)
+    pattern = sel.query(q, kk)
+    _, ids = exact_topk(q, k, kk)
+    got = pattern.to_padded(kk)
+    recall = np.mean([len(np.intersect1d(got[i], ids[i])) / kk for i in range(L)])
+    assert recall > 0.9, recall  # observed 1.0
+
+
+def test_topk_k_larger_than_routed_set_returns_all_routed(rng):
+    q, k, _ = clustered(rng, 300, 40)
+    sel = ClusterSelector(n_clusters=10, n_probe=2).build(k)
+    mask = oracle_mask(sel, q, k)
+    np.testing.assert_array_equal(sel.query(q, 10_000).to_mask(), mask)
+
+
+def test_float64_keys_and_registry(rng):
+    q, k, v = clustered(rng, 600, 50, dtype=np.float64)
+    sel = get_selector("cluster:n_clusters=6,n_probe=2,mode=block")
+    assert isinstance(sel, ClusterSelector) and sel.params["mode"] == "block"
+    sel.build(k)
+    out, lse = sel.attend(q, v.astype(np.float32))
+    assert out.dtype == np.float64
+    ref, ref_lse = masked_attention(q, k, v.astype(np.float32), oracle_mask(sel, q, k), 0.25)
+    np.testing.assert_allclose(out, ref, atol=1e-12)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-12)
+
+
+def test_defaults_scale_with_n(rng):
+    _, k, _ = clustered(rng, 900, 1)
+    sel = ClusterSelector().build(k)
+    assert sel.n_clusters_ == 30 and sel.n_probe_ == 8
+    small = ClusterSelector().build(k[:20])
+    assert small.n_clusters_ == 4 and small.n_probe_ == 4
+    assert ClusterSelector.unavailable_reason() is None
+
+
+# --------------------------------------------------------------------------------------------- errors
+def test_error_messages(rng):
+    _, k, v = clustered(rng, 100, 1)
+    with pytest.raises(ValueError, match=r"n_probe must be <= n_clusters; got n_probe=9 > n_clusters=4"):
+        ClusterSelector(n_clusters=4, n_probe=9)
+    with pytest.raises(ValueError, match=r"n_clusters=200 > n_keys=100"):
+        ClusterSelector(n_clusters=200).build(k)
+    with pytest.raises(ValueError, match=r"parameter mode must be one of 'topk', 'block'; got 'dense'"):
+        ClusterSelector(mode="dense")
+    with pytest.raises(ValueError, match=r"parameter assign must be one of 'ip', 'l2'"):
+        ClusterSelector(assign="cos")
+    with pytest.raises(ValueError, match=r"train_sample must be >= n_clusters"):
+        ClusterSelector(n_clusters=10, train_sample=5)
+    with pytest.raises(ValueError, match=r"n_probe=16 exceeds the 10 clusters chosen for S=100"):
+        ClusterSelector(n_probe=16).build(k)
+    with pytest.raises(ValueError, match=r"unknown parameter\(s\) \['nprobe'\]"):
+        ClusterSelector(nprobe=3)
+    sel = ClusterSelector(n_clusters=4, n_probe=2)
+    with pytest.raises(RuntimeError, match="not built"):
+        sel.attend(k, v)
+    sel.build(k)
+    with pytest.raises(ValueError, match=r"values must have shape \(S=100, Ev\)"):
+        sel.attend(k, v[:50])
+    with pytest.raises(ValueError, match=r"queries must have shape \(L, E=16\)"):
+        sel.attend(k[:, :8], v)
+    with pytest.raises(TypeError, match="is_causal must be a bool"):
+        sel.attend(k, v, is_causal=1)
+    with pytest.raises(ValueError, match="values contains NaN"):
+        sel.attend(k, np.full_like(v, np.nan))
+
+
+@settings(max_examples=15, deadline=None)
+@given(S=st.integers(1, 120), L=st.integers(1, 30), C=st.integers(1, 8), seed=st.integers(0, 2**32 - 1),
+       causal=st.booleans())
+def test_property_block_attend_is_exact_on_routed_keys(S, L, C, seed, causal):
+    rng = np.random.default_rng(seed)
+    C = min(C, S)
+    p = int(rng.integers(1, C + 1))
+    q = rng.standard_normal((L, 5)).astype(np.float32)
+    k = rng.standard_normal((S, 5)).astype(np.float32)
+    v = rng.standard_normal((S, 3)).astype(np.float32)
+    sel = ClusterSelector(n_clusters=C, n_probe=p, mode="block").build(k)
+    out, lse = sel.attend(q, v, is_causal=causal)
+    mask = oracle_mask(sel, q, k)
+    if causal:
+        mask &= causal_mask(L, S)
+    ref, ref_lse = masked_attention(q, k, v, mask, 5 ** -0.5)
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(ref_lse))
+    assert not np.isnan(out).any()
