@@ -24,17 +24,23 @@ def get_num_threads() -> int:
 
 
 def _faiss_module():
-    # Only touch FAISS if it is already imported: importing it just to set threads costs ~0.3 s.
-    return sys.modules.get("faiss")
+    # Imported here (not at package import) so `import sparseattn` stays fast; entering `threads()` is an
+    # explicit request to control every pool, FAISS's included.  A missing FAISS is not an error.
+    if "faiss" in sys.modules:
+        return sys.modules["faiss"]
+    try:
+        import faiss
+    except ImportError:
+        return None
+    return faiss
 
 
 @contextlib.contextmanager
 def threads(n: int) -> Iterator[int]:
     """Context manager: run sparseattn with ``n`` threads, restoring previous settings on exit.
 
-    Sets Numba's thread count, FAISS's OpenMP threads (if FAISS is loaded, or gets loaded inside the
-    block: the selectors read :func:`get_num_threads`), BLAS threads (via threadpoolctl) and the worker
-    count of the dense reference.  Restored even when the body raises.
+    Sets Numba's thread count, FAISS's OpenMP threads (when FAISS is installed), BLAS threads (via
+    threadpoolctl) and the worker count of the dense reference.  Restored even when the body raises.
 
     Examples
     --------

@@ -3,6 +3,7 @@
 from . import (  # noqa: F401
     cluster,
     exact,
+    faiss_ann,
     kdtree,
     union,
     window,
