@@ -127,7 +127,7 @@ def warm_up() -> None:
         m = np.zeros(1, np.int64)
         for kern in (fused.fused_serial, fused.fused_parallel):
             kern(w, w, w, m, m, p.indptr, p.indices, True, dt(1.0), 4, 16, *no_bias_args(1), 1,
-                 np.empty((1, 64, 8), dt), np.empty((1, 64), dt))
+                 np.empty((1, 64, 8), dt), np.empty((1, 64), dt), dt == np.float32)
 
 
 def _median(xs: Sequence[float]) -> float:

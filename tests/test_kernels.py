@@ -48,7 +48,7 @@ def run_fused(q, k, v, p, scale, kernel=fused.fused_serial, bias=None):
         bargs = (BIAS_DENSE, np.zeros((1, 1)), np.zeros(3, np.int64), np.arange(q.shape[0]),
                  np.arange(k.shape[0]), np.ascontiguousarray(bias[None], q.dtype), np.zeros(1, np.int64))
     kernel(q3, k3, v3, np.zeros(1, np.int64), np.zeros(1, np.int64), p.indptr, p.indices, True,
-           q.dtype.type(scale), max_nnz, 4, *bargs, 1, out, lse)
+           q.dtype.type(scale), max_nnz, 4, *bargs, 1, out, lse, q.dtype == np.float32)
     return out[0], lse[0]
 
 

@@ -220,7 +220,7 @@ def _direct(kernel, q3, k3, v3, indptr, indices, shared, scale, chunk, G):
     lse = np.empty((G, q3.shape[1]), q3.dtype)
     max_nnz = int(np.diff(indptr).max())
     kernel(q3, k3, v3, np.arange(G), np.arange(G), indptr, indices, shared, q3.dtype.type(scale), max_nnz,
-           chunk, *no_bias_args(G), 1, out, lse)
+           chunk, *no_bias_args(G), 1, out, lse, q3.dtype == np.float32)
     return out, lse
 
 

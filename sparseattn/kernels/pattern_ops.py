@@ -15,7 +15,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from . import _options  # noqa: F401  (sets up the cache directory before compiling)
+from ._options import serial_and_parallel
 
 
 @njit(cache=True)
@@ -216,7 +216,7 @@ PARALLEL_MIN_WORK = 1 << 16  # elements touched below which the serial variant i
 
 
 def _variants(impl):
-    return njit(cache=True)(impl), njit(cache=True, parallel=True)(impl)
+    return serial_and_parallel(impl)
 
 
 _VARIANTS = {

@@ -1,0 +1,78 @@
+"""Low-level helpers for the kernels: a software prefetch and a vectorisable float32 exp.
+
+Why prefetch: a random sparse pattern gathers one key row and one value row per (query, key) pair from
+anywhere in memory; the hardware prefetcher cannot guess those addresses, so the kernel announces them a
+few pairs ahead (measured: random pattern at n = 65,536, k = 64 went from 0.078 s to 0.068 s).
+
+Why our own exp: the pip build of llvmlite has no SVML, so ``np.exp`` inside a Numba loop is a scalar
+libm call, and it was the largest cost of a window pattern (0.037 s -> 0.025 s with the polynomial
+below).  ``exp2_rows`` is plain arithmetic that LLVM vectorises; relative error <= 2.5e-7 (float32
+rounding level), arguments below -125 (including -inf) give exactly 0 (no subnormals, which are slow).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ._options import FASTMATH
+
+
+@intrinsic
+def prefetch_row(typingctx, arr, row):
+    """Hint the CPU to fetch ``arr[row, 0]`` (and its cache line) for reading; a no-op semantically."""
+    sig = types.void(arr, types.intp)
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        zero = context.get_constant(types.intp, 0)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], zero], wraparound=False)
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        # (address, rw = read, locality = keep in all cache levels, cache type = data)
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_LOG2E = np.float32(1.0 / math.log(2.0))
+# Taylor coefficients of 2**f = exp(f ln 2) on f in [-0.5, 0.5]: truncation error < 1.3e-7 relative.
+_C = [np.float32(math.log(2.0) ** i / math.factorial(i)) for i in range(8)]
+_C0, _C1, _C2, _C3, _C4, _C5, _C6, _C7 = _C
+
+
+@njit(cache=True, fastmath=FASTMATH, inline="always")
+def exp_shifted_f32(src, n, shift, frac, bits, dst):
+    """dst[t] = exp(src[t] - shift) for t < n, float32, vectorisable.
+
+    ``frac`` (float32) and ``bits`` (int32) are scratch arrays of length >= n; ``dst`` may be ``src``.
+    """
+    ebits = bits.view(np.float32)
+    for t in range(n):
+        x = (src[t] - shift) * _LOG2E
+        ok = x >= -125.0
+        x = x if ok else np.float32(-125.0)
+        fi = np.floor(x + np.float32(0.5))
+        f = x - fi
+        p = _C7
+        p = p * f + _C6
+        p = p * f + _C5
+        p = p * f + _C4
+        p = p * f + _C3
+        p = p * f + _C2
+        p = p * f + _C1
+        p = p * f + _C0
+        frac[t] = p
+        # 2**fi assembled from its exponent bits; 0 bits (= 0.0f) for arguments below -125 or -inf.
+        bits[t] = ((np.int32(fi) + 127) << 23) if ok else 0
+    for t in range(n):
+        dst[t] = frac[t] * ebits[t]
