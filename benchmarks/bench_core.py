@@ -86,14 +86,16 @@ def main() -> None:
             if torch is not None:
                 tq, tk, tv = (torch.from_numpy(x)[None, None] for x in (q, k, v))  # 4-D: 2-D allocates n x n
                 row["torch_sdpa_s"] = median_time(
-                    lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv), args.repeats)
-            row["dense_s"] = median_time(lambda: sa.scaled_dot_product_attention(q, k, v), args.repeats)
+                    lambda tq=tq, tk=tk, tv=tv: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv),
+                    args.repeats)
+            row["dense_s"] = median_time(lambda q=q, k=k, v=v: sa.scaled_dot_product_attention(q, k, v),
+                                         args.repeats)
             if not args.skip_numpy:
-                row["numpy_blocked_s"] = median_time(lambda: numpy_blocked(q, k, v), 1)
+                row["numpy_blocked_s"] = median_time(lambda q=q, k=k, v=v: numpy_blocked(q, k, v), 1)
             rand = sa.SparsePattern.from_padded(rng.integers(0, n, (n, args.k)), n)
             win = sa.SparsePattern.window(n, n, args.k, is_causal=True)
             for name, pat in (("random", rand), ("window", win)):
-                t = median_time(lambda pat=pat: sa.sparse_attention(q, k, v, pat, check_finite=False),
+                t = median_time(lambda pat=pat, q=q, k=k, v=v: sa.sparse_attention(q, k, v, pat, check_finite=False),
                                 max(args.repeats, 5))
                 row[f"sparse_{name}_s"] = t
                 row[f"sparse_{name}_GBps"] = pat.nnz * (args.d + args.d) * 4 / t / 1e9
