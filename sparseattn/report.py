@@ -142,7 +142,8 @@ def plot_compare(result: dict[str, Any], out_dir: str) -> list[str]:
         x = r.get("speedup_vs_sdpa") or r.get("speedup_vs_dense")
         y = _get(r, "quality.mass_recall_mean")
         ax.scatter(x, y, s=40)
-        ax.annotate(r["selector"][:32], (x, y), fontsize=7, xytext=(4, 2), textcoords="offset points")
+        label = "+".join(part.split(",")[0] for part in r["selector"].split("+"))[:40]
+        ax.annotate(label, (x, y), fontsize=7, xytext=(4, 2), textcoords="offset points")
     ax.axvline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xscale("log")
     ax.set_xlabel("speed-up over exact attention (x SDPA if installed, else x our dense), end to end")
