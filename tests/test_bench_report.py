@@ -1,0 +1,106 @@
+"""The harness, the compare report and the CLI: schema, recomputed quality, formats, errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import sparseattn as sa
+from sparseattn import bench, report
+from sparseattn.cli import main
+
+SYNTH = "synthetic:n=300,d=16,kind=clustered,n_clusters=8,seed=3"
+
+
+@pytest.fixture(scope="module")
+def result():
+    return bench.compare(SYNTH, ["topk", "window:width=16", "cluster:mode=block,n_clusters=8,n_probe=2"],
+                         k=16, repeats=1)
+
+
+def test_compare_schema_and_baselines(result):
+    assert result["schema"] == "sparseattn.compare/1"
+    assert result["workload"]["S"] == 300 and result["workload"]["E"] == 16
+    assert result["dense"]["dense_s"] > 0
+    for key in ("cpu", "cores", "threads", "numpy", "numba", "faiss"):
+        assert key in result["machine"]
+    for row in result["results"]:
+        for key in ("selector", "build_s", "select_s", "kernel_s", "total_s", "speedup_vs_dense", "quality",
+                    "keys_per_query", "traced_peak_mb", "rss_peak_mb"):
+            assert key in row, key
+        assert row["total_s"] >= row["select_s"] >= 0
+    json.dumps(result, default=report._json_default)  # serialisable
+
+
+def test_quality_is_recomputed_from_the_pattern(result):
+    rows = {r["name"] + ("-block" if r["params"].get("mode") == "block" else ""): r for r in result["results"]}
+    # The exact oracle must come out exact, judged independently by metrics (float64).
+    assert rows["topk"]["quality"]["recall_mean"] == pytest.approx(1.0)
+    wl = bench.load_workload(SYNTH)
+    pat = sa.get_selector("window:width=16").build(wl.k[0]).query(wl.q[0], 16)
+    expected = sa.metrics.compare(wl.q[0], wl.k[0], wl.v[0], pat, scale=wl.scale, k=16).summary()
+    got = rows["window"]["quality"]
+    assert got["mass_recall_mean"] == pytest.approx(expected["mass_recall_mean"], rel=1e-9)
+    assert got["recall_mean"] == pytest.approx(expected["recall_mean"], rel=1e-9)
+    # A window of 16 over clustered keys misses mass; the harness must say so.
+    assert got["mass_recall_mean"] < 0.99
+    # Block mode: output error measured on its actual output; routed keys > k per query.
+    assert rows["cluster-block"]["keys_per_query"] > 16
+    assert 0 <= rows["cluster-block"]["quality"]["rel_error_overall"] < 1
+
+
+def test_renderers_and_files(result, tmp_path):
+    text = report.render_text(result)
+    assert "dense (ours, exact)" in text and "topk" in text and "recall@k" in text
+    md = report.render_markdown(result)
+    assert md.startswith("# sparseattn compare") and "| selector |" in md
+    html = report.render_html(result)
+    assert "<table>" in html and "</html>" in html
+    written = report.write_compare(result, str(tmp_path), ["json", "md", "html"])
+    names = {p.split("/")[-1] for p in written}
+    assert {"compare.json", "compare.md", "compare.html"} <= names
+    loaded = json.loads((tmp_path / "compare.json").read_text())
+    assert loaded["results"][0]["selector"] == result["results"][0]["selector"]
+
+
+def test_cli_compare_runs_and_writes(tmp_path, capsys):
+    rc = main(["compare", "--data", SYNTH, "--selectors", "topk", "window:width=8", "--k", "8", "--repeats", "1",
+               "--out", str(tmp_path), "--format", "table,json"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "window" in out and "wrote" in out
+    data = json.loads((tmp_path / "compare.json").read_text())
+    assert [r["name"] for r in data["results"]] == ["topk", "window"]
+
+
+def test_cli_errors_are_reported_not_raised(tmp_path, capsys):
+    assert main(["compare", "--data", SYNTH, "--format", "pdf", "--out", str(tmp_path)]) == 2
+    assert "--format: unknown ['pdf']" in capsys.readouterr().err
+    assert main(["compare", "--data", "nonsense", "--out", str(tmp_path)]) == 2
+    assert "unknown data 'nonsense'" in capsys.readouterr().err
+    assert main(["compare", "--data", SYNTH, "--k", "0", "--out", str(tmp_path)]) == 2
+    assert "--k must be >= 1" in capsys.readouterr().err
+
+
+def test_unknown_selector_in_compare_is_recorded_as_error(tmp_path, capsys):
+    rc = main(["compare", "--data", SYNTH, "--selectors", "topk", "no-such-selector", "--repeats", "1",
+               "--out", str(tmp_path), "--format", "json"])
+    assert rc == 1  # an explicitly requested selector failed
+    data = json.loads((tmp_path / "compare.json").read_text())
+    assert "unknown selector 'no-such-selector'" in data["results"][1]["error"]
+
+
+def test_selectors_command_lists_guarantees(capsys):
+    assert main(["selectors"]) == 0
+    out = capsys.readouterr().out
+    for name in ("topk", "window", "faiss-hnsw", "lsh", "angular-lsh", "kdtree", "cluster"):
+        assert name in out
+    assert "guarantee:" in out
+
+
+def test_load_workload_real_traces():
+    wl = bench.load_workload("window", max_groups=5)
+    assert wl.q.shape == (5, 512, 32) and wl.q.dtype == np.float32
+    assert wl.scale == pytest.approx(1 / np.sqrt(32))
