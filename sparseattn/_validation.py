@@ -63,3 +63,9 @@ def check_scale(scale: object, head_dim: int) -> float:
     if not np.isfinite(s):
         raise ValueError(f"scale must be finite; got {scale!r}.")
     return s
+
+
+def overflow_message(dtype: np.dtype, scale: float) -> str:
+    """Error text for attention scores that overflow the computation dtype (finite inputs, +inf score)."""
+    return (f"attention scores overflow {np.dtype(dtype).name} (some q.k * scale = +inf with scale={scale:g}); "
+            f"pass float64 inputs or a smaller scale.")

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ._broadcast import flat3, group_maps
-from ._validation import as_float_array, check_positive_int, check_scale, result_dtype
+from ._validation import as_float_array, check_positive_int, check_scale, overflow_message, result_dtype
 from .threads import get_num_threads
 
 DEFAULT_Q_BLOCK = 256
@@ -134,6 +134,8 @@ def scaled_dot_product_attention(
     lead, q_map, kv_map = group_maps(q.shape[:-2], k.shape[:-2], enable_gqa=enable_gqa)
     mask = _check_mask(attn_mask, lead, L, S)
     cdt = result_dtype(q, k, v)
+    if not np.isfinite(cdt.type(sc)):
+        raise ValueError(f"scale={sc:g} overflows the computation dtype {cdt.name}; pass float64 inputs.")
     out_dtype = np.result_type(q.dtype, k.dtype, v.dtype)
     qpos = kpos = None
     if bias is not None:
@@ -201,6 +203,8 @@ def _attend_block(qg, kg, vg, mask_g, g, lead, r0, r1, is_causal, scale, cdt, k_
         if bias is not None:
             s += bias.block(qpos[r0:r1], kpos[c0:c1], head=head)
         m_tile = s.max(axis=1)
+        if np.isposinf(m_tile).any():  # finite inputs whose score overflowed: refuse, never guess
+            raise ValueError(overflow_message(cdt, scale))
         m_new = np.maximum(m, m_tile)
         # Rows whose every score so far is -inf keep a finite shift of 0 so exp gives 0, not NaN.
         shift = np.where(np.isneginf(m_new), 0, m_new).astype(cdt, copy=False)

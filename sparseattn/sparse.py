@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ._broadcast import flat3, group_maps
-from ._validation import as_float_array, check_positive_int, check_scale, result_dtype
+from ._validation import as_float_array, check_positive_int, check_scale, overflow_message, result_dtype
 from .kernels import fused
 from .kernels.bias import BIAS_DENSE, no_bias_args
 from .pattern import SparsePattern, _positions, stack_patterns
@@ -139,6 +139,8 @@ def sparse_attention(
     lead, q_map, kv_map = group_maps(q.shape[:-2], kk.shape[:-2], enable_gqa=enable_gqa)
     G = len(q_map)
     cdt = result_dtype(q, kk, v)
+    if not np.isfinite(cdt.type(sc)):
+        raise ValueError(f"scale={sc:g} overflows the computation dtype {cdt.name}; pass float64 inputs.")
     out_dtype = np.result_type(q.dtype, kk.dtype, v.dtype)
     q3 = np.ascontiguousarray(flat3(q), dtype=cdt)
     k3 = np.ascontiguousarray(flat3(kk), dtype=cdt)
@@ -223,6 +225,8 @@ def sparse_attention(
         kernel(q3, k3, v3, q_map, kv_map, indptr, indices, shared, cdt.type(sc), max_nnz, CHUNK_ROWS,
                *bias_args, out, lse, cdt == np.float32)
     timings["kernel"] = time.perf_counter() - t0
+    if G and L and np.isposinf(lse).any():
+        raise ValueError(overflow_message(cdt, sc))
     output = out.reshape(lead + (L, Ev)).astype(out_dtype, copy=False)
     lse_out = lse.reshape(lead + (L,))
     if return_result:

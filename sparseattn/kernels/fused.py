@@ -73,6 +73,11 @@ def _fused_rows(q, k, v, q_map, kv_map, indptr, indices, shared, scale, max_nnz,
                 if s > m:
                     m = s
             n = b - a
+            if m == np.inf:  # a finite input overflowed the dtype: flagged, the caller raises
+                for e in range(Ev):
+                    out[g, i, e] = np.nan
+                lse[g, i] = np.inf
+                continue
             if n == 0 or m == -np.inf:
                 for e in range(Ev):
                     out[g, i, e] = 0.0

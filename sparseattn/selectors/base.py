@@ -68,6 +68,9 @@ class Selector(ABC):
     guarantee: ClassVar[str] = ""
     params_spec: ClassVar[dict[str, Param]] = {}
     supports_add: ClassVar[bool] = False
+    #: Top-k style selectors promise every allowed key when a row has at most k of them (k >= S, or the
+    #: first rows of a causal sequence); structural selectors (window, sinks, random) opt out.
+    fills_small_rows: ClassVar[bool] = True
 
     def __init__(self, **params: Any) -> None:
         unknown = sorted(set(params) - set(self.params_spec))
@@ -161,12 +164,16 @@ class Selector(ABC):
         L, S = q.shape[0], self.keys_.shape[0]
         qpos = _positions(query_positions, L, "query_positions")
         kpos = _positions(key_positions, S, "key_positions")
+        if S == 0:  # nothing to select from: every row empty (attention over it gives zeros)
+            return SparsePattern(np.zeros(L + 1, np.int64), np.zeros(0, np.int32), 0, validate=False)
         pattern = self._query(q, k, bool(is_causal), qpos, kpos)
         if pattern.shape != (L, S):  # pragma: no cover - a selector bug, not a user error
             raise RuntimeError(f"selector {self.name!r} returned a pattern of shape {pattern.shape}, "
                                f"expected {(L, S)}.")
         if is_causal:
             pattern = pattern.causal(qpos, kpos)
+        if self.fills_small_rows:
+            pattern = _fill_small_rows(pattern, k, bool(is_causal), qpos, kpos)
         return pattern
 
     @abstractmethod
@@ -177,6 +184,27 @@ class Selector(ABC):
     def _query(self, q: np.ndarray, k: int, is_causal: bool, qpos: np.ndarray,
                kpos: np.ndarray) -> SparsePattern:
         """Return an (L, S) pattern; causal selectors should already respect positions."""
+
+
+def _fill_small_rows(pattern: SparsePattern, k: int, is_causal: bool, qpos: np.ndarray,
+                     kpos: np.ndarray) -> SparsePattern:
+    """Union each row that has at most k allowed keys with all of them (the documented k >= S rule)."""
+    L, S = pattern.shape
+    if not is_causal:
+        return SparsePattern.full(L, S) if k >= S else pattern
+    order = np.argsort(kpos, kind="stable")
+    allowed = np.searchsorted(kpos[order], qpos, side="right")  # keys with position <= query's
+    small = (allowed <= k) & (allowed > 0)
+    if not small.any():
+        return pattern
+    counts = np.where(small, allowed, 0).astype(np.int64)
+    indptr = np.zeros(L + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    within = np.arange(indptr[-1], dtype=np.int64) - np.repeat(indptr[:-1], counts)
+    from ..kernels.pattern_ops import canonicalize_rows
+    ptr, idx = canonicalize_rows(indptr, order[within].astype(np.int32))
+    extra = SparsePattern(ptr, idx, S, validate=False)
+    return pattern.union(extra)
 
 
 class IndexSelector(Selector):
@@ -192,6 +220,12 @@ class IndexSelector(Selector):
     rerank: ClassVar[bool] = True
 
     def _build(self, keys: np.ndarray) -> None:
+        self._blocks: dict[tuple[int, int], Any] = {}
+        if keys.shape[0] == 0:  # no index over nothing (FAISS cannot train or search an empty index)
+            self.mean_ = np.zeros(keys.shape[1], keys.dtype)
+            self.centered_ = keys
+            self.index_ = None
+            return
         center = self._params.get("center", True)
         self.mean_ = keys.mean(axis=0, dtype=np.float64).astype(keys.dtype) if center and keys.shape[0] \
             else np.zeros(keys.shape[1], keys.dtype)

@@ -60,6 +60,7 @@ class WindowSelector(Selector):
     [1, 2, 3]
     """
 
+    fills_small_rows = False  # positional: k is not its budget (see the docstring)
     name = "window"
     metric = "position"
     guarantee = ("exact: query at position p selects exactly the keys at positions p + t*dilation for t in "
@@ -145,6 +146,7 @@ class SinksSelector(Selector):
     position is dropped from that row.
     """
 
+    fills_small_rows = False  # positional: k is not its budget (see the docstring)
     name = "sinks"
     metric = "position"
     guarantee = ("exact: every query selects exactly the sink keys (the g lowest key positions, or the keys "
@@ -205,6 +207,7 @@ class RandomSelector(Selector):
     Built in Numba (Floyd's algorithm, SplitMix64): O(n_random) per query.
     """
 
+    fills_small_rows = False  # positional: k is not its budget (see the docstring)
     name = "random"
     metric = "none (uniform sample)"
     guarantee = ("exact sampling: each query gets min(n_random, allowed) distinct keys, every such subset of "
