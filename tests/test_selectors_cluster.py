@@ -292,6 +292,9 @@ def test_topk_equals_exact_topk_of_routed_keys(rng, is_causal):
     mask = oracle_mask(sel, q, k)
     if is_causal:
         mask &= causal_mask(L, S)
+        # Documented rule (Selector.query): a row with at most kk allowed keys holds all of them.
+        few = causal_mask(L, S).sum(axis=1) <= kk
+        mask[few] = causal_mask(L, S)[few]
     s = q.astype(np.float64) @ k.astype(np.float64).T
     s_masked = np.where(mask, s, -np.inf)
     per_row = pattern.nnz_per_row
@@ -320,7 +323,8 @@ def test_topk_k_larger_than_routed_set_returns_all_routed(rng):
     q, k, _ = clustered(rng, 300, 40)
     sel = ClusterSelector(n_clusters=10, n_probe=2).build(k)
     mask = oracle_mask(sel, q, k)
-    np.testing.assert_array_equal(sel.query(q, 10_000).to_mask(), mask)
+    np.testing.assert_array_equal(sel.query(q, 250).to_mask(), mask)  # k below S: the routed set
+    assert sel.query(q, 10_000).to_mask().all()  # k >= S: every key (Selector.query's documented rule)
 
 
 def test_float64_keys_and_registry(rng):

@@ -412,6 +412,11 @@ class ClusterSelector(Selector):
         return SparsePattern(np.concatenate(ptrs), indices, self.keys_.shape[0], validate=False)
 
     # -------------------------------------------------------------------------------------- attend
+    @property
+    def fills_small_rows(self) -> bool:  # type: ignore[override]
+        # Block mode's pattern is exactly the routed key set attend() uses: never padded.
+        return self._params["mode"] != "block"
+
     def attend(self, queries: np.ndarray, values: np.ndarray, *, scale: float | None = None,
                is_causal: bool = False, query_positions: object = None, key_positions: object = None,
                check_finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
