@@ -32,7 +32,7 @@ import numpy as np
 
 from ._broadcast import flat3, group_maps
 from ._validation import as_float_array, check_positive_int, check_scale, overflow_message, result_dtype
-from .threads import get_num_threads
+from .threads import get_num_threads, single_threaded_blas
 
 DEFAULT_Q_BLOCK = 256
 DEFAULT_K_BLOCK = 1024
@@ -166,8 +166,7 @@ def scaled_dot_product_attention(
             for t in tasks:
                 run(t)
         else:
-            from threadpoolctl import threadpool_limits
-            with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(n_workers) as pool:
+            with single_threaded_blas(), ThreadPoolExecutor(n_workers) as pool:
                 list(pool.map(run, tasks))
     result = out.reshape(lead + (L, Ev)).astype(out_dtype, copy=False)
     if return_lse:

@@ -9,18 +9,50 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Iterator
 
 import numba
 
 from ._validation import check_positive_int
 
-_dense_threads: int | None = None
+# Per Python thread, like Numba's own setting: overlapping `threads()` blocks in different Python
+# threads must not undo each other.
+_local = threading.local()
+_blas_lock = threading.Lock()
+_blas_users = 0
+_blas_limiter = None
 
 
 def get_num_threads() -> int:
-    """Threads the dense reference and kernels will use now."""
-    return _dense_threads if _dense_threads is not None else numba.get_num_threads()
+    """Threads the dense reference and kernels will use now (in this Python thread)."""
+    n = getattr(_local, "n", None)
+    return n if n is not None else numba.get_num_threads()
+
+
+@contextlib.contextmanager
+def single_threaded_blas() -> Iterator[None]:
+    """BLAS pinned to one thread while any caller is inside (reference-counted across Python threads).
+
+    Callers that parallelise over blocks themselves use this so BLAS does not oversubscribe the cores.
+    The BLAS thread count is process-wide, so a plain save/restore per call breaks when calls overlap
+    (the last to leave would restore the *pinned* value): the first to enter sets it, the last restores.
+    """
+    global _blas_users, _blas_limiter
+    from threadpoolctl import threadpool_limits
+
+    with _blas_lock:
+        if _blas_users == 0:
+            _blas_limiter = threadpool_limits(limits=1, user_api="blas")
+        _blas_users += 1
+    try:
+        yield
+    finally:
+        with _blas_lock:
+            _blas_users -= 1
+            if _blas_users == 0 and _blas_limiter is not None:
+                _blas_limiter.restore_original_limits()
+                _blas_limiter = None
 
 
 def _faiss_module():
@@ -41,20 +73,21 @@ def threads(n: int) -> Iterator[int]:
 
     Sets Numba's thread count, FAISS's OpenMP threads (when FAISS is installed), BLAS threads (via
     threadpoolctl) and the worker count of the dense reference.  Restored even when the body raises.
+    Like Numba's own setting, the count applies to the calling Python thread: worker threads started
+    inside the block should enter ``threads(n)`` themselves.
 
     Examples
     --------
     >>> with threads(1):
     ...     pass
     """
-    global _dense_threads
     n = check_positive_int(n, "n")
     max_threads = numba.config.NUMBA_NUM_THREADS
     if n > max_threads:
         raise ValueError(f"n={n} exceeds the {max_threads} threads Numba was started with "
                          f"(set NUMBA_NUM_THREADS before importing to raise it).")
     prev_numba = numba.get_num_threads()
-    prev_dense = _dense_threads
+    prev_dense = getattr(_local, "n", None)
     faiss = _faiss_module()
     prev_faiss = faiss.omp_get_max_threads() if faiss is not None else None
     limiter = None
@@ -65,13 +98,13 @@ def threads(n: int) -> Iterator[int]:
         limiter = None
     try:
         numba.set_num_threads(n)
-        _dense_threads = n
+        _local.n = n
         if faiss is not None:
             faiss.omp_set_num_threads(n)
         yield n
     finally:
         numba.set_num_threads(prev_numba)
-        _dense_threads = prev_dense
+        _local.n = prev_dense
         if faiss is not None and prev_faiss is not None:
             faiss.omp_set_num_threads(prev_faiss)
         if limiter is not None:

@@ -73,4 +73,5 @@ def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, *, is_causal: bool
         scores_out[start:stop, :kk_eff] = np.take_along_axis(top, order, axis=1)
         ids_out[start:stop, :kk_eff] = np.where(np.take_along_axis(valid, order, axis=1),
                                                 np.take_along_axis(ids, order, axis=1), -1)
+        del s  # release this block's scores before the next one is computed (one block at a time)
     return scores_out, ids_out

@@ -8,8 +8,6 @@ gathered rows on AVX-512 machines without changing the IEEE special-value behavi
 
 from __future__ import annotations
 
-from .. import _numba_setup  # noqa: F401  (settles the cache directory first)
-
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
 

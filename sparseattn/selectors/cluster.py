@@ -82,21 +82,17 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
     return check
 
 
-_controller: Any = None
 
 
 @contextlib.contextmanager
 def _threads(n: int) -> Iterator[None]:
     """BLAS pinned to one thread (we parallelise over clusters ourselves), Numba to n threads."""
-    global _controller
-    from threadpoolctl import ThreadpoolController
+    from ..threads import single_threaded_blas
 
-    if _controller is None:
-        _controller = ThreadpoolController()
     old = numba.get_num_threads()
     numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
     try:
-        with _controller.limit(limits=1, user_api="blas"):
+        with single_threaded_blas():
             yield
     finally:
         numba.set_num_threads(old)

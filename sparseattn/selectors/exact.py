@@ -51,6 +51,7 @@ def topk_pattern(q: np.ndarray, keys: np.ndarray, k: int, *, is_causal: bool = F
         stop = min(start + block, L)
         s = q[start:stop] @ kT
         block_topk(s, kk, is_causal, qpos[start:stop], kpos, ids[start:stop], counts[start:stop])
+        del s  # one block of scores alive at a time
     indptr = np.zeros(L + 1, dtype=np.int64)
     np.cumsum(counts, out=indptr[1:])
     indices = ids[np.arange(kk)[None, :] < counts[:, None]]  # row-major: each row's ids stay ascending
