@@ -218,7 +218,10 @@ def sparse_attention(
     # variant compiles in a fraction of the parallel one's time (first-call latency).
     work = indices.shape[0] * (G if shared else 1) * (E + Ev)
     use_parallel = get_num_threads() > 1 and work > PARALLEL_MIN_WORK
-    kernel = fused.fused_parallel if use_parallel else fused.fused_serial
+    if bias is None:
+        kernel = fused.fused_parallel_nobias if use_parallel else fused.fused_serial_nobias
+    else:
+        kernel = fused.fused_parallel if use_parallel else fused.fused_serial
     t0 = time.perf_counter()
     if G and L:
         # float32: the vectorised polynomial exp (rel. error <= 2.5e-7); float64 keeps np.exp's precision.

@@ -234,8 +234,8 @@ def _read_only_install_run(tmp_path: Path, numba_first: bool) -> tuple[dict, Pat
             "q = np.ones((64, 8), np.float32)\n"
             "out = sa.sparse_attention(q, q, q, sa.SparsePattern.window(64, 64, 8))\n"
             "print(json.dumps({'file': sa.__file__, 'env': os.environ.get('NUMBA_CACHE_DIR'), "
-            "'config': numba.config.CACHE_DIR, 'used': fused.fused_serial.stats.cache_path, "
-            "'misses': fused.fused_serial.stats.cache_misses.total(), 'ok': bool(np.allclose(out, 1.0))}))")
+            "'config': numba.config.CACHE_DIR, 'used': fused.fused_serial_nobias.stats.cache_path, "
+            "'misses': fused.fused_serial_nobias.stats.cache_misses.total(), 'ok': bool(np.allclose(out, 1.0))}))")
     _make_read_only(site)
     try:
         res = _run(code, _env(PYTHONPATH=str(site), XDG_CACHE_HOME=str(xdg), NUMBA_CACHE_DIR=None),
@@ -258,7 +258,7 @@ def test_read_only_install_compiles_and_caches_in_a_writable_place(tmp_path, num
     used = Path(res["used"])
     assert used.resolve().is_relative_to(xdg.resolve()), used
     files = _cache_files(used)
-    assert any("_fused_rows_serial" in f and f.endswith(".nbi") for f in files), files
+    assert any("_fused_rows_nobias_serial" in f and f.endswith(".nbi") for f in files), files
     assert used.parent == xdg / "sparseattn" / f"numba-{_numba_setup.kernels_digest()}"
 
 

@@ -12,7 +12,7 @@ FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
 
 
-def serial_and_parallel(impl, **options):
+def serial_and_parallel(impl, *, constants: dict | None = None, suffix: str = "", **options):
     """Compile ``impl`` twice, serial and ``parallel=True``, each with its own on-disk cache entry.
 
     Why the clone: Numba names cache files after the function's qualified name and line, and does not
@@ -25,10 +25,14 @@ def serial_and_parallel(impl, **options):
 
     from numba import njit
 
-    def clone(suffix):
-        fn = types.FunctionType(impl.__code__, impl.__globals__, impl.__name__ + suffix,
+    # ``constants`` override module globals for this pair only: Numba treats globals as compile-time
+    # constants and prunes dead branches on them (e.g. a no-bias kernel never types the bias code).
+    namespace = impl.__globals__ if not constants else {**impl.__globals__, **constants}
+
+    def clone(variant):
+        fn = types.FunctionType(impl.__code__, namespace, impl.__name__ + suffix + variant,
                                 impl.__defaults__, impl.__closure__)
-        fn.__qualname__ = impl.__qualname__ + suffix
+        fn.__qualname__ = impl.__qualname__ + suffix + variant
         fn.__module__ = impl.__module__
         fn.__doc__ = impl.__doc__
         return fn

@@ -25,6 +25,7 @@ from ._options import FASTMATH, serial_and_parallel
 from .bias import bias_value
 
 PREFETCH_DISTANCE = 4  # pairs ahead: measured best of 2/4/8 on random patterns at n = 65,536
+HAS_BIAS = True  # compile-time constant: the no-bias variants below prune the bias code entirely
 
 
 def _fused_rows(q, k, v, q_map, kv_map, indptr, indices, shared, scale, max_nnz, chunk,
@@ -66,7 +67,7 @@ def _fused_rows(q, k, v, q_map, kv_map, indptr, indices, shared, scale, max_nnz,
                 for e in range(E):
                     s += qi[e] * kj[e]
                 s = s * scale
-                if bias_kind != 0:
+                if HAS_BIAS and bias_kind != 0:
                     s += bias_value(bias_kind, g, h, i, j, qpos, kpos, bias_params, bias_ints,
                                     bias_dense, bias_map)
                 scratch[p - a] = s
@@ -104,3 +105,6 @@ def _fused_rows(q, k, v, q_map, kv_map, indptr, indices, shared, scale, max_nnz,
 
 
 fused_serial, fused_parallel = serial_and_parallel(_fused_rows, fastmath=FASTMATH)
+# Without a bias (the common case) the kernel is smaller: faster to compile (first call) and to run.
+fused_serial_nobias, fused_parallel_nobias = serial_and_parallel(
+    _fused_rows, fastmath=FASTMATH, constants={"HAS_BIAS": False}, suffix="_nobias")
