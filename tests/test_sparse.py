@@ -246,8 +246,8 @@ def test_public_parallel_path_equals_serial(rng, monkeypatch):
     serial = sparse_attention(q, k, v, p, return_lse=True)
     monkeypatch.setattr(sparse_mod, "PARALLEL_MIN_WORK", 0)  # force the parallel kernel on a small input
     calls = []
-    real = fused.fused_parallel
-    monkeypatch.setattr(fused, "fused_parallel", lambda *a: (calls.append(1), real(*a))[1])
+    real = fused.fused_parallel_nobias  # no bias: the variant with the bias code pruned
+    monkeypatch.setattr(fused, "fused_parallel_nobias", lambda *a: (calls.append(1), real(*a))[1])
     with sa.threads(2):
         par = sparse_attention(q, k, v, p, return_lse=True)
     assert calls, "the parallel kernel was not used"
