@@ -51,6 +51,17 @@ def _weight(w: Any, name: str, in_dim: int | None = None) -> np.ndarray:
     return arr
 
 
+def _inputs(x: Any, context: Any, d_query: int, d_key: int) -> tuple[np.ndarray, np.ndarray]:
+    """Validated (x, context) for a layer whose projections read d_query / d_key features."""
+    x = as_float_array(x, "x", min_ndim=2)
+    c = x if context is None else as_float_array(context, "context", min_ndim=2)
+    if x.shape[-1] != d_query:
+        raise ValueError(f"x has {x.shape[-1]} features; W_query expects {d_query}.")
+    if c.shape[-1] != d_key:
+        raise ValueError(f"context has {c.shape[-1]} features; W_key expects {d_key}.")
+    return x, c
+
+
 @dataclass
 class AttentionSteps:
     """Every intermediate of the eight steps, for inspection and teaching.
@@ -170,12 +181,7 @@ class AttentionHead:
 
     def project(self, x: np.ndarray, context: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Step 3: (Q (..., L, dk), K (..., S, dk), V (..., S, dv))."""
-        x = as_float_array(x, "x", min_ndim=2)
-        c = x if context is None else as_float_array(context, "context", min_ndim=2)
-        if x.shape[-1] != self.W_query.shape[0]:
-            raise ValueError(f"x has {x.shape[-1]} features; W_query expects {self.W_query.shape[0]}.")
-        if c.shape[-1] != self.W_key.shape[0]:
-            raise ValueError(f"context has {c.shape[-1]} features; W_key expects {self.W_key.shape[0]}.")
+        x, c = _inputs(x, context, self.W_query.shape[0], self.W_key.shape[0])
         return x @ self.W_query, c @ self.W_key, c @ self.W_value
 
     def __call__(self, x: np.ndarray, context: np.ndarray | None = None, *, attn_mask: Any = None,
@@ -254,12 +260,7 @@ class MultiHeadAttention:
 
     def project(self, x: np.ndarray, context: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per-head Q (..., H, L, dk), K (..., H, S, dk), V (..., H, S, dv)."""
-        x = as_float_array(x, "x", min_ndim=2)
-        c = x if context is None else as_float_array(context, "context", min_ndim=2)
-        if x.shape[-1] != self.W_query.shape[1]:
-            raise ValueError(f"x has {x.shape[-1]} features; W_query expects {self.W_query.shape[1]}.")
-        if c.shape[-1] != self.W_key.shape[1]:
-            raise ValueError(f"context has {c.shape[-1]} features; W_key expects {self.W_key.shape[1]}.")
+        x, c = _inputs(x, context, self.W_query.shape[1], self.W_key.shape[1])
         xq = x[..., None, :, :]
         xc = c[..., None, :, :]
         return xq @ self.W_query, xc @ self.W_key, xc @ self.W_value
