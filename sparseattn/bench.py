@@ -280,12 +280,12 @@ def compare(data: str = "window", selectors: Sequence[str] | None = None, *, k: 
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def default_selectors(wl: Workload) -> list[str]:
+def default_selectors(wl: Workload | None = None) -> list[str]:
     """A representative set: the exact oracle, structural, hashing, tree, FAISS and cluster routing."""
     from .selectors import available_selectors
 
     avail = {name for name, reason in available_selectors().items() if reason is None}
-    wanted = ["topk", "window", "window:width=48+sinks:g=4+random:n_random=12", "angular-lsh", "lsh",
+    wanted = ["topk", "window", "window:width=48+sinks:g=4+random:n_random=12", "angular-lsh", "lsh:n_candidates=256",
               "kdtree", "faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-ivfpq", "cluster", "cluster:mode=block"]
     out = []
     for spec in wanted:

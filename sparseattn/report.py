@@ -236,7 +236,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         raise ValueError(f"--k must be >= 1; got {args.k}.")
     with threads(args.threads or _default_threads()):
         wl_groups = args.max_groups
-        n_sel = len(args.selectors) if args.selectors else 11
+        n_sel = len(args.selectors) if args.selectors else len(bench.default_selectors(None))
         result = bench.compare(args.data, args.selectors, k=args.k, is_causal=args.causal, repeats=args.repeats,
                                max_groups=wl_groups, progress=_progress_printer(n_sel + 1))
     if "table" in formats:
@@ -244,7 +244,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     written = write_compare(result, args.out, formats)
     for p in written:
         print(f"wrote {p}")
-    return 0 if all("error" not in r for r in result["results"]) or args.selectors is None else 1
+    return 0 if all("error" not in r for r in result["results"]) else 1
 
 
 def _default_threads() -> int:

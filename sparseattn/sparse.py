@@ -107,8 +107,8 @@ def sparse_attention(
     k : int
         Keys per query asked of a selector (ignored for explicit patterns).
     is_causal : bool
-        For selectors: select only keys with position <= the query's.  An explicit pattern is used as
-        given (filter it with ``pattern.causal()``).
+        Only keys with position <= the query's: selectors select accordingly, and an explicit pattern is
+        filtered with ``pattern.causal(query_positions, key_positions)`` (top-left alignment by default).
     scale : float, optional
         Default ``1 / sqrt(E)``.
     bias : RelativeBias or float array (..., L, S), optional
@@ -147,6 +147,9 @@ def sparse_attention(
     v3 = np.ascontiguousarray(flat3(v), dtype=cdt)
     timings = {"build": 0.0, "select": 0.0, "kernel": 0.0}
     spec = None
+    selector_spec = None
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal must be a bool; got {is_causal!r}.")
 
     if isinstance(pattern, SparsePattern):
         patterns = [pattern]
@@ -162,12 +165,15 @@ def sparse_attention(
                             f"spec string; got {type(pattern).__name__}.")
         k = check_positive_int(k, "k")
         template = get_selector(pattern)
-        spec = spec_string(template)
+        spec = selector_spec = spec_string(template)
         patterns = []
         qpos = _positions(query_positions, L, "query_positions")
         kpos = _positions(key_positions, S, "key_positions")
         built: dict[int, Selector] = {}
         attends = _uses_attend(template)
+        if attends and bias is not None:
+            raise ValueError(f"bias is not supported by selector {spec!r} (block mode attends by itself); "
+                             f"use mode=topk or drop bias.")
         out_direct = np.empty((G, L, Ev), dtype=cdt) if attends else None
         lse_direct = np.empty((G, L), dtype=cdt) if attends else None
         for g in range(G):
@@ -190,9 +196,6 @@ def sparse_attention(
                                                 key_positions=kpos, check_finite=False))
             timings["select"] += time.perf_counter() - t0
         if attends:
-            if bias is not None:
-                raise ValueError(f"bias is not supported by selector {spec!r} (block mode attends by itself); "
-                                 f"use mode=topk or drop bias.")
             output = out_direct.reshape(lead + (L, Ev)).astype(out_dtype, copy=False)
             lse_out = lse_direct.reshape(lead + (L,))
             if return_result:
@@ -204,6 +207,18 @@ def sparse_attention(
             raise TypeError(f"pattern[{i}] must be a SparsePattern; got {type(p).__name__}.")
         if p.shape != (L, S):
             raise ValueError(f"pattern shape {p.shape} does not match (L, S) = {(L, S)} of query/key.")
+        # Cheap O(nnz) guard before the kernel: an out-of-range id (a pattern built with validate=False or
+        # edited in place) would otherwise be an out-of-bounds read inside Numba, not an error.
+        ip, ix = p.indptr, p.indices
+        if ip[0] != 0 or ip[-1] != ix.shape[0] or (ip.shape[0] > 1 and np.diff(ip).min() < 0) or \
+                (ix.size and (int(ix.min()) < 0 or int(ix.max()) >= S)):
+            raise ValueError(f"pattern[{i}] is not a valid CSR over {S} keys (row pointers or key ids out of "
+                             f"range); call pattern.validate() to see the first problem.")
+    if is_causal and selector_spec is None:
+        # An explicit pattern with is_causal=True: keep only keys at or before each query (as SDPA would).
+        qpos_c = _positions(query_positions, L, "query_positions")
+        kpos_c = _positions(key_positions, S, "key_positions")
+        patterns = [p.causal(qpos_c, kpos_c) for p in patterns]
     shared = len(patterns) == 1
     if shared:
         indptr, indices = patterns[0].indptr, patterns[0].indices

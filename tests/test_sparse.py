@@ -371,13 +371,22 @@ def test_return_result(rng):
     assert set(res.timings) == {"build", "select", "kernel"} and res.timings["kernel"] >= 0
 
 
-def test_is_causal_does_not_filter_an_explicit_pattern(rng):
-    # documented: an explicit pattern is used as given (filter it with pattern.causal())
+def test_is_causal_filters_an_explicit_pattern(rng):
+    # documented: is_causal=True keeps only keys at or before each query, as SDPA does
     q, k, v = qkv(rng, (), (), 5, 5, 3, 2, np.float64)
     p = SparsePattern.full(5, 5)
-    close(sparse_attention(q, k, v, p, is_causal=True), sparse_attention(q, k, v, p), np.float64)
-    close(sparse_attention(q, k, v, p.causal()), scaled_dot_product_attention(q, k, v, is_causal=True),
-          np.float64)
+    exact = scaled_dot_product_attention(q, k, v, is_causal=True)
+    close(sparse_attention(q, k, v, p, is_causal=True), exact, np.float64)
+    close(sparse_attention(q, k, v, p.causal()), exact, np.float64)
+    with pytest.raises(TypeError, match="is_causal must be a bool"):
+        sparse_attention(q, k, v, p, is_causal="yes")
+
+
+def test_out_of_range_pattern_raises_instead_of_reading_out_of_bounds(rng):
+    q, k, v = qkv(rng, (), (), 6, 6, 3, 2, np.float32)
+    bad = SparsePattern(np.array([0, 1, 1, 1, 1, 1, 1]), np.array([10**8]), 6, validate=False)
+    with pytest.raises(ValueError, match="is not a valid CSR over 6 keys"):
+        sparse_attention(q, k, v, bad)
 
 
 # -------------------------------------------------------------------------------- empty inputs
