@@ -282,8 +282,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--k", type=int, default=64, help="keys per query for top-k selectors (default 64)")
     p.add_argument("--causal", action="store_true", help="causal attention (keys up to the query's position)")
     p.add_argument("--repeats", type=int, default=3, help="timing repeats; medians are reported (default 3)")
-    p.add_argument("--max-groups", type=int, default=24,
-                   help="for real traces: evaluate this many evenly spaced (window, layer, head) groups (default 24)")
+    p.add_argument("--max-groups", type=int, default=12,
+                   help="for real traces: evaluate this many evenly spaced (window, layer, head) groups (default 12)")
     p.add_argument("--threads", type=int, default=None, help="threads for Numba/FAISS/BLAS (default: all cores)")
     p.add_argument("--out", default="sparseattn-report", help="output directory (default ./sparseattn-report)")
     p.add_argument("--format", default="table,json,md,html", help="comma list of table,json,md,html")
