@@ -458,7 +458,7 @@ def _scan(q: np.ndarray, kk: np.ndarray, v: np.ndarray | None, pattern: SparsePa
         top = np.full((nb, k), -np.inf) if k is not None else None
         qmin, qmax = (int(qpb.min()), int(qpb.max())) if nb else (0, 0)
         for (a, b), kmin, kmax in zip(tiles, tile_min, tile_max, strict=True):
-            mask = None
+            mask = g = None  # drop the previous tile before the next is allocated (one tile alive)
             if is_causal:
                 if kmin > qmax:
                     continue  # every key of the tile is after every query of the block
@@ -485,6 +485,7 @@ def _scan(q: np.ndarray, kk: np.ndarray, v: np.ndarray | None, pattern: SparsePa
                 acc *= alpha[:, None]
                 acc += g @ v[a:b]
             m = m_new
+        mask = g = None  # the last tile is no longer needed: free it before the sparse-side pass
         has = lsum > 0
         lse_d = np.full(nb, -np.inf)
         lse_d[has] = m[has] + np.log(lsum[has])

@@ -139,10 +139,6 @@ def test_compare_memory_does_not_grow_with_s_beyond_the_inputs(metrics_case):
     assert peak_large < peak_small + 4 * MiB, (peak_small / MiB, peak_large / MiB)  # observed 65 / 65 MiB
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "metrics.py _scan keeps more than one score tile alive: the previous tile `g` is referenced while the "
-    "next is allocated, and _merge_topk concatenates the running top-k with a whole tile; peak ~50 MiB "
-    "against one 32 MiB float64 tile. Fix: preallocated tile buffer and an in-place top-k merge."))
 def test_compare_holds_one_score_tile(metrics_case):
     q, k, v, pattern, rows = metrics_case
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))  # no conversion copies inside compare
