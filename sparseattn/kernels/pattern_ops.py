@@ -19,6 +19,16 @@ from ._options import serial_and_parallel
 
 
 @njit(cache=True)
+def indptr_from_counts(counts):
+    """CSR row pointers (int64, length n + 1) from per-row counts: the shared count-then-fill step."""
+    n = counts.shape[0]
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    for i in range(n):
+        indptr[i + 1] = indptr[i] + counts[i]
+    return indptr
+
+
+@njit(cache=True)
 def check_csr(indptr, indices, n_keys):
     """Return (code, row, value) of the first violation, or (0, -1, 0) for a valid canonical CSR.
 
@@ -63,9 +73,7 @@ def _canonicalize_rows_impl(indptr, indices):
                 if row[p] != row[p - 1]:
                     c += 1
             counts[i] = c
-    new_ptr = np.zeros(n_rows + 1, dtype=np.int64)
-    for i in range(n_rows):
-        new_ptr[i + 1] = new_ptr[i] + counts[i]
+    new_ptr = indptr_from_counts(counts)
     out = np.empty(new_ptr[n_rows], dtype=np.int32)
     for i in prange(n_rows):
         a = indptr[i]
@@ -103,9 +111,7 @@ def _from_padded_impl(ids, n_keys):
     for i in range(n_rows):
         if is_bad[i]:
             return np.zeros(1, np.int64), np.zeros(0, np.int32), i, bad[i]
-    indptr = np.zeros(n_rows + 1, dtype=np.int64)
-    for i in range(n_rows):
-        indptr[i + 1] = indptr[i] + counts[i]
+    indptr = indptr_from_counts(counts)
     indices = np.empty(indptr[n_rows], dtype=np.int32)
     for i in prange(n_rows):
         w = indptr[i]
@@ -128,9 +134,7 @@ def _band_impl(n_rows, n_keys, centers, before, after, dilation):
             if 0 <= j < n_keys:
                 c += 1
         counts[i] = c
-    indptr = np.zeros(n_rows + 1, dtype=np.int64)
-    for i in range(n_rows):
-        indptr[i + 1] = indptr[i] + counts[i]
+    indptr = indptr_from_counts(counts)
     indices = np.empty(indptr[n_rows], dtype=np.int32)
     for i in prange(n_rows):
         w = indptr[i]
@@ -162,9 +166,7 @@ def _union2_impl(ptr_a, idx_a, ptr_b, idx_b):
                 q += 1
             c += 1
         counts[i] = c
-    indptr = np.zeros(n_rows + 1, dtype=np.int64)
-    for i in range(n_rows):
-        indptr[i + 1] = indptr[i] + counts[i]
+    indptr = indptr_from_counts(counts)
     indices = np.empty(indptr[n_rows], dtype=np.int32)
     for i in prange(n_rows):
         p = ptr_a[i]
@@ -198,9 +200,7 @@ def _filter_by_position_impl(indptr, indices, query_positions, key_positions):
             if key_positions[indices[p]] <= qp:
                 c += 1
         counts[i] = c
-    new_ptr = np.zeros(n_rows + 1, dtype=np.int64)
-    for i in range(n_rows):
-        new_ptr[i + 1] = new_ptr[i] + counts[i]
+    new_ptr = indptr_from_counts(counts)
     out = np.empty(new_ptr[n_rows], dtype=np.int32)
     for i in prange(n_rows):
         w = new_ptr[i]

@@ -14,6 +14,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import _options  # noqa: F401  (sets up the cache directory before compiling)
+from .pattern_ops import indptr_from_counts
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -44,9 +45,7 @@ def window_by_position(query_positions, sorted_pos, order, lo_off, hi_off, dilat
             if (sorted_pos[p] - qp) % dilation == 0:
                 c += 1
         counts[i] = c
-    indptr = np.zeros(n_rows + 1, dtype=np.int64)
-    for i in range(n_rows):
-        indptr[i + 1] = indptr[i] + counts[i]
+    indptr = indptr_from_counts(counts)
     indices = np.empty(indptr[n_rows], dtype=np.int32)
     for i in prange(n_rows):
         qp = query_positions[i]
