@@ -8,7 +8,8 @@ Results are data first (plain dicts, JSON-serialisable); tables and plots are ma
   called with 4-D tensors) run in the same process, so ratios are side by side;
 * every quality figure is recomputed by :mod:`sparseattn.metrics` from the returned pattern, in float64,
   independently of the kernel (never a selector's own report);
-* peak memory: numpy allocations tracked by ``tracemalloc`` during the run, plus the process RSS peak.
+* peak memory: numpy allocations tracked by ``tracemalloc`` in one extra, untimed run of the first group
+  (never during the timed runs: it slows allocation-heavy selectors), plus the process RSS peak.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def load_workload(spec: str, *, max_groups: int | None = None) -> Workload:
     * ``"window"``: real MiniLM self-attention inside 512-token windows (shipped fixture), every
       (window, layer, head) a group; ``max_groups`` picks evenly spaced ones.
     * ``"store"``: real MiniLM queries against a 16,384-key store (shipped fixture), 4 heads.
+    * ``"NAME@DIR"``: trace ``NAME`` of the data directory ``DIR`` (its ``manifest.json``), e.g. a
+      larger store written by ``sparseattn trace store --n-keys 65536 --out DIR --name store65k``.
     * ``"synthetic:n=65536,d=64,kind=gaussian|clustered|correlated,..."``: one seeded group
       (see :func:`sparseattn.data.synthetic`).
     """
@@ -70,8 +73,12 @@ def load_workload(spec: str, *, max_groups: int | None = None) -> Workload:
         q, k, v = data_mod.synthetic(spec)
         return Workload(spec, q[None], k[None], v[None], 1.0 / float(np.sqrt(q.shape[1])),
                         f"synthetic {spec.partition(':')[2]}", {"spec": spec})
-    if spec in ("window", "store"):
-        trace = data_mod.load(spec, dtype=np.float32)
+    name, _, where = spec.partition("@")
+    if where or spec in ("window", "store"):
+        try:
+            trace = data_mod.load(name, dtype=np.float32, data_dir=where or None)
+        except FileNotFoundError as exc:
+            raise ValueError(f"data {spec!r}: {exc}") from exc
         E = trace.q.shape[-1]
         q = trace.q.reshape(-1, trace.q.shape[-2], E)
         k = trace.k.reshape(-1, trace.k.shape[-2], E)
@@ -79,11 +86,15 @@ def load_workload(spec: str, *, max_groups: int | None = None) -> Workload:
         if max_groups is not None and max_groups < q.shape[0]:
             pick = np.unique(np.linspace(0, q.shape[0] - 1, max_groups).round().astype(int))
             q, k, v = q[pick], k[pick], v[pick]
-        desc = ("MiniLM-L6 self-attention in 512-token KJV windows" if spec == "window"
-                else "MiniLM-L6 layer-3 queries vs a 16,384-key KJV store")
+        if trace.meta.get("kind", name) == "window":
+            desc = "MiniLM-L6 self-attention in 512-token KJV windows"
+        else:
+            desc = (f"MiniLM-L6 layer-{trace.meta.get('layer', 3)} queries vs a {k.shape[1]:,}-key KJV store"
+                    + (f" ({name} from {where})" if where else ""))
         return Workload(spec, np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v),
                         trace.scale, desc, {"sha256": trace.meta.get("sha256")})
-    raise ValueError(f"unknown data {spec!r}: use 'window', 'store' or 'synthetic:n=65536,d=64,kind=gaussian'.")
+    raise ValueError(f"unknown data {spec!r}: use 'window', 'store', 'NAME@DIR' (a trace made by `sparseattn "
+                     f"trace`) or 'synthetic:n=65536,d=64,kind=gaussian'.")
 
 
 def machine_info() -> dict[str, Any]:
@@ -201,20 +212,23 @@ def run_selector(wl: Workload, spec: str, *, k: int, is_causal: bool, repeats: i
         return sel, pat, out, (t1 - t0, t2 - t1, t3 - t2)
 
     one(0)  # untimed warm-up: compiles this selector's own kernels (JIT time is not measured)
+    for rep in range(repeats):
+        tot = {"build": 0.0, "select": 0.0, "kernel": 0.0}
+        for g in range(G):
+            sel, pat, out, (tb, ts, tk) = one(g)
+            tot["build"] += tb
+            tot["select"] += ts
+            tot["kernel"] += tk
+            if rep == 0:
+                selectors.append(sel)
+                patterns.append(pat)
+                outputs.append(out)
+        per_rep.append(tot)
+    # Peak traced memory from one extra, untimed run of group 0: tracemalloc hooks every allocation
+    # and, left on during the timed runs, added 0.2 s to a 0.4 s cluster attend at n = 65,536.
     tracemalloc.start()
     try:
-        for rep in range(repeats):
-            tot = {"build": 0.0, "select": 0.0, "kernel": 0.0}
-            for g in range(G):
-                sel, pat, out, (tb, ts, tk) = one(g)
-                tot["build"] += tb
-                tot["select"] += ts
-                tot["kernel"] += tk
-                if rep == 0:
-                    selectors.append(sel)
-                    patterns.append(pat)
-                    outputs.append(out)
-            per_rep.append(tot)
+        one(0)
         _, traced_peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

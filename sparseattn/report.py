@@ -264,7 +264,13 @@ def _cmd_trace(args: argparse.Namespace) -> int:
         kwargs["n_windows"] = args.n_windows
     else:
         kwargs.update(n_keys=args.n_keys, n_queries=args.n_queries, layer=args.layer)
-    out = traces.generate_traces(args.out, args.kind, **kwargs)
+        if args.heads is not None:
+            try:
+                kwargs["heads"] = [int(h) for h in args.heads.split(",")]
+            except ValueError:
+                raise SystemExit(f"sparseattn trace: --heads must be a comma list of integers such as 0,1; "
+                                 f"got {args.heads!r}.") from None
+    out = traces.generate_traces(args.out, args.kind, name=args.name, **kwargs)
     print(f"wrote {out}")
     return 0
 
@@ -275,7 +281,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                        description="Run selectors and exact attention side by side on one workload and "
                                    "report speed and accuracy. Default: the shipped real MiniLM traces.")
     p.add_argument("--data", default="window",
-                   help="window | store | synthetic:n=65536,d=64,kind=gaussian|clustered|correlated (default window)")
+                   help="window | store | NAME@DIR (a trace written by `sparseattn trace --name NAME --out DIR`) | "
+                        "synthetic:n=65536,d=64,kind=gaussian|clustered|correlated (default window)")
     p.add_argument("--selectors", nargs="+", default=None,
                    help="selector specs, e.g. topk window:width=64 'window+sinks+faiss-hnsw:M=32' (default: a "
                         "representative set; see `sparseattn selectors`)")
@@ -303,5 +310,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n-keys", type=int, default=16384)
     p.add_argument("--n-queries", type=int, default=2048)
     p.add_argument("--layer", type=int, default=3)
+    p.add_argument("--heads", default=None, help="store: comma list of heads (default all 12)")
+    p.add_argument("--name", default=None, help="file stem and manifest name (default: the kind); load it "
+                   "with `sparseattn compare --data NAME@OUT`")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_trace)

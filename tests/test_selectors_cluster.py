@@ -40,18 +40,29 @@ def oracle_assignment(sel: ClusterSelector, k: np.ndarray) -> np.ndarray:
 
     Each key must sit in a cluster whose score (inner product, or minus the squared distance for "l2")
     is the best one up to float32 rounding (near-ties may legitimately go either way).
+    Two levels (clusters larger than ``split`` x the mean are split): the key's coarse cluster
+    ``parent_[assignment_]`` must be the best coarse centroid by that rule, and its part the nearest
+    (Euclidean) among the parts of that coarse cluster.
     """
     kc = k.astype(np.float64) - sel.mean_.astype(np.float64)
-    c = sel.centroids_.astype(np.float64)
+    c = sel.coarse_centroids_.astype(np.float64)
     if sel.params["assign"] == "l2":
         scores = -((kc[:, None, :] - c[None]) ** 2).sum(-1)
     else:
         scores = kc @ c.T
-    got = scores[np.arange(len(k)), sel.assignment_]
+    parent = sel.parent_[sel.assignment_]
+    got = scores[np.arange(len(k)), parent]
     tol = 1e-5 * (1 + np.abs(scores).max(axis=1))
     np.testing.assert_array_less(scores.max(axis=1) - tol, got + 1e-300)
-    agree = np.mean(sel.assignment_ == scores.argmax(axis=1))
+    agree = np.mean(parent == scores.argmax(axis=1))
     assert agree > 0.99, agree
+    # within a split coarse cluster: the nearest of its parts
+    fine = sel.centroids_.astype(np.float64)
+    d2 = ((kc[:, None, :] - fine[None]) ** 2).sum(-1)
+    d2 = np.where(sel.parent_[None, :] == parent[:, None], d2, np.inf)
+    got2 = d2[np.arange(len(k)), sel.assignment_]
+    np.testing.assert_array_less(got2 - 1e-5 * (1 + d2.min(axis=1)), d2.min(axis=1) + 1e-300)
+    assert np.mean(sel.assignment_ == d2.argmin(axis=1)) > 0.99
     return sel.assignment_
 
 
@@ -341,11 +352,33 @@ def test_float64_keys_and_registry(rng):
 
 def test_defaults_scale_with_n(rng):
     _, k, _ = clustered(rng, 900, 1)
-    sel = ClusterSelector().build(k)
+    sel = ClusterSelector(split=0).build(k)
     assert sel.n_clusters_ == 30 and sel.n_probe_ == 8
     small = ClusterSelector().build(k[:20])
     assert small.n_clusters_ == 4 and small.n_probe_ == 4
     assert ClusterSelector.unavailable_reason() is None
+
+
+@pytest.mark.parametrize("split", [1.0, 2.0])
+def test_split_breaks_up_exactly_the_oversized_clusters(split):
+    # keys of a low-rank mixture: inner-product assignment piles them onto large-norm centroids
+    rng = np.random.default_rng(3)
+    basis = rng.standard_normal((3, 16))
+    k = (rng.standard_normal((3000, 3)) @ basis + 0.05 * rng.standard_normal((3000, 16))).astype(np.float32)
+    coarse = ClusterSelector(n_clusters=30, split=0).build(k)
+    sizes = np.bincount(coarse.assignment_, minlength=30)
+    target = 3000 / 30
+    assert sizes.max() > split * target  # the premise: some cluster is oversized
+    sel = ClusterSelector(n_clusters=30, split=split).build(k)
+    np.testing.assert_array_equal(sel.coarse_centroids_, coarse.centroids_)  # same seed, same k-means
+    parts = np.bincount(sel.parent_, minlength=30)
+    expected = np.where(sizes > split * target, np.ceil(sizes / target), 1).astype(int)
+    np.testing.assert_array_equal(parts, expected)
+    assert sel.n_clusters_ == expected.sum() == len(sel.centroids_)
+    # every key keeps its coarse cluster and sits in its nearest part (checked by the oracle)
+    np.testing.assert_array_equal(sel.parent_[sel.assignment_], coarse.assignment_)
+    oracle_assignment(sel, k)
+    assert np.bincount(sel.assignment_).max() < sizes.max()
 
 
 # --------------------------------------------------------------------------------------------- errors

@@ -27,11 +27,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._options import FASTMATH
+from ._options import FASTMATH, serial_and_parallel
 
 
-@njit(parallel=True, cache=True, fastmath=FASTMATH)
-def row_argmax(scores):
+def _row_argmax(scores):
     """Column of the largest entry of each row (first one on ties): (n, C) float -> (n,) int32."""
     n, C = scores.shape
     out = np.empty(n, dtype=np.int32)
@@ -46,37 +45,84 @@ def row_argmax(scores):
     return out
 
 
-@njit(parallel=True, cache=True, fastmath=FASTMATH)
-def row_top_p(scores, p):
+_CHUNK = 16  # columns per chunk of _row_top_p's first pass (a compile-time constant: it vectorises)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _insert_desc(vals, ids, n, p, s, c):
+    """Insert (s, c) into the descending buffer vals/ids holding n <= p entries; return the new n.
+
+    Strictly greater values move up, so equal values keep their insertion order (stable on ties);
+    a full buffer drops its last entry.  The caller skips values not above a full buffer's last one.
+    """
+    pos = n if n < p else p - 1
+    while pos > 0 and s > vals[pos - 1]:
+        vals[pos] = vals[pos - 1]
+        ids[pos] = ids[pos - 1]
+        pos -= 1
+    vals[pos] = s
+    ids[pos] = c
+    return n + 1 if n < p else n
+
+
+def _row_top_p(scores, p):
     """The p largest columns of each row, best first (lower column first on ties).
 
     scores (L, C) float, 1 <= p <= C; returns ids (L, p) int32 and their scores (L, p).
+    Two passes per row: the maximum of every chunk of 16 columns (a fixed-width, vectorised loop), whose
+    p-th largest value t is a lower bound of the row's p-th largest entry (p different chunks reach it);
+    then an insertion scan of only the chunks whose maximum is >= t, in column order (measured 0.05 s
+    against 0.08 s for one insertion scan over every column: 32,768 rows, C = 893, p = 8).
     """
     L, C = scores.shape
+    W = _CHUNK
+    n_full = C // W
+    n_ch = n_full + (1 if C % W else 0)
     out = np.empty((L, p), dtype=np.int32)
     out_s = np.empty((L, p), dtype=scores.dtype)
     for i in prange(L):
         vals = np.empty(p, dtype=scores.dtype)
         ids = np.empty(p, dtype=np.int32)
+        cmax = np.empty(n_ch, dtype=scores.dtype)
+        for b in range(n_full):
+            m = scores[i, b * W]
+            for c in range(1, W):
+                v = scores[i, b * W + c]
+                m = v if v > m else m
+            cmax[b] = m
+        if n_full < n_ch:
+            m = scores[i, n_full * W]
+            for c in range(n_full * W + 1, C):
+                v = scores[i, c]
+                m = v if v > m else m
+            cmax[n_full] = m
+        thr = -np.inf
+        if n_ch > p:
+            n = 0
+            for b in range(n_ch):
+                if n == p and not (cmax[b] > vals[p - 1]):
+                    continue
+                n = _insert_desc(vals, ids, n, p, cmax[b], b)
+            thr = vals[p - 1]
         n = 0
-        for c in range(C):
-            s = scores[i, c]
-            if n == p and not (s > vals[p - 1]):
-                continue
-            # insertion into the sorted buffer (strictly greater moves up: stable on ties)
-            pos = n if n < p else p - 1  # a full buffer drops its last entry
-            while pos > 0 and s > vals[pos - 1]:
-                vals[pos] = vals[pos - 1]
-                ids[pos] = ids[pos - 1]
-                pos -= 1
-            vals[pos] = s
-            ids[pos] = c
-            if n < p:
-                n += 1
+        for b in range(n_ch):
+            if cmax[b] < thr:
+                continue  # no entry of this chunk reaches the row's p-th largest
+            for c in range(b * W, min(C, b * W + W)):
+                s = scores[i, c]
+                if n == p and not (s > vals[p - 1]):
+                    continue
+                n = _insert_desc(vals, ids, n, p, s, c)
         for t in range(p):
             out[i, t] = ids[t]
             out_s[i, t] = vals[t]
     return out, out_s
+
+
+# Serial ``nogil`` variants run inside the selector's worker threads (one row chunk each, right after
+# that chunk's BLAS product); the parallel ones serve single calls from Python.
+row_argmax_serial, row_argmax = serial_and_parallel(_row_argmax, fastmath=FASTMATH, nogil=True)
+row_top_p_serial, row_top_p = serial_and_parallel(_row_top_p, fastmath=FASTMATH, nogil=True)
 
 
 @njit(cache=True)
