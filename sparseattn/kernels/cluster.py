@@ -45,77 +45,80 @@ def _row_argmax(scores):
     return out
 
 
-_CHUNK = 16  # columns per chunk of _row_top_p's first pass (a compile-time constant: it vectorises)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _insert_desc(vals, ids, n, p, s, c):
-    """Insert (s, c) into the descending buffer vals/ids holding n <= p entries; return the new n.
-
-    Strictly greater values move up, so equal values keep their insertion order (stable on ties);
-    a full buffer drops its last entry.  The caller skips values not above a full buffer's last one.
-    """
-    pos = n if n < p else p - 1
-    while pos > 0 and s > vals[pos - 1]:
-        vals[pos] = vals[pos - 1]
-        ids[pos] = ids[pos - 1]
-        pos -= 1
-    vals[pos] = s
-    ids[pos] = c
-    return n + 1 if n < p else n
+_CHUNK = 8  # columns per chunk in _row_top_p's first pass (a compile-time constant, so it vectorises)
 
 
 def _row_top_p(scores, p):
     """The p largest columns of each row, best first (lower column first on ties).
 
     scores (L, C) float, 1 <= p <= C; returns ids (L, p) int32 and their scores (L, p).
-    Two passes per row: the maximum of every chunk of 16 columns (a fixed-width, vectorised loop), whose
-    p-th largest value t is a lower bound of the row's p-th largest entry (p different chunks reach it);
-    then an insertion scan of only the chunks whose maximum is >= t, in column order (measured 0.05 s
-    against 0.08 s for one insertion scan over every column: 32,768 rows, C = 893, p = 8).
+    Per row: (1) the maximum of each chunk of 8 columns (a fixed-width loop that vectorises); the p-th
+    largest chunk maximum t is a lower bound of the row's p-th largest score, since p different chunks
+    reach it; (2) the scores >= t of the chunks whose maximum is >= t are collected (typically ~2p);
+    (3) the exact top p of those (:func:`_select_topk`, ties to the lower column) are insertion-sorted.
+    Measured against one insertion scan over all columns (serial): 32,768 rows x C = 893, p = 8:
+    0.043 s vs 0.08 s; 65,536 rows x C = 381, p = 16: 0.097 s vs 0.125 s.
     """
     L, C = scores.shape
     W = _CHUNK
     n_full = C // W
     n_ch = n_full + (1 if C % W else 0)
+    ch_ids = np.arange(n_ch).astype(np.int32)
     out = np.empty((L, p), dtype=np.int32)
     out_s = np.empty((L, p), dtype=scores.dtype)
     for i in prange(L):
-        vals = np.empty(p, dtype=scores.dtype)
-        ids = np.empty(p, dtype=np.int32)
+        row = scores[i]
         cmax = np.empty(n_ch, dtype=scores.dtype)
         for b in range(n_full):
-            m = scores[i, b * W]
+            m = row[b * W]
             for c in range(1, W):
-                v = scores[i, b * W + c]
-                m = v if v > m else m
+                v = row[b * W + c]
+                m = v if v > m else m  # this form vectorises (the builtin max() did not)
             cmax[b] = m
         if n_full < n_ch:
-            m = scores[i, n_full * W]
+            m = row[n_full * W]
             for c in range(n_full * W + 1, C):
-                v = scores[i, c]
+                v = row[c]
                 m = v if v > m else m
             cmax[n_full] = m
-        thr = -np.inf
+        t = -np.inf
         if n_ch > p:
-            n = 0
-            for b in range(n_ch):
-                if n == p and not (cmax[b] > vals[p - 1]):
-                    continue
-                n = _insert_desc(vals, ids, n, p, cmax[b], b)
-            thr = vals[p - 1]
-        n = 0
+            top_v = np.empty(p, dtype=scores.dtype)
+            top_c = np.empty(p, dtype=np.int32)
+            _select_topk(cmax, ch_ids, n_ch, p, top_v, top_c)
+            t = top_v[0]
+            for j in range(1, p):
+                t = top_v[j] if top_v[j] < t else t
+        cand_v = np.empty(C, dtype=scores.dtype)
+        cand_c = np.empty(C, dtype=np.int32)
+        m_c = 0
         for b in range(n_ch):
-            if cmax[b] < thr:
-                continue  # no entry of this chunk reaches the row's p-th largest
-            for c in range(b * W, min(C, b * W + W)):
-                s = scores[i, c]
-                if n == p and not (s > vals[p - 1]):
-                    continue
-                n = _insert_desc(vals, ids, n, p, s, c)
-        for t in range(p):
-            out[i, t] = ids[t]
-            out_s[i, t] = vals[t]
+            if cmax[b] >= t:
+                for c in range(b * W, min(C, b * W + W)):
+                    if row[c] >= t:
+                        cand_v[m_c] = row[c]
+                        cand_c[m_c] = c
+                        m_c += 1
+        if m_c < p:  # only with NaN scores (garbage in): fall back to every column
+            m_c = 0
+            for c in range(C):
+                cand_v[m_c] = row[c]
+                cand_c[m_c] = c
+                m_c += 1
+        vals = out_s[i]
+        ids = out[i]
+        _select_topk(cand_v, cand_c, m_c, p, vals, ids)
+        # sort the p winners: larger value first, lower column first on ties
+        for a in range(1, p):
+            v = vals[a]
+            c = ids[a]
+            pos = a
+            while pos > 0 and (vals[pos - 1] < v or (vals[pos - 1] == v and ids[pos - 1] > c)):
+                vals[pos] = vals[pos - 1]
+                ids[pos] = ids[pos - 1]
+                pos -= 1
+            vals[pos] = v
+            ids[pos] = c
     return out, out_s
 
 

@@ -41,8 +41,6 @@ def _fused_rows(q, k, v, q_map, kv_map, indptr, indices, shared, scale, max_nnz,
     for c in prange(n_chunks):
         width = max(max_nnz, 1)
         scratch = np.empty(width, dtype=out.dtype)
-        frac = np.empty(width, dtype=np.float32)
-        bits = np.empty(width, dtype=np.int32)
         acc = np.zeros(max(Ev, 1), dtype=out.dtype)
         zero = np.zeros(1, dtype=out.dtype)
         r_end = min((c + 1) * chunk, n_rows)
@@ -85,7 +83,7 @@ def _fused_rows(q, k, v, q_map, kv_map, indptr, indices, shared, scale, max_nnz,
                 lse[g, i] = -np.inf
                 continue
             if fast_exp:
-                exp_shifted_f32(scratch, n, m, frac, bits, scratch)
+                exp_shifted_f32(scratch, n, m, scratch)
             else:
                 for t in range(n):
                     scratch[t] = np.exp(scratch[t] - m)
