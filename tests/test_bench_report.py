@@ -104,3 +104,43 @@ def test_load_workload_real_traces():
     wl = bench.load_workload("window", max_groups=5)
     assert wl.q.shape == (5, 512, 32) and wl.q.dtype == np.float32
     assert wl.scale == pytest.approx(1 / np.sqrt(32))
+
+
+def test_load_workload_from_a_named_trace_directory(tmp_path):
+    # A trace written elsewhere (e.g. `sparseattn trace store --name big --out DIR`) loads as NAME@DIR,
+    # sha256-checked against that directory's manifest.
+    import shutil
+
+    man = json.loads((sa.data.data_dir() / "manifest.json").read_text())
+    entry = dict(man["files"]["store"], file="mystore.npz")
+    shutil.copy(sa.data.data_dir() / "store.npz", tmp_path / "mystore.npz")
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": man["format"], "files": {"mystore": entry}}))
+    wl = bench.load_workload(f"mystore@{tmp_path}")
+    ref = bench.load_workload("store")
+    np.testing.assert_array_equal(wl.k, ref.k)
+    assert "16,384-key" in wl.description and "mystore" in wl.description
+    with pytest.raises(ValueError, match="unknown fixture 'other'"):
+        bench.load_workload(f"other@{tmp_path}")
+    with pytest.raises(ValueError, match="no sparseattn data directory"):
+        bench.load_workload(f"mystore@{tmp_path / 'missing'}")
+    with pytest.raises(ValueError, match="NAME@DIR"):
+        bench.load_workload("nonsense")
+
+
+def test_suite_runs_each_case_in_a_subprocess_keeps_errors_and_plots(tmp_path, monkeypatch):
+    from sparseattn import suite
+
+    cases = [{"data": f"synthetic:n={n},d=16,kind=gaussian,seed=0", "k": 8, "causal": False,
+              "selectors": ["window:width=4", "cluster:mode=block,n_clusters=4,n_probe=2"]} for n in (128, 256)]
+    cases.append({"data": "synthetic:n=64,d=16,kind=nope", "k": 8, "causal": False, "selectors": ["window"]})
+    monkeypatch.setitem(suite.SUITES, "tiny", {"repeats": 1, "cases": cases})
+    path = suite.run_suite("tiny", str(tmp_path), threads=1)
+    doc = json.loads(open(path).read())
+    assert doc["schema"] == "sparseattn.suite/1" and doc["suite"] == "tiny" and len(doc["cases"]) == 3
+    for case, n in zip(doc["cases"][:2], (128, 256), strict=True):
+        assert case["workload"]["S"] == n and case["wall_s"] > 0 and case["dense"]["dense_s"] > 0
+        assert [r["name"] for r in case["results"]] == ["window", "cluster"]
+        assert all(0 <= r["quality"]["mass_recall_mean"] <= 1 + 1e-9 for r in case["results"])
+    assert "error" in doc["cases"][2] and "nope" in " ".join(doc["cases"][2]["error"])
+    assert (tmp_path / "time_vs_n_gaussian.png").stat().st_size > 1000
+    assert (tmp_path / "pareto.png").stat().st_size > 1000
