@@ -196,7 +196,8 @@ class SparsePattern:
     @classmethod
     def from_rows(cls, rows: Iterable[Iterable[int]], n_keys: int) -> SparsePattern:
         """From a list of per-query key-id lists (sorted and deduplicated here)."""
-        rows = [np.asarray(list(r), dtype=np.int64) for r in rows]
+        n_keys = check_positive_int(n_keys, "n_keys", minimum=0)
+        rows = [_integer_ids(list(r), f"rows[{i}]") for i, r in enumerate(rows)]
         indptr = np.zeros(len(rows) + 1, dtype=np.int64)
         indptr[1:] = np.cumsum([len(r) for r in rows])
         indices = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
@@ -294,7 +295,7 @@ class SparsePattern:
 
     def select_rows(self, rows: object) -> SparsePattern:
         """A pattern made of the given rows (e.g. a query block), in the given order."""
-        rows = np.asarray(rows, dtype=np.int64)
+        rows = _integer_ids(rows, "rows")
         if rows.size and (rows.min() < 0 or rows.max() >= self.n_queries):
             raise ValueError(f"rows must lie in [0, {self.n_queries}).")
         per_row = self.nnz_per_row[rows]
@@ -303,6 +304,22 @@ class SparsePattern:
         # Position p of the new rows maps to old position p + (old row start - new row start).
         take = np.arange(indptr[-1], dtype=np.int64) + np.repeat(self.indptr[rows] - indptr[:-1], per_row)
         return SparsePattern(indptr, self.indices[take], self.n_keys, validate=False)
+
+
+def _integer_ids(values: object, name: str) -> np.ndarray:
+    """``values`` as a 1-D int64 array; floats (even integral ones), bools and other kinds raise TypeError.
+
+    Why strict: a float id such as 2.7 would otherwise be truncated silently to key 2.
+    """
+    a = np.asarray(values)
+    if a.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"{name} must hold integer ids; got dtype {a.dtype} (e.g. {a.reshape(-1)[0]!r}). "
+                        f"Convert explicitly, e.g. np.asarray(ids, dtype=np.int64), after checking the values.")
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D; got shape {a.shape}.")
+    return a.astype(np.int64, copy=False)
 
 
 def stack_patterns(patterns: list[SparsePattern]) -> tuple[np.ndarray, np.ndarray]:

@@ -111,6 +111,13 @@ def test_from_rows():
     assert_canonical(p)
     with pytest.raises(ValueError, match=r"rows contain key ids outside \[0, n_keys=4\)"):
         SparsePattern.from_rows([[4]], n_keys=4)
+    # float ids are refused, not truncated (2.7 would silently become key 2)
+    with pytest.raises(TypeError, match=r"rows\[1\] must hold integer ids; got dtype float64"):
+        SparsePattern.from_rows([[1], [2.7]], n_keys=4)
+    with pytest.raises(TypeError, match=r"rows\[0\] must hold integer ids; got dtype bool"):
+        SparsePattern.from_rows([[True]], n_keys=4)
+    with pytest.raises(ValueError, match="n_keys"):
+        SparsePattern.from_rows([[0]], n_keys=-1)
 
 
 # ----------------------------------------------------------------------------------- band / window
@@ -258,6 +265,10 @@ def test_select_rows():
         p.select_rows([4])
     with pytest.raises(ValueError, match=r"rows must lie in \[0, 4\)"):
         p.select_rows([-1])
+    with pytest.raises(TypeError, match=r"rows must hold integer ids; got dtype float64"):
+        p.select_rows([0.0, 1.5])
+    with pytest.raises(ValueError, match=r"rows must be 1-D"):
+        p.select_rows([[0, 1]])
 
 
 def test_to_padded():

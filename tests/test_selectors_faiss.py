@@ -429,3 +429,22 @@ def test_property_valid_causal_indices(problem, which):
             assert np.all(kpos[row] <= qpos[i])
         if which == "flat":
             assert len(row) == min(k, allowed)
+
+
+def test_k_at_least_s_returns_every_allowed_key_without_searching(monkeypatch):
+    # The documented rule (rows with <= k allowed keys hold all of them) makes the search pointless.
+    from sparseattn.selectors.base import get_selector
+
+    rng = np.random.default_rng(0)
+    keys = rng.standard_normal((10, 8)).astype(np.float32)
+    sel = get_selector("faiss-flat").build(keys)
+
+    def boom(*args, **kwargs):
+        raise AssertionError("searched although k >= S")
+
+    monkeypatch.setattr(sel, "_query", boom)
+    q = rng.standard_normal((12, 8)).astype(np.float32)
+    full = sel.query(q, 10)
+    np.testing.assert_array_equal(full.to_mask(), np.ones((12, 10), dtype=bool))
+    causal = sel.query(q, 99, is_causal=True, query_positions=np.arange(12) - 2)
+    np.testing.assert_array_equal(causal.to_mask(), np.arange(10)[None, :] <= (np.arange(12) - 2)[:, None])

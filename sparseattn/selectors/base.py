@@ -166,6 +166,11 @@ class Selector(ABC):
         kpos = _positions(key_positions, S, "key_positions")
         if S == 0:  # nothing to select from: every row empty (attention over it gives zeros)
             return SparsePattern(np.zeros(L + 1, np.int64), np.zeros(0, np.int32), 0, validate=False)
+        if self.fills_small_rows and k >= S:
+            # Every row has at most k allowed keys, so the documented result is all of them: skip the
+            # search (an index scan or a full top-k over S keys would only confirm it).
+            full = SparsePattern.full(L, S)
+            return full.causal(qpos, kpos) if is_causal else full
         pattern = self._query(q, k, bool(is_causal), qpos, kpos)
         if pattern.shape != (L, S):  # pragma: no cover - a selector bug, not a user error
             raise RuntimeError(f"selector {self.name!r} returned a pattern of shape {pattern.shape}, "
