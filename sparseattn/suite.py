@@ -19,7 +19,7 @@ from typing import Any
 # Shapes: d = 64 is the common LLM head size; norm-matched Gaussian keys follow a real MiniLM head's row
 # norms (as peaky as real attention); clustered keys are the favourable case for every index.
 _FAST = ["topk", "window", "window:width=48+sinks:g=4+random:n_random=12", "angular-lsh", "faiss-hnsw",
-         "faiss-ivf", "cluster", "cluster:mode=block"]
+         "faiss-ivf", "cluster", "cluster:mode=block", "cluster:mode=block,split=2"]
 _ALL = _FAST + ["lsh", "kdtree", "faiss-flat", "faiss-ivfpq"]
 # At n = 262,144 the exact oracle (the harness computes the exact top-k for its quality figures anyway)
 # and HNSW (slower than SDPA from n = 65,536 on: build + per-query graph walks) would take most of the

@@ -110,9 +110,11 @@ def causal_mask(L, S, qpos=None, kpos=None):
 # ------------------------------------------------------------------------------------------ block mode
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("assign", ["ip", "l2"])
-def test_block_attend_equals_masked_dense(rng, dtype, assign):
+@pytest.mark.parametrize("split", [0.0, 1.0])
+def test_block_attend_equals_masked_dense(rng, dtype, assign, split):
     q, k, v = clustered(rng, 1500, 200, dtype=dtype)
-    sel = ClusterSelector(n_clusters=20, n_probe=3, mode="block", assign=assign).build(k)
+    sel = ClusterSelector(n_clusters=20, n_probe=3, mode="block", assign=assign, split=split).build(k)
+    assert (sel.n_clusters_ > 20) == (split > 0)  # split=1 breaks up every above-average cluster
     mask = oracle_mask(sel, q, k)
     # away from near-ties the routing is exactly numpy's top-3 by q.c
     scores = q.astype(np.float64) @ sel.centroids_.astype(np.float64).T
@@ -352,8 +354,8 @@ def test_float64_keys_and_registry(rng):
 
 def test_defaults_scale_with_n(rng):
     _, k, _ = clustered(rng, 900, 1)
-    sel = ClusterSelector(split=0).build(k)
-    assert sel.n_clusters_ == 30 and sel.n_probe_ == 8
+    sel = ClusterSelector().build(k)
+    assert sel.n_clusters_ == 30 and sel.n_probe_ == 8 and sel.params["split"] == 0
     small = ClusterSelector().build(k[:20])
     assert small.n_clusters_ == 4 and small.n_probe_ == 4
     assert ClusterSelector.unavailable_reason() is None

@@ -7,9 +7,10 @@ default ``"ip"``, the centroid of largest inner product ``k.c`` (the same score 
 ``"l2"``, the nearest centroid.  Measured at n = 16,384 (d = 64, C = 128, n_probe = 8): on clustered
 keys "ip" kept 0.998 of the softmax mass (output error 0.019) against 0.90 (0.35) for "l2"; on Gaussian
 keys neither works (0.42 / 0.09 of the mass).  Keys (and at attention time values) are permuted once
-into cluster order, so each cluster is one contiguous block: a CSR over clusters.  Clusters larger
-than ``split`` times the mean size are split by a k-means of their members (members go to the nearest
-part), because inner-product assignment piles keys onto the centroids of largest norm.
+into cluster order, so each cluster is one contiguous block: a CSR over clusters.  Optionally
+(``split > 0``) clusters larger than ``split`` times the mean size are split by a k-means of their
+members (members go to the nearest part), because inner-product assignment piles keys onto the
+centroids of largest norm: fewer keys per query, at some recall.
 
 Query: each query is routed to the ``n_probe`` clusters of largest centroid score ``q.c`` (the mean key
 is a per-query constant, so routing against centred centroids ranks the same).  The (query, cluster)
@@ -127,13 +128,15 @@ class ClusterSelector(Selector):
         Key -> cluster rule after training: largest inner product or nearest centroid.
     n_threads : int, optional
         Worker threads (default: Numba's current thread count).
-    split : float, default 2.0
-        After assignment, every cluster holding more than ``split * S / n_clusters`` keys is split by a
-        k-means of its members into ``ceil(size / (S / n_clusters))`` parts, each member going to its
-        nearest part; ``n_clusters_`` then exceeds ``n_clusters``.  0 disables.  Why: inner-product
+    split : float, default 0 (off)
+        When > 0, every cluster holding more than ``split * S / n_clusters`` keys after assignment is
+        split by a k-means of its members into ``ceil(size / (S / n_clusters))`` parts, each member
+        going to its nearest part; ``n_clusters_`` then exceeds ``n_clusters``.  Why: inner-product
         assignment sends many keys to centroids of large norm (at S = 65,536 on clustered keys the
-        largest cluster held 9x the mean), and a query's cost is the size of its routed clusters:
-        splitting cut the keys attended per query from 4,250 to 1,549 (recall@64 0.971 -> 0.958).
+        largest cluster held 9x the mean), and a query's cost is the size of its routed clusters.  A
+        speed / recall trade, hence off by default; measured with ``split=2`` at S = 65,536, k = 64:
+        clustered keys 4,250 -> 1,549 keys per query, 1.4x faster end to end, recall@64 0.971 -> 0.958;
+        norm-matched Gaussian keys recall@64 0.37 -> 0.07; real MiniLM store keys no gain.
         ``n_probe = n_clusters`` still routes to every cluster (exact attention).
 
     Attributes
@@ -188,8 +191,8 @@ class ClusterSelector(Selector):
         "assign": Param(str, "ip", "key -> cluster rule: 'ip' (max k.c) or 'l2' (nearest centroid)",
                         _one_of(_ASSIGN)),
         "n_threads": Param(int, None, "worker threads (default: numba.get_num_threads())", positive),
-        "split": Param(float, 2.0, "split clusters larger than split * S / n_clusters (0 = never)",
-                       non_negative),
+        "split": Param(float, 0.0, "split clusters larger than split * S / n_clusters (0 = never; "
+                       "a speed/recall trade)", non_negative),
     }
 
     def __init__(self, **params: Any) -> None:
