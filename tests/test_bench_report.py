@@ -61,6 +61,10 @@ def test_renderers_and_files(result, tmp_path):
     written = report.write_compare(result, str(tmp_path), ["json", "md", "html"])
     names = {p.split("/")[-1] for p in written}
     assert {"compare.json", "compare.md", "compare.html"} <= names
+    # matplotlib is in the test extra, so the plots are really drawn and linked from the reports
+    assert {"compare_pareto.png", "compare_time.png"} <= names
+    assert (tmp_path / "compare_pareto.png").stat().st_size > 1000
+    assert "compare_pareto.png" in (tmp_path / "compare.md").read_text()
     loaded = json.loads((tmp_path / "compare.json").read_text())
     assert loaded["results"][0]["selector"] == result["results"][0]["selector"]
 
