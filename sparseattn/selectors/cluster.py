@@ -383,8 +383,12 @@ class ClusterSelector(Selector):
         out = new_id[assignment].astype(np.int32)
         cents, parents = [self.centroids_[keep]], [keep]
         nxt = keep.size
+        # One stable sort gives every cluster's member rows (ascending), instead of an O(S) scan per
+        # split cluster (hundreds of them at S = 262,144).
+        order = np.argsort(assignment, kind="stable")
+        starts = np.concatenate(([0], np.cumsum(sizes)))
         for c in big:
-            rows = np.flatnonzero(assignment == c)
+            rows = order[starts[c]:starts[c + 1]]
             members = centred[rows]
             parts = int(min(np.ceil(sizes[c] / target), rows.size))
             sub = self._kmeans(members, parts, min(rows.size, 64 * parts), seed_offset=1 + int(c))
