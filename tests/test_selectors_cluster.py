@@ -57,7 +57,7 @@ def oracle_assignment(sel: ClusterSelector, k: np.ndarray) -> np.ndarray:
     agree = np.mean(parent == scores.argmax(axis=1))
     assert agree > 0.99, agree
     # within a split coarse cluster: the nearest of its parts
-    fine = sel.centroids_.astype(np.float64)
+    fine = sel.kmeans_centroids_.astype(np.float64)  # centroids_ may be member means (route_by)
     d2 = ((kc[:, None, :] - fine[None]) ** 2).sum(-1)
     d2 = np.where(sel.parent_[None, :] == parent[:, None], d2, np.inf)
     got2 = d2[np.arange(len(k)), sel.assignment_]
@@ -251,12 +251,10 @@ def test_loose_shift_bound_is_refined_exactly(rng, dtype, scale, atol, is_causal
 def test_exact_pairs_kernel_matches_oracle(rng):
     # The last-resort scalar kernel: pair t = (query row Qs[t], cluster c) recomputed with its true max.
     E, Ev = 5, 3
-    kp = np.ones((30, E + 1))
-    kp[:, :E] = rng.standard_normal((30, E))
-    vp = np.ones((30, Ev + 1))
-    vp[:, :Ev] = rng.standard_normal((30, Ev))
+    kp = rng.standard_normal((30, E))
+    vp = rng.standard_normal((30, Ev))
     kptr = np.array([0, 10, 10, 30], dtype=np.int64)
-    Qs = rng.standard_normal((4, E + 1))
+    Qs = rng.standard_normal((4, E))
     pair_cluster = np.array([0, 1, 2, 2], dtype=np.int64)
     qpos_s = np.array([100, 100, 100, 12], dtype=np.int64)
     kpos_p = np.arange(30, dtype=np.int64)
@@ -265,11 +263,42 @@ def test_exact_pairs_kernel_matches_oracle(rng):
     ck.exact_pairs(np.arange(4, dtype=np.int64), Qs, kp, vp, kptr, pair_cluster, True, qpos_s, kpos_p, po, pm)
     assert pm[1] == -np.inf and po[1, Ev] == 0.0  # empty cluster
     for t, (a, b) in ((0, (0, 10)), (2, (10, 30)), (3, (10, 13))):  # row 3 sees positions <= 12 only
-        s = kp[a:b, :E] @ Qs[t, :E]
+        s = kp[a:b] @ Qs[t]
         w = np.exp(s - s.max())
         assert pm[t] == pytest.approx(s.max(), abs=1e-12)
-        np.testing.assert_allclose(po[t, :Ev], w @ vp[a:b, :Ev], atol=1e-12)
+        np.testing.assert_allclose(po[t, :Ev], w @ vp[a:b], atol=1e-12)
         assert po[t, Ev] == pytest.approx(w.sum(), abs=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_shifted_exp_rows_matches_float64_oracle(rng, dtype):
+    # One pass: exp(max(s - m, clamp)), causal zeros, row sums; checked against numpy in float64.
+    s = (rng.standard_normal((7, 300)) * 30).astype(dtype)
+    s[0, :] = -1e30  # everything below the clamp: every weight exp(clamp), a normal float
+    m = (s.astype(np.float64).max(axis=1) + rng.uniform(0, 5, 7)).astype(dtype)
+    m[0] = 0.0
+    qpos = rng.integers(0, 300, 7).astype(np.int64)
+    kpos = rng.permutation(300).astype(np.int64)
+    clamp = -80.0 if dtype == np.float32 else -700.0
+    fn = ck.shifted_exp_rows_f32 if dtype == np.float32 else ck.shifted_exp_rows_f64
+    for masked in (False, True):
+        w = s.copy()
+        sums = np.empty(7, dtype=dtype)
+        fn(w, m, clamp, masked, qpos, kpos, sums)
+        want = np.exp(np.maximum(s.astype(np.float64) - m[:, None].astype(np.float64), clamp))
+        if masked:
+            want[kpos[None, :] > qpos[:, None]] = 0.0
+        # float32: s - m and (s - m) log2(e) are rounded to float32: a relative error of the weight up
+        # to about (|s| + |m| + 2 |s - m|) * 2**-24 (plus the polynomial's 2.5e-7)
+        if dtype == np.float32:
+            d = np.abs(s.astype(np.float64) - m[:, None])
+            arg = np.minimum(np.abs(s) + np.abs(m)[:, None] + 2 * d, 1e4)  # row 0: clamp, exact shift
+            rtol = arg * 2.0**-24 + 3e-7
+        else:
+            rtol = np.full(s.shape, 1e-13)
+        assert np.all(np.abs(w - want) <= rtol * want)
+        np.testing.assert_allclose(sums, want.sum(axis=1), rtol=rtol.max())
+        assert np.all(w[~(want == 0)] >= np.finfo(dtype).tiny)  # never subnormal
 
 
 @settings(max_examples=60, deadline=None)
@@ -352,6 +381,31 @@ def test_float64_keys_and_registry(rng):
     np.testing.assert_allclose(lse, ref_lse, atol=1e-12)
 
 
+@pytest.mark.parametrize("split", [0.0, 1.0])
+def test_route_by_mean_routes_by_each_clusters_member_mean(rng, split):
+    q, k, v = clustered(rng, 700, 40)
+    sel = ClusterSelector(n_clusters=12, n_probe=3, mode="block", split=split).build(k)
+    assert sel.params["route_by"] == "mean" and sel.params["spherical"] is True  # the defaults
+    kc = k.astype(np.float64) - sel.mean_.astype(np.float64)
+    for c in range(sel.n_clusters_):
+        members = kc[sel.assignment_ == c]
+        want = members.mean(axis=0) if len(members) else sel.kmeans_centroids_[c]
+        np.testing.assert_allclose(sel.centroids_[c], want, atol=1e-5)
+    # routing ranks clusters by q . mean (float64 oracle; near-ties aside)
+    scores = q.astype(np.float64) @ sel.centroids_.astype(np.float64).T
+    route = sel.route(q)
+    got = np.take_along_axis(scores, route.astype(np.int64), axis=1)
+    kth = -np.sort(-scores, axis=1)[:, 2]
+    assert np.all(got >= kth[:, None] - 1e-4 * (1 + np.abs(kth[:, None])))
+    # attend stays exact over the routed keys (the shift bound uses the same vectors)
+    out, lse = sel.attend(q, v)
+    ref, ref_lse = masked_attention(q, k, v, oracle_mask(sel, q, k), 1 / np.sqrt(k.shape[1]))
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
+    by_centroid = ClusterSelector(n_clusters=12, n_probe=3, route_by="centroid", split=split).build(k)
+    np.testing.assert_array_equal(by_centroid.centroids_, by_centroid.kmeans_centroids_)
+
+
 def test_defaults_scale_with_n(rng):
     _, k, _ = clustered(rng, 900, 1)
     sel = ClusterSelector().build(k)
@@ -367,12 +421,13 @@ def test_split_breaks_up_exactly_the_oversized_clusters(split):
     rng = np.random.default_rng(3)
     basis = rng.standard_normal((3, 16))
     k = (rng.standard_normal((3000, 3)) @ basis + 0.05 * rng.standard_normal((3000, 16))).astype(np.float32)
-    coarse = ClusterSelector(n_clusters=30, split=0).build(k)
+    # Lloyd k-means (spherical=False): its large-norm centroids are what inner-product assignment favours
+    coarse = ClusterSelector(n_clusters=30, split=0, spherical=False).build(k)
     sizes = np.bincount(coarse.assignment_, minlength=30)
     target = 3000 / 30
     assert sizes.max() > split * target  # the premise: some cluster is oversized
-    sel = ClusterSelector(n_clusters=30, split=split).build(k)
-    np.testing.assert_array_equal(sel.coarse_centroids_, coarse.centroids_)  # same seed, same k-means
+    sel = ClusterSelector(n_clusters=30, split=split, spherical=False).build(k)
+    np.testing.assert_array_equal(sel.coarse_centroids_, coarse.kmeans_centroids_)  # same seed, same k-means
     parts = np.bincount(sel.parent_, minlength=30)
     expected = np.where(sizes > split * target, np.ceil(sizes / target), 1).astype(int)
     np.testing.assert_array_equal(parts, expected)
@@ -394,6 +449,8 @@ def test_error_messages(rng):
         ClusterSelector(mode="dense")
     with pytest.raises(ValueError, match=r"parameter assign must be one of 'ip', 'l2'"):
         ClusterSelector(assign="cos")
+    with pytest.raises(ValueError, match=r"parameter route_by must be one of 'mean', 'centroid'"):
+        ClusterSelector(route_by="max")
     with pytest.raises(ValueError, match=r"train_sample must be >= n_clusters"):
         ClusterSelector(n_clusters=10, train_sample=5)
     with pytest.raises(ValueError, match=r"n_probe=16 exceeds the 10 clusters chosen for S=100"):
