@@ -649,7 +649,7 @@ class ClusterSelector(Selector):
                                    qpos, kpos_p, kmin, kmax, lse_shift, out, lse, bufs, scratch)
         return out, lse
 
-    def _refine(self, Qs, pm, po, Kp, Vp, pair_cluster, clamp, causal_args) -> int:
+    def _refine(self, Qs, pm, po, Kp, Vp, qptr, clamp, causal_args) -> int:
         """Fix the pairs whose shift m was too loose; return how many were recomputed.
 
         After the clamp every allowed key has a weight >= exp(-80) > 0, so a zero row sum means "no
@@ -658,7 +658,8 @@ class ClusterSelector(Selector):
         log-sum-exp (the clamp only raises weights), hence a valid bound, and lies within
         ``log(n_keys)`` of the true maximum unless that was below the clamp, in which case it drops by
         ``>= 80 - log(n_keys)`` and the loop repeats.  Any pair left after 64 rounds (not expected) is
-        recomputed with its exact maximum by a scalar kernel.
+        recomputed with its exact maximum by a scalar kernel.  Pairs are sorted by cluster: cluster c
+        owns pairs ``qptr[c]:qptr[c+1]``.
         """
         Ev = Vp.shape[1]
         kptr = self.cluster_ptr_
@@ -667,20 +668,16 @@ class ClusterSelector(Selector):
         no_pos = np.zeros(1, dtype=np.int64)
         refined = 0
         for _ in range(64):
-            live = pm > -np.inf
-            sums = po[:, Ev]
-            empty = live & (sums == 0)
-            if empty.any():
-                pm[empty] = -np.inf
-            bad = np.nonzero(live & (sums > 0) & ~(sums >= tiny))[0]
+            bad = ck.scan_pairs(pm, po, tiny)
             if bad.size == 0:
                 return refined
             refined += int(bad.size)
+            clusters = np.searchsorted(qptr, bad, side="right") - 1
             new_m = pm[bad].astype(np.float64) + np.log(po[bad, Ev].astype(np.float64))
-            clusters = pair_cluster[bad]
             cuts = np.flatnonzero(np.diff(clusters)) + 1
-            for run, m_run in zip(np.split(bad, cuts), np.split(new_m, cuts), strict=True):
-                c = int(pair_cluster[run[0]])
+            for run, m_run, cl in zip(np.split(bad, cuts), np.split(new_m, cuts), np.split(clusters, cuts),
+                                      strict=True):
+                c = int(cl[0])
                 ka, kb = int(kptr[c]), int(kptr[c + 1])
                 Kc, Vc = Kp[ka:kb], Vp[ka:kb]
                 step = max(_MIN_ROWS, _TILE // (kb - ka))
@@ -700,6 +697,7 @@ class ClusterSelector(Selector):
         bad = np.nonzero(live & ~(po[:, Ev] >= tiny))[0]  # pragma: no cover - not expected
         if bad.size:  # pragma: no cover
             qpos_s, kpos_p = causal_args if causal_args is not None else (np.zeros(1, np.int64),) * 2
+            pair_cluster = np.repeat(np.arange(qptr.size - 1, dtype=np.int64), np.diff(qptr))
             ck.exact_pairs(bad, Qs, Kp, Vp, kptr, pair_cluster, causal_args is not None, qpos_s, kpos_p,
                            po, pm)
         return refined
@@ -731,19 +729,21 @@ class ClusterSelector(Selector):
         kmin_arg = kmin if is_causal else np.zeros(1, dtype=np.int64)
         kmax_arg = kmax if is_causal else np.zeros(1, dtype=np.int64)
         shares = self._shares(qptr)
+        tiny = _TINY[q.dtype.type]
+        n_low = [0] * len(shares)
 
         def work(t: int) -> None:
             buf, obuf = scratch[t]
-            kernel(shares[t], qptr, kptr, Qs, Kp, Vp, pm, po, clamp, _TILE, _MIN_ROWS, _MAX_ROWS, is_causal,
-                   qpos_s, kpos_arg, kmin_arg, kmax_arg, buf, obuf)
+            n_low[t] = kernel(shares[t], qptr, kptr, Qs, Kp, Vp, pm, po, clamp, tiny, _TILE, _MIN_ROWS,
+                              _MAX_ROWS, is_causal, qpos_s, kpos_arg, kmin_arg, kmax_arg, buf, obuf)
 
         self._run(list(range(len(shares))), work)
-        pair_cluster = route.ravel()[src].astype(np.int64)
-        # Pairs of empty clusters were never computed: mark them empty.
-        empty_cl = np.diff(kptr)[pair_cluster] == 0
-        if empty_cl.any():
-            pm[empty_cl] = -np.inf
-            po[empty_cl, Ev] = 0.0
+        # Pairs routed to clusters without keys were never computed: mark them empty.
+        for c in np.flatnonzero((np.diff(kptr) == 0) & (np.diff(qptr) > 0)):
+            pm[qptr[c]:qptr[c + 1]] = -np.inf
+            po[qptr[c]:qptr[c + 1], Ev] = 0.0
         causal_args = (qpos_s, kpos_p) if is_causal else None
-        self.last_refined_pairs_ = self._refine(Qs, pm, po, Kp, Vp, pair_cluster, clamp, causal_args)
+        self.last_refined_pairs_ = 0
+        if sum(n_low):  # some row sum fell below _TINY: find and recompute those pairs
+            self.last_refined_pairs_ = self._refine(Qs, pm, po, Kp, Vp, qptr, clamp, causal_args)
         ck.merge_partials(po, pm, slot, p, lse_shift[q0:q1], out[q0:q1], lse[q0:q1])
