@@ -86,23 +86,46 @@ def _row_argmax(scores):
     return out
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _insert_top(v, c, n_have, p, top_v, top_c):
+    """Insert (v, c) into the descending list ``top_v[:n_have]`` of capacity p; return its new length.
+
+    An entry equal to one already listed goes after it (callers insert in column order: ties keep the
+    lower column first).  NaN is never inserted into a full list.
+    """
+    if n_have == p:
+        if not (v > top_v[p - 1]):
+            return n_have
+        pos = p - 1
+    else:
+        pos = n_have
+        n_have += 1
+    while pos > 0 and v > top_v[pos - 1]:
+        top_v[pos] = top_v[pos - 1]
+        top_c[pos] = top_c[pos - 1]
+        pos -= 1
+    top_v[pos] = v
+    top_c[pos] = c
+    return n_have
+
+
 def _row_top_p(scores, p):
     """The p largest columns of each row, best first (lower column first on ties).
 
     scores (L, C) float, 1 <= p <= C; returns ids (L, p) int32 and their scores (L, p).
     Per row: (1) the maximum of each chunk of 8 columns (a fixed-width loop that vectorises); the p-th
     largest chunk maximum t is a lower bound of the row's p-th largest score, since p different chunks
-    reach it; (2) the scores >= t of the chunks whose maximum is >= t are collected (typically ~2p);
-    (3) the exact top p of those (:func:`_select_topk`, ties to the lower column) are insertion-sorted.
-    Scratch is allocated once per block of 64 rows (per-row allocations cost as much as the work).
-    Measured against one insertion scan over all columns (serial): 32,768 rows x C = 893, p = 8:
-    0.043 s vs 0.08 s; 65,536 rows x C = 381, p = 16: 0.097 s vs 0.125 s.
+    reach it; (2) the columns >= t of the chunks whose maximum is >= t are collected (typically ~2p)
+    by branch-free compaction (write always, advance when kept: the kept/dropped pattern is random, and
+    branch mispredictions were most of the time); (3) those candidates are insertion-sorted into the
+    top p.  Scratch is allocated once per block of 64 rows.  Measured serial, 32,768 rows:
+    C = 256, p = 9: 18 ms (28 ms with branches and a bisection select); C = 893, p = 8: 35 ms (42).
+    A row with NaN scores (garbage in) still gets p in-range columns.
     """
     L, C = scores.shape
     W = _CHUNK
     n_full = C // W
     n_ch = n_full + (1 if C % W else 0)
-    ch_ids = np.arange(n_ch).astype(np.int32)
     out = np.empty((L, p), dtype=np.int32)
     out_s = np.empty((L, p), dtype=scores.dtype)
     n_blocks = (L + _ROWS - 1) // _ROWS
@@ -110,8 +133,8 @@ def _row_top_p(scores, p):
         cmax = np.empty(n_ch, dtype=scores.dtype)
         top_v = np.empty(p, dtype=scores.dtype)
         top_c = np.empty(p, dtype=np.int32)
-        cand_v = np.empty(C, dtype=scores.dtype)
-        cand_c = np.empty(C, dtype=np.int32)
+        chunks = np.empty(n_ch, dtype=np.int32)
+        cand = np.empty(C, dtype=np.int32)
         for i in range(blk * _ROWS, min(L, blk * _ROWS + _ROWS)):
             row = scores[i]
             for b in range(n_full):
@@ -128,38 +151,34 @@ def _row_top_p(scores, p):
                 cmax[n_full] = m
             t = -np.inf
             if n_ch > p:
-                _select_topk(cmax, ch_ids, n_ch, p, top_v, top_c)
-                t = top_v[0]
-                for j in range(1, p):
-                    t = top_v[j] if top_v[j] < t else t
-            m_c = 0
+                n_have = 0
+                for b in range(n_ch):
+                    n_have = _insert_top(cmax[b], b, n_have, p, top_v, top_c)
+                t = top_v[p - 1]
+            n_b = 0
             for b in range(n_ch):
-                if cmax[b] >= t:
-                    for c in range(b * W, min(C, b * W + W)):
-                        if row[c] >= t:
-                            cand_v[m_c] = row[c]
-                            cand_c[m_c] = c
-                            m_c += 1
-            if m_c < p:  # only with NaN scores (garbage in): fall back to every column
-                m_c = 0
-                for c in range(C):
-                    cand_v[m_c] = row[c]
-                    cand_c[m_c] = c
-                    m_c += 1
+                chunks[n_b] = b
+                n_b += cmax[b] >= t
+            m_c = 0
+            for u in range(n_b):
+                b = chunks[u]
+                for c in range(b * W, min(C, b * W + W)):
+                    cand[m_c] = c
+                    m_c += row[c] >= t
             vals = out_s[i]
             ids = out[i]
-            _select_topk(cand_v, cand_c, m_c, p, vals, ids)
-            # sort the p winners: larger value first, lower column first on ties
-            for a in range(1, p):
-                v = vals[a]
-                c = ids[a]
-                pos = a
-                while pos > 0 and (vals[pos - 1] < v or (vals[pos - 1] == v and ids[pos - 1] > c)):
-                    vals[pos] = vals[pos - 1]
-                    ids[pos] = ids[pos - 1]
-                    pos -= 1
-                vals[pos] = v
-                ids[pos] = c
+            n_have = 0
+            for u in range(m_c):
+                c = cand[u]
+                n_have = _insert_top(row[c], c, n_have, p, vals, ids)
+            if n_have < p:  # only with NaN scores (garbage in): every column, then padding
+                n_have = 0
+                for c in range(C):
+                    n_have = _insert_top(row[c], c, n_have, p, vals, ids)
+                while n_have < p:
+                    vals[n_have] = row[0]
+                    ids[n_have] = 0
+                    n_have += 1
     return out, out_s
 
 
