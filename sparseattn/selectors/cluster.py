@@ -631,8 +631,11 @@ class ClusterSelector(Selector):
                 kmax = np.zeros(self.n_clusters_, dtype=np.int64)
                 kmin[nonempty] = np.minimum.reduceat(kpos_p, kptr[:-1][nonempty])
                 kmax[nonempty] = np.maximum.reduceat(kpos_p, kptr[:-1][nonempty])
+                # perm_ keeps the original order inside a cluster: sorted positions stay sorted there
+                kpos_sorted = bool(np.all(kpos[1:] >= kpos[:-1]))
             else:
                 kpos_p = kmin = kmax = None
+                kpos_sorted = False
             block = min(L, max(1, _BLOCK_BUDGET // (self.n_probe_ * (E + Ev + 2))))  # Qs, po, pm
             # Buffers allocated once and reused by every block: fresh multi-MB arrays are page-faulted
             # on first touch, which cost up to 40 ms per block with two threads faulting at once.
@@ -646,7 +649,7 @@ class ClusterSelector(Selector):
             for q0 in range(0, L, block):
                 q1 = min(L, q0 + block)
                 self._attend_block(q, q_norm, q0, q1, route[q0:q1], route_scores[q0:q1], Kp, Vp, sc,
-                                   qpos, kpos_p, kmin, kmax, lse_shift, out, lse, bufs, scratch)
+                                   qpos, kpos_p, kmin, kmax, kpos_sorted, lse_shift, out, lse, bufs, scratch)
         return out, lse
 
     def _refine(self, Qs, pm, po, Kp, Vp, qptr, clamp, causal_args) -> int:
@@ -703,7 +706,7 @@ class ClusterSelector(Selector):
         return refined
 
     def _attend_block(self, q, q_norm, q0, q1, route, route_scores, Kp, Vp, scale, qpos, kpos_p, kmin,
-                      kmax, lse_shift, out, lse, bufs, scratch) -> None:
+                      kmax, kpos_sorted, lse_shift, out, lse, bufs, scratch) -> None:
         """Attention of queries q0..q1 over their routed clusters.
 
         Per cluster tile: ``s = (scale q) @ (k - mean)^T`` (one GEMM), then one pass
@@ -735,7 +738,8 @@ class ClusterSelector(Selector):
         def work(t: int) -> None:
             buf, obuf = scratch[t]
             n_low[t] = kernel(shares[t], qptr, kptr, Qs, Kp, Vp, pm, po, clamp, tiny, _TILE, _MIN_ROWS,
-                              _MAX_ROWS, is_causal, qpos_s, kpos_arg, kmin_arg, kmax_arg, buf, obuf)
+                              _MAX_ROWS, is_causal, kpos_sorted, qpos_s, kpos_arg, kmin_arg, kmax_arg, buf,
+                              obuf)
 
         self._run(list(range(len(shares))), work)
         # Pairs routed to clusters without keys were never computed: mark them empty.
