@@ -5,7 +5,7 @@ Run:  python benchmarks/bench_cluster_goals.py [--repeats 3] [--skip-large] [--r
 Goals (end to end = build + select + attention, against torch SDPA measured in the same case):
 >= 10x at n = 65,536 with recall@64 >= 0.9 on real keys; >= 30x at 262,144; faster than SDPA from 4,096.
 
-Cases: synthetic clustered keys at n = 4,096 (causal and not), 16,384, 65,536 (causal and not) and
+Cases: synthetic clustered keys at n = 4,096, 16,384 and 65,536 (causal and not) and
 262,144; norm-matched Gaussian keys at 65,536 (the adversarial case: no cluster structure); real MiniLM
 keys from a 65,536-key trace when it exists (not shipped: ``sparseattn trace store --n-keys 65536
 --n-queries 65536 --heads 0,5 --name store65k --out ~/.cache/sparseattn/traces``, 77 s).  Each case is
@@ -32,6 +32,7 @@ def cases(real: str | None, skip_large: bool) -> list[dict]:
         {"data": _SYN.format(n=4096, kind="clustered"), "causal": False, "probes": [None, 6]},
         {"data": _SYN.format(n=4096, kind="clustered"), "causal": True, "probes": [None, 6]},
         {"data": _SYN.format(n=16384, kind="clustered"), "causal": False, "probes": [None, 6]},
+        {"data": _SYN.format(n=16384, kind="clustered"), "causal": True, "probes": [None, 6]},
         {"data": _SYN.format(n=65536, kind="clustered"), "causal": False, "probes": [None, 6, 4]},
         {"data": _SYN.format(n=65536, kind="clustered"), "causal": True, "probes": [None, 6]},
         {"data": _SYN.format(n=65536, kind="gaussian"), "causal": False, "probes": [None, 32]},

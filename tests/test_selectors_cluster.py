@@ -142,10 +142,24 @@ def test_full_probe_is_exact_full_attention(rng):
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
 
 
+def prefix_oracle(sel: ClusterSelector, mask: np.ndarray, qpos, kpos) -> np.ndarray:
+    """``exact_prefix``: a row that sees 1..ceil(n_probe*S/C) keys attends to every visible key."""
+    L, S = mask.shape
+    qpos = np.arange(L) if qpos is None else np.asarray(qpos)
+    kpos = np.arange(S) if kpos is None else np.asarray(kpos)
+    visible = kpos[None, :] <= qpos[:, None]
+    n_vis = visible.sum(axis=1)
+    rows = (n_vis > 0) & (n_vis <= int(np.ceil(sel.n_probe_ * S / sel.n_clusters_)))
+    if sel.params["exact_prefix"]:
+        mask = mask.copy()
+        mask[rows] = visible[rows]
+    return mask
+
+
 def test_block_causal_matches_oracle_and_does_not_leak(rng):
     S, L = 1000, 1000
     q, k, v = clustered(rng, S, L)
-    sel = ClusterSelector(n_clusters=16, n_probe=4, mode="block").build(k)
+    sel = ClusterSelector(n_clusters=16, n_probe=4, mode="block", exact_prefix=False).build(k)
     mask = oracle_mask(sel, q, k) & causal_mask(L, S)
     out, lse = sel.attend(q, v, is_causal=True)
     ref, ref_lse = masked_attention(q, k, v, mask, 0.25)
@@ -166,10 +180,35 @@ def test_block_causal_matches_oracle_and_does_not_leak(rng):
     np.testing.assert_array_equal(pattern.to_mask(), mask)
 
 
+def test_exact_prefix_rows_see_every_visible_key_and_lift_early_recall(rng):
+    # The default: rows that see at most n_probe*S/C = 250 keys attend to all of them (dense oracle),
+    # the others to their routed keys; query() returns exactly that key set; nothing leaks.
+    S = L = 1000
+    q, k, v = clustered(rng, S, L)
+    sel = ClusterSelector(n_clusters=16, n_probe=4, mode="block").build(k)
+    assert sel.params["exact_prefix"] is True
+    mask = prefix_oracle(sel, oracle_mask(sel, q, k) & causal_mask(L, S), None, None)
+    out, lse = sel.attend(q, v, is_causal=True)
+    ref, ref_lse = masked_attention(q, k, v, mask, 0.25)
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
+    np.testing.assert_array_equal(sel.query(q, 8, is_causal=True).to_mask(), mask)
+    np.testing.assert_array_equal(mask[:250], causal_mask(250, S))  # the prefix rows: exact
+    v2 = v.copy()
+    v2[500:] = 1e6
+    out2, _ = sel.attend(q, v2, is_causal=True)
+    np.testing.assert_array_equal(out2[:500], out[:500])
+    # early rows: recall@8 of the exact causal top-8 is 1 on the prefix rows
+    s = np.where(causal_mask(L, S), q @ k.T, -np.inf)
+    top = np.argsort(-s, axis=1, kind="stable")[:, :8]
+    hit = np.take_along_axis(mask, top, axis=1) | ~np.take_along_axis(causal_mask(L, S), top, axis=1)
+    assert hit[:250].all()
+
+
 @settings(max_examples=40, deadline=None)
 @given(S=st.integers(2, 700), L=st.integers(1, 300), C=st.integers(1, 12), p=st.integers(1, 12),
-       sorted_keys=st.booleans(), seed=st.integers(0, 2**32 - 1))
-def test_property_block_causal_equals_masked_oracle(S, L, C, p, sorted_keys, seed):
+       sorted_keys=st.booleans(), prefix=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_property_block_causal_equals_masked_oracle(S, L, C, p, sorted_keys, prefix, seed):
     # Causal block attention against the float64 oracle for any positions: sorted key positions (with
     # repeats) take the prefix path (only keys up to a tile's latest query are multiplied), shuffled
     # ones the full-block path; queries at random positions, some before every key.
@@ -179,9 +218,9 @@ def test_property_block_causal_equals_masked_oracle(S, L, C, p, sorted_keys, see
     q, k, v = clustered(rng, S, L)
     kpos = np.sort(rng.integers(0, S, S)) if sorted_keys else rng.permutation(S)
     qpos = rng.integers(-2, S + 2, L)
-    sel = ClusterSelector(n_clusters=C, n_probe=p, mode="block").build(k)
+    sel = ClusterSelector(n_clusters=C, n_probe=p, mode="block", exact_prefix=prefix).build(k)
     out, lse = sel.attend(q, v, is_causal=True, query_positions=qpos, key_positions=kpos)
-    mask = oracle_mask(sel, q, k) & causal_mask(L, S, qpos, kpos)
+    mask = prefix_oracle(sel, oracle_mask(sel, q, k) & causal_mask(L, S, qpos, kpos), qpos, kpos)
     ref, ref_lse = masked_attention(q, k, v, mask, 0.25)
     np.testing.assert_allclose(out, ref, atol=2e-5)
     finite = np.isfinite(ref_lse)
@@ -196,7 +235,7 @@ def test_block_causal_with_cache_positions(rng):
     qpos = np.arange(S - L, S)  # L new tokens after a cache (bottom-right alignment)
     sel = ClusterSelector(n_clusters=10, n_probe=3, mode="block").build(k)
     out, lse = sel.attend(q, v, is_causal=True, query_positions=qpos, key_positions=kpos, scale=0.5)
-    mask = oracle_mask(sel, q, k) & causal_mask(L, S, qpos, kpos)
+    mask = prefix_oracle(sel, oracle_mask(sel, q, k) & causal_mask(L, S, qpos, kpos), qpos, kpos)
     ref, _ = masked_attention(q, k, v, mask, 0.5)
     np.testing.assert_allclose(out, ref, atol=1e-5)
     none_visible = np.full(L, -1)
@@ -218,7 +257,7 @@ def test_many_blocks_and_tiles(rng, monkeypatch):
         out, lse = sel.attend(q, v, is_causal=is_causal)
         mask = oracle_mask(sel, q, k)
         if is_causal:
-            mask &= causal_mask(260, 700)
+            mask = prefix_oracle(sel, mask & causal_mask(260, 700), None, None)
         ref, _ = masked_attention(q, k, v, mask, 0.25)
         np.testing.assert_allclose(out, ref, atol=1e-5)
     sel_t = ClusterSelector(n_clusters=5, n_probe=2).build(k)
@@ -258,7 +297,8 @@ def test_loose_shift_bound_is_refined_exactly(rng, dtype, scale, atol, is_causal
     k = (rng.standard_normal((S, 16)) * 2).astype(dtype)
     q = (rng.standard_normal((L, 16)) * 2).astype(dtype)
     v = rng.standard_normal((S, 3)).astype(dtype)
-    sel = ClusterSelector(n_clusters=6, n_probe=2, mode="block").build(k)
+    # exact_prefix off: every causal row goes through the routed (refined) path being tested
+    sel = ClusterSelector(n_clusters=6, n_probe=2, mode="block", exact_prefix=False).build(k)
     out, lse = sel.attend(q, v, scale=scale, is_causal=is_causal)
     assert sel.last_refined_pairs_ > 0
     mask = oracle_mask(sel, q, k)
@@ -508,7 +548,7 @@ def test_property_block_attend_is_exact_on_routed_keys(S, L, C, seed, causal):
     out, lse = sel.attend(q, v, is_causal=causal)
     mask = oracle_mask(sel, q, k)
     if causal:
-        mask &= causal_mask(L, S)
+        mask = prefix_oracle(sel, mask & causal_mask(L, S), None, None)
     ref, ref_lse = masked_attention(q, k, v, mask, 5 ** -0.5)
     np.testing.assert_allclose(out, ref, atol=1e-5)
     np.testing.assert_array_equal(np.isinf(lse), np.isinf(ref_lse))
