@@ -87,7 +87,7 @@ def main() -> None:
                 if "error" in row:
                     continue
                 q = row["quality"]
-                f.write(f"| {res['data'].replace('synthetic:', '')} | {res['is_causal']} | "
+                f.write(f"| {res['data'].split('@')[0].replace('synthetic:', '')} | {res['is_causal']} | "
                         f"{res['dense'].get('sdpa_s', float('nan')):.3f} | {row['selector'].split(',n_iter')[0]} | "
                         f"{row['keys_per_query']:.0f} | {row['total_s']:.4f} | {row.get('speedup_vs_sdpa') or 0:.2f} | "
                         f"{q['recall_mean']:.3f} | {q['mass_recall_mean']:.3f} |\n")
