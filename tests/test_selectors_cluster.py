@@ -432,6 +432,26 @@ def test_topk_k_larger_than_routed_set_returns_all_routed(rng):
     assert sel.query(q, 10_000).to_mask().all()  # k >= S: every key (Selector.query's documented rule)
 
 
+def test_float16_values_are_upcast(rng):
+    q, k, v = clustered(rng, 400, 30)
+    sel = ClusterSelector(n_clusters=6, n_probe=2, mode="block").build(k)
+    out16, lse16 = sel.attend(q, v.astype(np.float16))
+    out32, lse32 = sel.attend(q, v.astype(np.float16).astype(np.float32))
+    assert out16.dtype == np.float32
+    np.testing.assert_array_equal(out16, out32)
+    np.testing.assert_array_equal(lse16, lse32)
+
+
+def test_exp_pass_never_wraps_above_the_bound():
+    # s - m > 88 cannot happen through the selector (m bounds s); if rounding ever broke that, the
+    # weight must stay positive and finite-or-huge, never a wrapped negative number.
+    s = np.array([[200.0, 0.0]], dtype=np.float32)
+    sums = np.empty(1, dtype=np.float32)
+    z = np.zeros(1, dtype=np.int64)
+    ck.shifted_exp_rows_f32(s, np.zeros(1, dtype=np.float32), -80.0, False, z, z, sums)
+    assert s[0, 0] > 1e37 and s[0, 1] == pytest.approx(1.0, rel=1e-6)
+
+
 def test_float64_keys_and_registry(rng):
     q, k, v = clustered(rng, 600, 50, dtype=np.float64)
     sel = get_selector("cluster:n_clusters=6,n_probe=2,mode=block")

@@ -307,6 +307,9 @@ def _exp_row_f32(row, n, mr, clamp, masked, lim, kpos):
     for j in range(n):
         x = (row[j] - shift) * _LOG2E
         x = x if x > cl else cl
+        # s <= m by construction (m bounds the scores); the cap only keeps the exponent bits valid if
+        # rounding ever broke that by > 88: a huge finite weight instead of a wrapped, negative one
+        x = x if x < np.float32(127.0) else np.float32(127.0)
         fi = np.floor(x + np.float32(0.5))
         f = x - fi
         p = _C7

@@ -647,7 +647,7 @@ class ClusterSelector(Selector):
             route, route_scores = self._route_rows(q)
             Kp = self._keys_as(dtype)
             Vp = np.empty((S, Ev), dtype=dtype)
-            ck.gather_rows(np.ascontiguousarray(v_in), self.perm_, Vp)
+            ck.gather_rows(np.ascontiguousarray(v_in, dtype=dtype), self.perm_, Vp)  # float16 in: upcast
             lse_shift = (q @ self.mean_.astype(dtype)) * sc  # scores against raw keys = centred + q.mean
             q_norm = np.sqrt(np.einsum("ij,ij->i", q, q, dtype=np.float64))  # for the score bounds
             if is_causal:
