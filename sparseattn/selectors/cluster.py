@@ -166,7 +166,7 @@ class ClusterSelector(Selector):
     n_threads : int, optional
         Worker threads (default: Numba's current thread count).
     exact_prefix : bool, default True
-        Causal only: a query that can see at most ``ceil(n_probe * S / n_clusters)`` keys (the routed
+        Causal block attention (``attend`` and block-mode ``query``) only: a query that can see at most ``ceil(n_probe * S / n_clusters)`` keys (the routed
         keys of an average query) attends to all of them exactly, instead of through routing.  Why:
         routing ignores positions, so the first queries, which see few keys, found them scattered over
         clusters they were not routed to (measured at S = 4,096 on clustered keys: recall@64 0.80
@@ -241,8 +241,8 @@ class ClusterSelector(Selector):
         "route_by": Param(str, "mean", "route to clusters by the 'mean' of their keys or the k-means "
                           "'centroid'", _one_of(_ROUTE_BY)),
         "n_threads": Param(int, None, "worker threads (default: numba.get_num_threads())", positive),
-        "exact_prefix": Param(bool, True, "causal: a query that can see at most n_probe*S/C keys attends "
-                              "to all of them exactly"),
+        "exact_prefix": Param(bool, True, "causal, mode=block: a query that can see at most n_probe*S/C keys "
+                              "attends to all of them exactly"),
         "split": Param(float, 0.0, "split clusters larger than split * S / n_clusters (0 = never; "
                        "a speed/recall trade)", non_negative),
     }
