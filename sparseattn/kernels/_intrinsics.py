@@ -66,21 +66,27 @@ def int32_bits_as_float32(typingctx, x):
 
 
 @njit(cache=True, fastmath=FASTMATH, inline="always")
+def pow2_f32(x):
+    """2**x for a float32 x in [-125, 127] (callers clamp), as plain arithmetic LLVM vectorises:
+    a degree-7 polynomial on the fraction times 2**round(x) assembled from its exponent bits."""
+    fi = np.floor(x + np.float32(0.5))
+    f = x - fi
+    p = _C7
+    p = p * f + _C6
+    p = p * f + _C5
+    p = p * f + _C4
+    p = p * f + _C3
+    p = p * f + _C2
+    p = p * f + _C1
+    p = p * f + _C0
+    return p * int32_bits_as_float32((np.int32(fi) + 127) << 23)
+
+
+@njit(cache=True, fastmath=FASTMATH, inline="always")
 def exp_shifted_f32(src, n, shift, dst):
     """dst[t] = exp(src[t] - shift) for t < n, float32, vectorisable; ``dst`` may be ``src``."""
     for t in range(n):
         x = (src[t] - shift) * _LOG2E
         ok = x >= -125.0
-        x = x if ok else np.float32(-125.0)
-        fi = np.floor(x + np.float32(0.5))
-        f = x - fi
-        p = _C7
-        p = p * f + _C6
-        p = p * f + _C5
-        p = p * f + _C4
-        p = p * f + _C3
-        p = p * f + _C2
-        p = p * f + _C1
-        p = p * f + _C0
-        # 2**fi assembled from its exponent bits; 0 bits (= 0.0f) for arguments below -125 or -inf.
-        dst[t] = p * int32_bits_as_float32(((np.int32(fi) + 127) << 23) if ok else np.int32(0))
+        e = pow2_f32(x if ok else np.float32(-125.0))
+        dst[t] = e if ok else np.float32(0.0)  # arguments below -125 (and -inf): exactly 0

@@ -34,12 +34,31 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._intrinsics import _C0, _C1, _C2, _C3, _C4, _C5, _C6, _C7, _LOG2E, int32_bits_as_float32
+from ._intrinsics import _LOG2E, pow2_f32
 from ._options import FASTMATH, serial_and_parallel
 
 _LOG2E_F64 = 1.0 / math.log(2.0)
 _CHUNK = 8  # columns per chunk in the first passes below (a compile-time constant, so it vectorises)
 _ROWS = 64  # rows per scratch allocation: the row loops allocate their scratch once per 64 rows
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
+def _chunk_max(row, C, cmax):
+    """cmax[b] = max(row[8b : 8b + 8]) for each chunk of ``_CHUNK`` columns (the last may be shorter)."""
+    W = _CHUNK
+    n_full = C // W
+    for b in range(n_full):
+        m = row[b * W]
+        for c in range(1, W):
+            v = row[b * W + c]
+            m = v if v > m else m  # this form vectorises (the builtin max() did not)
+        cmax[b] = m
+    if n_full * W < C:
+        m = row[n_full * W]
+        for c in range(n_full * W + 1, C):
+            v = row[c]
+            m = v if v > m else m
+        cmax[n_full] = m
 
 
 def _row_argmax(scores):
@@ -51,26 +70,14 @@ def _row_argmax(scores):
     """
     n, C = scores.shape
     W = _CHUNK
-    n_full = C // W
-    n_ch = n_full + (1 if C % W else 0)
+    n_ch = (C + W - 1) // W
     out = np.empty(n, dtype=np.int32)
     n_blocks = (n + _ROWS - 1) // _ROWS
     for blk in prange(n_blocks):
         cmax = np.empty(n_ch, dtype=scores.dtype)
         for i in range(blk * _ROWS, min(n, blk * _ROWS + _ROWS)):
             row = scores[i]
-            for b in range(n_full):
-                m = row[b * W]
-                for c in range(1, W):
-                    v = row[b * W + c]
-                    m = v if v > m else m
-                cmax[b] = m
-            if n_full < n_ch:
-                m = row[n_full * W]
-                for c in range(n_full * W + 1, C):
-                    v = row[c]
-                    m = v if v > m else m
-                cmax[n_full] = m
+            _chunk_max(row, C, cmax)
             m = cmax[0]
             for b in range(1, n_ch):
                 m = cmax[b] if cmax[b] > m else m
@@ -124,8 +131,7 @@ def _row_top_p(scores, p):
     """
     L, C = scores.shape
     W = _CHUNK
-    n_full = C // W
-    n_ch = n_full + (1 if C % W else 0)
+    n_ch = (C + W - 1) // W
     out = np.empty((L, p), dtype=np.int32)
     out_s = np.empty((L, p), dtype=scores.dtype)
     n_blocks = (L + _ROWS - 1) // _ROWS
@@ -137,18 +143,7 @@ def _row_top_p(scores, p):
         cand = np.empty(C, dtype=np.int32)
         for i in range(blk * _ROWS, min(L, blk * _ROWS + _ROWS)):
             row = scores[i]
-            for b in range(n_full):
-                m = row[b * W]
-                for c in range(1, W):
-                    v = row[b * W + c]
-                    m = v if v > m else m  # this form vectorises (the builtin max() did not)
-                cmax[b] = m
-            if n_full < n_ch:
-                m = row[n_full * W]
-                for c in range(n_full * W + 1, C):
-                    v = row[c]
-                    m = v if v > m else m
-                cmax[n_full] = m
+            _chunk_max(row, C, cmax)
             t = -np.inf
             if n_ch > p:
                 n_have = 0
@@ -310,17 +305,7 @@ def _exp_row_f32(row, n, mr, clamp, masked, lim, kpos):
         # s <= m by construction (m bounds the scores); the cap only keeps the exponent bits valid if
         # rounding ever broke that by > 88: a huge finite weight instead of a wrapped, negative one
         x = x if x < np.float32(127.0) else np.float32(127.0)
-        fi = np.floor(x + np.float32(0.5))
-        f = x - fi
-        p = _C7
-        p = p * f + _C6
-        p = p * f + _C5
-        p = p * f + _C4
-        p = p * f + _C3
-        p = p * f + _C2
-        p = p * f + _C1
-        p = p * f + _C0
-        e = p * int32_bits_as_float32((np.int32(fi) + 127) << 23)  # cl >= -125: a normal float
+        e = pow2_f32(x)  # cl >= -125: a normal float
         if masked and kpos[j] > lim:
             e = np.float32(0.0)
         row[j] = e
