@@ -596,6 +596,45 @@ def test_property_row_argmax_and_top_p_match_numpy(n, C, p, ties, f64, seed):
         np.testing.assert_array_equal(vals, np.take_along_axis(s, want, axis=1))
 
 
+@pytest.mark.parametrize("C, p", [(64, 8), (60, 8), (57, 8), (8, 1), (16, 2), (9, 2)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_top_p_when_chunks_equal_probes(C, p, ties, rng):
+    # ceil(C / 8) == p: the threshold is the least chunk maximum (every chunk holds one of the p best
+    # chunk maxima), a path the property test above reaches only by chance.
+    s = rng.standard_normal((300, C))
+    if ties:
+        s = np.round(s * 2)
+    s[7] = 1.0  # a row of equal scores: the first p columns
+    s = s.astype(np.float32)
+    want = np.argsort(-s, axis=1, kind="stable")[:, :p]
+    for fn in (ck.row_top_p, ck.row_top_p_serial):
+        ids, vals = fn(s, p)
+        np.testing.assert_array_equal(ids, want)
+        np.testing.assert_array_equal(vals, np.take_along_axis(s, want, axis=1))
+
+
+@pytest.mark.parametrize("dtype, tol", [(np.float32, 2e-6), (np.float64, 1e-12)])
+def test_prefix_rows_kernel_matches_float64_oracle(rng, dtype, tol):
+    # Row r attends to the first n_vis[r] keys exactly; n_vis = 0 gives zeros and lse = -inf.
+    B, E, Ev = 40, 8, 5
+    Ks, Vs = rng.standard_normal((B, E)).astype(dtype), rng.standard_normal((B, Ev)).astype(dtype)
+    Qs = (3 * rng.standard_normal((7, E))).astype(dtype)  # large scores: the shift must be the row max
+    n_vis = np.array([1, 40, 0, 17, 2, 40, 33], dtype=np.int64)
+    out = np.full((7, Ev), np.nan, dtype=dtype)
+    lse = np.full(7, np.nan, dtype=dtype)
+    kernel = ck.attend_prefix_rows_f32 if dtype == np.float32 else ck.attend_prefix_rows_f64
+    kernel(Qs, n_vis, Ks, Vs, -80.0 if dtype == np.float32 else -700.0, np.full(B, np.nan, dtype=dtype), out,
+           lse)
+    for r, n in enumerate(n_vis):
+        if n == 0:
+            assert lse[r] == -np.inf and np.all(out[r] == 0)
+            continue
+        s = Ks[:n].astype(np.float64) @ Qs[r].astype(np.float64)
+        w = np.exp(s - s.max())
+        np.testing.assert_allclose(out[r], w @ Vs[:n] / w.sum(), atol=tol, rtol=tol)
+        assert lse[r] == pytest.approx(s.max() + np.log(w.sum()), abs=tol * 10)
+
+
 def test_scan_pairs_marks_empty_and_lists_tiny_sums():
     pm = np.array([0.0, 1.0, -np.inf, 2.0, 3.0, 4.0], dtype=np.float32)
     po = np.zeros((6, 3), dtype=np.float32)

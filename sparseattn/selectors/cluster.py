@@ -684,22 +684,38 @@ class ClusterSelector(Selector):
     def _attend_prefix(self, q, values, scale, qpos, kpos, out, lse) -> None:
         """Exact causal attention for the rows that see few keys (``exact_prefix``), over raw keys.
 
-        Each such row sees at most ``_prefix_budget()`` keys: their pattern (all visible keys) goes
-        through the fused sparse kernel, whose result is bit-identical whatever thread calls it (the
-        blocked dense path differed in the last bit between the main and a worker thread)."""
+        Each such row sees at most ``_prefix_budget()`` keys, a prefix of the keys in position order
+        (:func:`~sparseattn.kernels.cluster.attend_prefix_rows_f32`); rows split over the worker threads by
+        their number of keys.  Called inside ``_threads``."""
         rows = self._prefix_rows(qpos, kpos)
         if rows.size == 0:
             return
-        from ..sparse import sparse_attention
+        dtype = q.dtype
+        order = np.argsort(kpos, kind="stable")
+        n_vis = np.searchsorted(kpos[order], qpos[rows], side="right").astype(np.int64)
+        B = int(n_vis.max())
+        Ks = np.empty((B, q.shape[1]), dtype=dtype)
+        ck.gather_rows(np.ascontiguousarray(self.keys_, dtype=dtype), order[:B], Ks)
+        Vs = np.empty((B, values.shape[1]), dtype=dtype)
+        ck.gather_rows(np.ascontiguousarray(values, dtype=dtype), order[:B], Vs)
+        Qs = q[rows] * dtype.type(scale)
+        o = np.empty((rows.size, Vs.shape[1]), dtype=dtype)
+        lse_r = np.empty(rows.size, dtype=dtype)
+        kernel = ck.attend_prefix_rows_f32 if dtype == np.float32 else ck.attend_prefix_rows_f64
+        clamp = _CLAMP[dtype.type]
+        # Contiguous row shares of about equal work (sum of prefix lengths).
+        T = max(1, min(self.n_threads, rows.size // 16))
+        cost = np.cumsum(n_vis)
+        cuts = [0] + [int(np.searchsorted(cost, cost[-1] * t / T)) for t in range(1, T)] + [rows.size]
+        shares = [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
 
-        S = self.keys_.shape[0]
-        empty = SparsePattern(np.zeros(rows.size + 1, dtype=np.int64), np.zeros(0, dtype=np.int32), S,
-                              validate=False)
-        pattern = _fill_small_rows(empty, self._prefix_budget(), True, qpos[rows], kpos)
-        o, l_ = sparse_attention(q[rows], self.keys_, values, pattern, scale=scale, return_lse=True,
-                                 check_finite=False)
+        def work(t: int) -> None:
+            a, b = shares[t]
+            kernel(Qs[a:b], n_vis[a:b], Ks, Vs, clamp, np.empty(B, dtype=dtype), o[a:b], lse_r[a:b])
+
+        self._run(list(range(len(shares))), work)
         out[rows] = o
-        lse[rows] = l_
+        lse[rows] = lse_r
 
     def _refine(self, Qs, pm, po, Kp, Vp, qptr, clamp, causal_args) -> int:
         """Fix the pairs whose shift m was too loose; return how many were recomputed.
