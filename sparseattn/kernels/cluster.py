@@ -586,33 +586,38 @@ def merge_partials(po, pm, slot, p, lse_shift, out, lse):
     """
     L = out.shape[0]
     Ev = out.shape[1]
-    for i in prange(L):
-        M = -np.inf
-        for t in range(p):
-            s = slot[i * p + t]
-            if po[s, Ev] > 0 and pm[s] > M:
-                M = pm[s]
-        o = out[i]
-        if M == -np.inf:
-            for e in range(Ev):
-                o[e] = 0.0
-            lse[i] = -np.inf
-            continue
-        acc = np.zeros(Ev, dtype=out.dtype)  # a local accumulator: the update loop vectorises
-        tot = 0.0
-        for t in range(p):
-            s = slot[i * p + t]
-            if po[s, Ev] > 0 and pm[s] > -np.inf:
-                w64 = np.exp(np.float64(pm[s]) - M)
-                tot += w64 * np.float64(po[s, Ev])
-                w = out.dtype.type(w64)
-                ps = po[s]
+    n_blocks = (L + _ROWS - 1) // _ROWS
+    for blk in prange(n_blocks):
+        # one local accumulator per block of rows (per row, the allocations cost ~0.4 ms at L = 4,096)
+        acc = np.empty(Ev, dtype=out.dtype)  # local: the update loop vectorises
+        for i in range(blk * _ROWS, min(L, blk * _ROWS + _ROWS)):
+            M = -np.inf
+            for t in range(p):
+                s = slot[i * p + t]
+                if po[s, Ev] > 0 and pm[s] > M:
+                    M = pm[s]
+            o = out[i]
+            if M == -np.inf:
                 for e in range(Ev):
-                    acc[e] += w * ps[e]
-        inv = out.dtype.type(1.0 / tot)
-        for e in range(Ev):
-            o[e] = acc[e] * inv
-        lse[i] = M + np.log(tot) + lse_shift[i]
+                    o[e] = 0.0
+                lse[i] = -np.inf
+                continue
+            for e in range(Ev):
+                acc[e] = 0.0
+            tot = 0.0
+            for t in range(p):
+                s = slot[i * p + t]
+                if po[s, Ev] > 0 and pm[s] > -np.inf:
+                    w64 = np.exp(np.float64(pm[s]) - M)
+                    tot += w64 * np.float64(po[s, Ev])
+                    w = out.dtype.type(w64)
+                    ps = po[s]
+                    for e in range(Ev):
+                        acc[e] += w * ps[e]
+            inv = out.dtype.type(1.0 / tot)
+            for e in range(Ev):
+                o[e] = acc[e] * inv
+            lse[i] = M + np.log(tot) + lse_shift[i]
 
 
 @njit(cache=True, nogil=True)
