@@ -644,52 +644,69 @@ class ClusterSelector(Selector):
         if L == 0:
             return out, lse
         with _threads(self.n_threads):
-            route, route_scores = self._route_rows(q)
-            Kp = self._keys_as(dtype)
-            Vp = np.empty((S, Ev), dtype=dtype)
-            ck.gather_rows(np.ascontiguousarray(v_in, dtype=dtype), self.perm_, Vp)  # float16 in: upcast
-            lse_shift = (q @ self.mean_.astype(dtype)) * sc  # scores against raw keys = centred + q.mean
-            q_norm = np.sqrt(np.einsum("ij,ij->i", q, q, dtype=np.float64))  # for the score bounds
-            if is_causal:
-                kpos_p = kpos[self.perm_]
-                kptr = self.cluster_ptr_
-                nonempty = np.diff(kptr) > 0
-                kmin = np.zeros(self.n_clusters_, dtype=np.int64)
-                kmax = np.zeros(self.n_clusters_, dtype=np.int64)
-                kmin[nonempty] = np.minimum.reduceat(kpos_p, kptr[:-1][nonempty])
-                kmax[nonempty] = np.maximum.reduceat(kpos_p, kptr[:-1][nonempty])
-                # perm_ keeps the original order inside a cluster: sorted positions stay sorted there
-                kpos_sorted = bool(np.all(kpos[1:] >= kpos[:-1]))
+            prefix = self._prefix_rows(qpos, kpos) if is_causal else np.zeros(0, dtype=np.int64)
+            if prefix.size:
+                # The exact-prefix rows are computed exactly below: the routed pass skips them.
+                sub = np.delete(np.arange(L), prefix)
+                out_r, lse_r = self._attend_routed(q[sub], v_in, sc, is_causal, qpos[sub], kpos)
+                out[sub] = out_r
+                lse[sub] = lse_r
+                self._attend_prefix(q, v_in, sc, prefix, qpos, kpos, out, lse)
             else:
-                kpos_p = kmin = kmax = None
-                kpos_sorted = False
-            block = min(L, max(1, _BLOCK_BUDGET // (self.n_probe_ * (E + Ev + 2))))  # Qs, po, pm
-            # Buffers allocated once and reused by every block: fresh multi-MB arrays are page-faulted
-            # on first touch, which cost up to 40 ms per block with two threads faulting at once.
-            n_buf = block * self.n_probe_
-            bufs = (np.empty((n_buf, E), dtype=dtype), np.empty((n_buf, Ev + 1), dtype=dtype),
-                    np.empty(n_buf, dtype=dtype))
-            # Each worker's tile scratch: scores (tile x nk) and the tile's P V (tile x Ev).
-            nk_max = int(np.diff(self.cluster_ptr_).max())
-            scratch = [(np.empty(max(_TILE, _MIN_ROWS * nk_max), dtype=dtype),
-                        np.empty(_MAX_ROWS * Ev, dtype=dtype)) for _ in range(max(1, self.n_threads))]
-            for q0 in range(0, L, block):
-                q1 = min(L, q0 + block)
-                self._attend_block(q, q_norm, q0, q1, route[q0:q1], route_scores[q0:q1], Kp, Vp, sc,
-                                   qpos, kpos_p, kmin, kmax, kpos_sorted, lse_shift, out, lse, bufs, scratch)
-            if is_causal:
-                self._attend_prefix(q, v_in, sc, qpos, kpos, out, lse)
+                out, lse = self._attend_routed(q, v_in, sc, is_causal, qpos, kpos)
         return out, lse
 
-    def _attend_prefix(self, q, values, scale, qpos, kpos, out, lse) -> None:
+    def _attend_routed(self, q, v_in, sc, is_causal, qpos, kpos) -> tuple[np.ndarray, np.ndarray]:
+        """Attention of every row of q over its routed clusters (the body of :meth:`attend`)."""
+        S, E = self.keys_.shape
+        dtype = q.dtype
+        L = q.shape[0]
+        Ev = v_in.shape[1]
+        out = np.zeros((L, Ev), dtype=dtype)
+        lse = np.full(L, -np.inf, dtype=dtype)
+        if L == 0:
+            return out, lse
+        route, route_scores = self._route_rows(q)
+        Kp = self._keys_as(dtype)
+        Vp = np.empty((S, Ev), dtype=dtype)
+        ck.gather_rows(np.ascontiguousarray(v_in, dtype=dtype), self.perm_, Vp)  # float16 in: upcast
+        lse_shift = (q @ self.mean_.astype(dtype)) * sc  # scores against raw keys = centred + q.mean
+        q_norm = np.sqrt(np.einsum("ij,ij->i", q, q, dtype=np.float64))  # for the score bounds
+        if is_causal:
+            kpos_p = kpos[self.perm_]
+            kptr = self.cluster_ptr_
+            nonempty = np.diff(kptr) > 0
+            kmin = np.zeros(self.n_clusters_, dtype=np.int64)
+            kmax = np.zeros(self.n_clusters_, dtype=np.int64)
+            kmin[nonempty] = np.minimum.reduceat(kpos_p, kptr[:-1][nonempty])
+            kmax[nonempty] = np.maximum.reduceat(kpos_p, kptr[:-1][nonempty])
+            # perm_ keeps the original order inside a cluster: sorted positions stay sorted there
+            kpos_sorted = bool(np.all(kpos[1:] >= kpos[:-1]))
+        else:
+            kpos_p = kmin = kmax = None
+            kpos_sorted = False
+        block = min(L, max(1, _BLOCK_BUDGET // (self.n_probe_ * (E + Ev + 2))))  # Qs, po, pm
+        # Buffers allocated once and reused by every block: fresh multi-MB arrays are page-faulted
+        # on first touch, which cost up to 40 ms per block with two threads faulting at once.
+        n_buf = block * self.n_probe_
+        bufs = (np.empty((n_buf, E), dtype=dtype), np.empty((n_buf, Ev + 1), dtype=dtype),
+                np.empty(n_buf, dtype=dtype))
+        # Each worker's tile scratch: scores (tile x nk) and the tile's P V (tile x Ev).
+        nk_max = int(np.diff(self.cluster_ptr_).max())
+        scratch = [(np.empty(max(_TILE, _MIN_ROWS * nk_max), dtype=dtype),
+                    np.empty(_MAX_ROWS * Ev, dtype=dtype)) for _ in range(max(1, self.n_threads))]
+        for q0 in range(0, L, block):
+            q1 = min(L, q0 + block)
+            self._attend_block(q, q_norm, q0, q1, route[q0:q1], route_scores[q0:q1], Kp, Vp, sc,
+                               qpos, kpos_p, kmin, kmax, kpos_sorted, lse_shift, out, lse, bufs, scratch)
+        return out, lse
+
+    def _attend_prefix(self, q, values, scale, rows, qpos, kpos, out, lse) -> None:
         """Exact causal attention for the rows that see few keys (``exact_prefix``), over raw keys.
 
         Each such row sees at most ``_prefix_budget()`` keys, a prefix of the keys in position order
         (:func:`~sparseattn.kernels.cluster.attend_prefix_rows_f32`); rows split over the worker threads by
         their number of keys.  Called inside ``_threads``."""
-        rows = self._prefix_rows(qpos, kpos)
-        if rows.size == 0:
-            return
         dtype = q.dtype
         order = np.argsort(kpos, kind="stable")
         n_vis = np.searchsorted(kpos[order], qpos[rows], side="right").astype(np.int64)
