@@ -387,6 +387,16 @@ def test_out_of_range_pattern_raises_instead_of_reading_out_of_bounds(rng):
     bad = SparsePattern(np.array([0, 1, 1, 1, 1, 1, 1]), np.array([10**8]), 6, validate=False)
     with pytest.raises(ValueError, match="is not a valid CSR over 6 keys"):
         sparse_attention(q, k, v, bad)
+    # negative ids, ids == S, one bad pattern among per-head patterns, bad row pointers
+    neg = SparsePattern(np.array([0, 1, 2, 2, 2, 2, 2]), np.array([0, -1], dtype=np.int32), 6, validate=False)
+    edge = SparsePattern(np.array([0, 0, 0, 0, 0, 0, 2]), np.array([5, 6], dtype=np.int32), 6, validate=False)
+    ptr = SparsePattern(np.array([0, 2, 1, 1, 1, 1, 2]), np.array([0, 1], dtype=np.int32), 6, validate=False)
+    for p in (neg, edge, ptr):
+        with pytest.raises(ValueError, match="is not a valid CSR over 6 keys"):
+            sparse_attention(q, k, v, p)
+    qh, kh, vh = (np.stack([x, x]) for x in (q, k, v))
+    with pytest.raises(ValueError, match=r"pattern\[1\] is not a valid CSR"):
+        sparse_attention(qh, kh, vh, [SparsePattern.full(6, 6), edge])
 
 
 # -------------------------------------------------------------------------------- empty inputs
