@@ -196,6 +196,8 @@ def sparse_attention(
                                                 key_positions=kpos, check_finite=False))
             timings["select"] += time.perf_counter() - t0
         if attends:
+            if np.isposinf(lse_direct).any() or (check_finite and np.isnan(lse_direct).any()):
+                raise ValueError(overflow_message(cdt, sc))  # block attention over overflowing scores
             output = out_direct.reshape(lead + (L, Ev)).astype(out_dtype, copy=False)
             lse_out = lse_direct.reshape(lead + (L,))
             if return_result:

@@ -635,6 +635,25 @@ def test_prefix_rows_kernel_matches_float64_oracle(rng, dtype, tol):
         assert lse[r] == pytest.approx(s.max() + np.log(w.sum()), abs=tol * 10)
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_overflowing_scores_raise_instead_of_garbage(rng, is_causal):
+    # finite float32 inputs whose q.k overflows: routed rows (NaN or +inf lse) and exact-prefix rows alike
+    k = rng.standard_normal((300, 8)).astype(np.float32)
+    v = rng.standard_normal((300, 4)).astype(np.float32)
+    q = k[:50].copy()
+    for r in (3, 40):  # row 3 is an exact-prefix row when causal, row 40 is routed
+        q[r] *= np.float32(3e38) / np.abs(q[r]).max()
+    sel = ClusterSelector(n_clusters=4, n_probe=2, mode="block").build(k)
+    with pytest.raises(ValueError, match="attention scores overflow float32"):
+        sel.attend(q, v, is_causal=is_causal)
+    import sparseattn as sa
+    with pytest.raises(ValueError, match="attention scores overflow float32"):
+        sa.sparse_attention(q, k, v, "cluster:mode=block,n_clusters=4,n_probe=2", is_causal=is_causal)
+    # the same rows in float64 are fine
+    o, lse = sel.attend(q.astype(np.float64), v, is_causal=is_causal)
+    assert np.all(np.isfinite(o)) and np.all(np.isfinite(lse))
+
+
 def test_scan_pairs_marks_empty_and_lists_tiny_sums():
     pm = np.array([0.0, 1.0, -np.inf, 2.0, 3.0, 4.0], dtype=np.float32)
     po = np.zeros((6, 3), dtype=np.float32)

@@ -59,7 +59,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from .._validation import as_float_array, check_scale, result_dtype
+from .._validation import as_float_array, check_scale, overflow_message, result_dtype
 from ..kernels import cluster as ck
 from ..pattern import SparsePattern, _positions
 from .base import Param, Selector, _fill_small_rows, non_negative, positive, register
@@ -620,6 +620,11 @@ class ClusterSelector(Selector):
             Zeros for a query whose routed clusters hold no allowed key.
         lse : (L,) array, same dtype: log-sum-exp of the scaled scores over the routed keys
             (``-inf`` for no key).  ``exp(lse - lse_full)`` is the softmax mass the routing kept.
+
+        Raises
+        ------
+        ValueError
+            If some score ``q . k * scale`` overflows the computation dtype (pass float64 or a smaller scale).
         """
         self._check_built()
         S, E = self.keys_.shape
@@ -654,6 +659,10 @@ class ClusterSelector(Selector):
                 self._attend_prefix(q, v_in, sc, prefix, qpos, kpos, out, lse)
             else:
                 out, lse = self._attend_routed(q, v_in, sc, is_causal, qpos, kpos)
+        # Finite inputs whose q.k overflows the dtype leave +inf (or inf - inf = NaN) in lse: an error, as in
+        # sparse_attention, never a silent garbage row.  NaN from NaN inputs (check_finite=False) passes.
+        if np.isposinf(lse).any() or (check_finite and np.isnan(lse).any()):
+            raise ValueError(overflow_message(dtype, sc))
         return out, lse
 
     def _attend_routed(self, q, v_in, sc, is_causal, qpos, kpos) -> tuple[np.ndarray, np.ndarray]:
