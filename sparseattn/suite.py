@@ -98,7 +98,51 @@ def run_suite(name: str, out_dir: str, *, threads: int | None = None, repeats: i
         with open(path, "w") as f:
             json.dump({"schema": "sparseattn.suite/1", "suite": name, "cases": results}, f, indent=1)
     plot_suite(path, out_dir)
+    with open(os.path.join(out_dir, f"suite-{name}.md"), "w") as f:
+        f.write(summary_table(path))
     return path
+
+
+_TABLE_HEAD = ("| workload | n | causal | SDPA s | fastest with recall@{k} ≥ {r} | x SDPA | recall@{k} | mass | "
+               "most mass while faster than SDPA | x SDPA | recall@{k} | mass |\n"
+               "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+
+
+def summary_table(json_path: str, *, k: int = 64, min_recall: float = 0.9) -> str:
+    """Markdown table of a suite JSON: per workload at ``k``, the fastest selector whose mean recall@k is at
+    least ``min_recall`` and the selector keeping the most softmax mass among those faster than torch SDPA
+    end to end ("—": none qualifies, or SDPA was not measured).  Made from the JSON only."""
+    with open(json_path) as f:
+        doc = json.load(f)
+    lines = [_TABLE_HEAD.format(k=k, r=min_recall)]
+    for case in doc["cases"]:
+        if "error" in case or case["k"] != k:
+            continue
+        rows = [r for r in case["results"] if "error" not in r]
+        good = [r for r in rows if r["quality"]["recall_mean"] >= min_recall]
+        fastest = min(good, key=lambda r: r["total_s"]) if good else None
+        faster = [r for r in rows if (r.get("speedup_vs_sdpa") or 0) > 1]
+        most_mass = max(faster, key=lambda r: r["quality"]["mass_recall_mean"]) if faster else None
+        sdpa = case["dense"].get("sdpa_s")
+        cells = [*_workload_label(case), "yes" if case["is_causal"] else "no", f"{sdpa:.3g}" if sdpa else "—"]
+        for r in (fastest, most_mass):
+            if r is None:
+                cells += ["—"] * 4
+                continue
+            name = r["selector"].split(",n_iter")[0]  # cluster specs: drop the long default tail
+            name = name if len(name) <= 44 else name[:43] + "…"
+            speed = f"{r['speedup_vs_sdpa']:.3g}x" if r.get("speedup_vs_sdpa") else "—"
+            cells += [f"`{name}`", speed, f"{r['quality']['recall_mean']:.3f}", f"{r['quality']['mass_recall_mean']:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |\n")
+    return "".join(lines)
+
+
+def _workload_label(case: dict[str, Any]) -> tuple[str, str]:
+    data = case["data"]
+    if not data.startswith("synthetic:"):
+        return f"real: {data.partition('@')[0]}", f"{case['workload']['S']:,}"
+    params = dict(kv.split("=", 1) for kv in data[len("synthetic:"):].split(","))
+    return params.get("kind", "gaussian"), f"{int(params['n']):,}"
 
 
 def plot_suite(json_path: str, out_dir: str) -> list[str]:

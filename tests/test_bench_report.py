@@ -148,3 +148,32 @@ def test_suite_runs_each_case_in_a_subprocess_keeps_errors_and_plots(tmp_path, m
     assert "error" in doc["cases"][2] and "nope" in " ".join(doc["cases"][2]["error"])
     assert (tmp_path / "time_vs_n_gaussian.png").stat().st_size > 1000
     assert (tmp_path / "pareto.png").stat().st_size > 1000
+    table = (tmp_path / "suite-tiny.md").read_text().splitlines()
+    assert len(table) == 2 + 2 and table[2].startswith("| gaussian | 128 | no |")  # the failed case: no row
+
+
+def test_summary_table_picks_fastest_accurate_and_most_mass_faster_than_sdpa(tmp_path):
+    from sparseattn import suite
+
+    def row(name, total, recall, mass, speedup):
+        return {"selector": name, "total_s": total, "speedup_vs_sdpa": speedup,
+                "quality": {"recall_mean": recall, "mass_recall_mean": mass}}
+
+    doc = {"cases": [
+        {"data": "synthetic:n=4096,d=64,kind=clustered,seed=0", "k": 64, "is_causal": True,
+         "dense": {"sdpa_s": 0.02}, "workload": {"S": 4096},
+         "results": [row("a", 0.010, 0.95, 0.5, 2.0), row("b", 0.005, 0.89, 0.9, 4.0),
+                     row("c", 0.008, 0.91, 0.6, 2.5), row("d", 0.030, 1.0, 0.99, 0.67), {"selector": "e", "error": "x"}]},
+        {"data": "store", "k": 64, "is_causal": False, "dense": {"sdpa_s": 0.1}, "workload": {"S": 16384},
+         "results": [row("slow", 1.0, 0.5, 0.5, 0.1)]},
+        {"data": "store", "k": 16, "is_causal": False, "dense": {}, "workload": {"S": 16384}, "results": []},
+        {"case": {}, "error": ["boom"]},
+    ]}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(doc))
+    lines = suite.summary_table(str(path)).splitlines()
+    assert len(lines) == 4  # header, rule, one row per k = 64 case without error
+    # fastest with recall >= 0.9 is c (b is faster but misses 0.9); most mass among faster-than-SDPA is b
+    assert lines[2] == ("| clustered | 4,096 | yes | 0.02 | `c` | 2.5x | 0.910 | 0.600 | `b` | 4x | 0.890 | 0.900 |")
+    assert lines[3] == "| real: store | 16,384 | no | 0.1 | — | — | — | — | — | — | — | — |"
+
