@@ -129,12 +129,26 @@ def summary_table(json_path: str, *, k: int = 64, min_recall: float = 0.9) -> st
             if r is None:
                 cells += ["—"] * 4
                 continue
-            name = r["selector"].split(",n_iter")[0]  # cluster specs: drop the long default tail
-            name = name if len(name) <= 44 else name[:43] + "…"
+            name = _short_spec(r["selector"])
             speed = f"{r['speedup_vs_sdpa']:.3g}x" if r.get("speedup_vs_sdpa") else "—"
             cells += [f"`{name}`", speed, f"{r['quality']['recall_mean']:.3f}", f"{r['quality']['mass_recall_mean']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |\n")
     return "".join(lines)
+
+
+def _short_spec(spec: str, width: int = 44) -> str:
+    """A selector spec without its default-valued parameters (``mode`` is always kept), cut to ``width``."""
+    from .selectors import get_selector, spec_string
+
+    name, _, params = spec.partition(":")
+    if params and "+" not in spec:
+        try:
+            defaults = set(spec_string(get_selector(name)).partition(":")[2].split(","))
+        except (KeyError, ValueError, TypeError):  # an unknown or unavailable selector: keep the spec
+            defaults = set()
+        kept = [t for t in params.split(",") if t.startswith("mode=") or t not in defaults]
+        spec = f"{name}:{','.join(kept)}" if kept else name
+    return spec if len(spec) <= width else spec[:width - 1] + "…"
 
 
 def _workload_label(case: dict[str, Any]) -> tuple[str, str]:
