@@ -99,9 +99,10 @@ def run_suite(name: str, out_dir: str, *, threads: int | None = None, repeats: i
             json.dump({"schema": "sparseattn.suite/1", "suite": name, "cases": results}, f, indent=1)
     plot_suite(path, out_dir)
     ks = [c["k"] for c in cases]
-    table_k = 64 if 64 in ks else max(set(ks), key=ks.count)  # the README's k, else the suite's usual one
-    with open(os.path.join(out_dir, f"suite-{name}.md"), "w") as f:
-        f.write(summary_table(path, k=table_k))
+    if ks:
+        table_k = 64 if 64 in ks else max(set(ks), key=ks.count)  # the README's k, else the suite's usual one
+        with open(os.path.join(out_dir, f"suite-{name}.md"), "w") as f:
+            f.write(summary_table(path, k=table_k))
     return path
 
 
