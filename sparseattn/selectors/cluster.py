@@ -448,11 +448,13 @@ class ClusterSelector(Selector):
         S = self.keys_.shape[0]
         return int(np.ceil(self.n_probe_ * S / self.n_clusters_))
 
-    def _prefix_rows(self, qpos: np.ndarray, kpos: np.ndarray) -> np.ndarray:
-        """Rows that see between 1 and ``_prefix_budget()`` keys (int64, ascending); empty when off."""
+    def _prefix_rows(self, qpos: np.ndarray, kpos: np.ndarray, kpos_ascending: np.ndarray | None = None
+                     ) -> np.ndarray:
+        """Rows that see between 1 and ``_prefix_budget()`` keys (int64, ascending); empty when off.
+        ``kpos_ascending``: ``np.sort(kpos)`` when the caller already has it."""
         if not self._params["exact_prefix"]:
             return np.zeros(0, dtype=np.int64)
-        visible = np.searchsorted(np.sort(kpos), qpos, side="right")
+        visible = np.searchsorted(np.sort(kpos) if kpos_ascending is None else kpos_ascending, qpos, side="right")
         return np.flatnonzero((visible > 0) & (visible <= self._prefix_budget()))
 
     def _check_built(self) -> None:
@@ -649,14 +651,17 @@ class ClusterSelector(Selector):
         if L == 0:
             return out, lse
         with _threads(self.n_threads):
-            prefix = self._prefix_rows(qpos, kpos) if is_causal else np.zeros(0, dtype=np.int64)
+            prefix = np.zeros(0, dtype=np.int64)
+            if is_causal and self._params["exact_prefix"]:
+                order = np.argsort(kpos, kind="stable")  # keys in position order: one sort for both uses
+                prefix = self._prefix_rows(qpos, kpos, kpos[order])
             if prefix.size:
                 # The exact-prefix rows are computed exactly below: the routed pass skips them.
                 sub = np.delete(np.arange(L), prefix)
                 out_r, lse_r = self._attend_routed(q[sub], v_in, sc, is_causal, qpos[sub], kpos)
                 out[sub] = out_r
                 lse[sub] = lse_r
-                self._attend_prefix(q, v_in, sc, prefix, qpos, kpos, out, lse)
+                self._attend_prefix(q, v_in, sc, prefix, qpos, kpos, order, out, lse)
             else:
                 out, lse = self._attend_routed(q, v_in, sc, is_causal, qpos, kpos)
         # Finite inputs whose q.k overflows the dtype leave +inf (or inf - inf = NaN) in lse: an error, as in
@@ -710,14 +715,13 @@ class ClusterSelector(Selector):
                                qpos, kpos_p, kmin, kmax, kpos_sorted, lse_shift, out, lse, bufs, scratch)
         return out, lse
 
-    def _attend_prefix(self, q, values, scale, rows, qpos, kpos, out, lse) -> None:
+    def _attend_prefix(self, q, values, scale, rows, qpos, kpos, order, out, lse) -> None:
         """Exact causal attention for the rows that see few keys (``exact_prefix``), over raw keys.
 
         Each such row sees at most ``_prefix_budget()`` keys, a prefix of the keys in position order
         (:func:`~sparseattn.kernels.cluster.attend_prefix_rows_f32`); rows split over the worker threads by
-        their number of keys.  Called inside ``_threads``."""
+        their number of keys; ``order`` is ``argsort(kpos)`` (stable).  Called inside ``_threads``."""
         dtype = q.dtype
-        order = np.argsort(kpos, kind="stable")
         n_vis = np.searchsorted(kpos[order], qpos[rows], side="right").astype(np.int64)
         B = int(n_vis.max())
         Ks = np.empty((B, q.shape[1]), dtype=dtype)
