@@ -115,8 +115,14 @@ def summary_table(json_path: str, *, k: int = 64, min_recall: float = 0.9) -> st
     """Markdown table of a suite JSON: per workload at ``k``, the fastest selector whose mean recall@k is at
     least ``min_recall`` and the selector keeping the most softmax mass among those faster than torch SDPA
     end to end ("—": none qualifies, or SDPA was not measured).  Made from the JSON only."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive int (the suite's k column); got {k!r}.")
+    if not 0.0 <= float(min_recall) <= 1.0:
+        raise ValueError(f"min_recall must be in [0, 1]; got {min_recall!r}.")
     with open(json_path) as f:
         doc = json.load(f)
+    if not isinstance(doc, dict) or "cases" not in doc:
+        raise ValueError(f"json_path={json_path!r} is not a suite JSON (no 'cases'); pass a suite-*.json file.")
     lines = [_TABLE_HEAD.format(k=k, r=min_recall)]
     for case in doc["cases"]:
         if "error" in case or case["k"] != k:

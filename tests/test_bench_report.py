@@ -177,4 +177,11 @@ def test_summary_table_picks_fastest_accurate_and_most_mass_faster_than_sdpa(tmp
     # fastest with recall >= 0.9 is c (b is faster but misses 0.9); most mass among faster-than-SDPA is b
     assert lines[2] == ("| clustered | 4,096 | yes | 0.02 | `c` | 2.5x | 0.910 | 0.600 | `b` | 4x | 0.890 | 0.900 |")
     assert lines[3] == "| real: store | 16,384 | no | 0.1 | — | — | — | — | — | — | — | — |"
+    for kw, msg in (({"k": 0}, "k must be a positive int"), ({"min_recall": 1.5}, "min_recall must be in")):
+        with pytest.raises(ValueError, match=msg):
+            suite.summary_table(str(path), **kw)
+    other = tmp_path / "other.json"
+    other.write_text("[]")
+    with pytest.raises(ValueError, match="is not a suite JSON"):
+        suite.summary_table(str(other))
 
