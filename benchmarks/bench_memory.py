@@ -3,7 +3,7 @@
 Run:  python benchmarks/bench_memory.py [--n 262144] [--d 64] [--k 64] [--threads 1] [--only window cluster]
 
 Shapes: n = 262,144 keys and queries, d = 64 (the head size of most current LLMs), k = 64 keys per query:
-the size at which the issue sets the goal "every non-dense selector stays under 2 GiB".  A dense score
+the size of the memory goal "every non-dense selector stays under 2 GiB".  A dense score
 matrix at this size would be 256 GiB (float32); one 512-row block of full scores is 512 MiB.  Keys are
 ``sparseattn.data.synthetic("synthetic:n=262144,d=64,kind=clustered,seed=0")`` (q, k, v: 64 MiB each).
 
@@ -12,7 +12,7 @@ pages) never shows up in another's.  The child
 
 1. imports sparseattn and warms up the JIT with the same selector on 4,096 keys (compilation memory is a
    one-off, not a function of n, and is excluded);
-2. generates the data, then records its baseline: ``ru_maxrss`` (the brief's baseline) and the current
+2. generates the data, then records its baseline: ``ru_maxrss`` and the current
    RSS; it also resets the kernel's RSS high-water mark (``/proc/self/clear_refs``, Linux) so the
    high-water after the run is the peak *of the run*;
 3. with ``tracemalloc`` on, builds the selector on all n keys, queries it and runs
@@ -21,7 +21,7 @@ pages) never shows up in another's.  The child
 
 Reported per selector: seconds (build + query + kernel); *peak RSS*: the child's absolute
 ``ru_maxrss`` (interpreter, libraries, data and the run: what the 2 GiB goal is checked against);
-*delta RSS*: ``ru_maxrss`` minus the baseline after data generation (as asked), and the high-water delta
+*delta RSS*: ``ru_maxrss`` minus the baseline after data generation, and the high-water delta
 after the reset (more precise when data generation itself peaked higher); *tracemalloc*: the peak of
 allocations made through Python's and numpy's allocators - numpy arrays created from Python.  FAISS's C++
 allocations and arrays allocated inside Numba kernels (NRT) are not traced; RSS counts everything.
@@ -92,12 +92,11 @@ def _ru_maxrss_kib() -> int:
 def _run_selector(spec, q, k, v, kk, sa):
     """build + query + kernel; returns (output, pattern or None, seconds per step)."""
     from sparseattn.selectors import get_selector
-    from sparseattn.sparse import _uses_attend
 
     t0 = time.perf_counter()
     sel = get_selector(spec).build(k, check_finite=False)
     t1 = time.perf_counter()
-    if _uses_attend(sel):
+    if sel.attends:  # the selector computes attention itself: no pattern
         out, _ = sel.attend(q, v, check_finite=False)
         t2 = t3 = time.perf_counter()
         pattern = None

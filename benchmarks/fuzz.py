@@ -46,6 +46,7 @@ import numpy as np
 
 import sparseattn as sa
 from sparseattn import SparsePattern
+from sparseattn.attention.sparse import sparse_attention_result
 from sparseattn.selectors import get_selector
 
 KINDS = ("full", "pattern", "bias", "selector", "invalid")
@@ -422,8 +423,8 @@ def case_selector(rng, max_n):
         qpos = np.arange(S - L, S)
     context = f"[{spec} L={L} S={S} E={c['E']} k={kq} causal={causal}{' decode' if qpos is not None else ''}] "
     try:
-        res = sa.sparse_attention(c["q"], c["k"], c["v"], spec, k=kq, is_causal=causal, scale=c["scale"],
-                                  enable_gqa=c["gqa"], return_result=True, query_positions=qpos)
+        res = sparse_attention_result(c["q"], c["k"], c["v"], spec, k=kq, is_causal=causal, scale=c["scale"],
+                                      enable_gqa=c["gqa"], query_positions=qpos)
     except Exception as exc:
         exc.fuzz_context = context  # run_case puts it in front of the message
         raise

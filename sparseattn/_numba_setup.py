@@ -1,15 +1,21 @@
-"""Numba cache location and OpenMP behaviour, settled before any kernel is compiled.
+"""Numba's cache location for sparseattn's kernels, and OpenMP's wait policy.
 
-Why a cache directory of our own, keyed by a digest of the kernel sources: Numba keys a cache entry on
-the file that defines the function only, but our kernels inline helpers from sibling modules
-(``_intrinsics``, ``bias``); editing a helper (or upgrading sparseattn) then left a stale compiled kernel
-in use.  A directory named after a hash of every ``kernels/*.py`` makes any source change a fresh cache.
+Cache: :func:`kernel_cache` points ``numba.config.CACHE_DIR`` at :func:`cache_dir` only while
+``sparseattn.kernels`` imports its modules (each ``cache=True`` dispatcher fixes its cache location when
+it is decorated), then restores the previous value; nothing process-wide is changed, so other libraries'
+Numba caches stay where they were.
 
-Why not the NUMBA_CACHE_DIR environment variable: it is read once, when Numba is first imported (too late
-if the user imported Numba first), and it would redirect every other library's cache too.  Instead
-``numba.config.CACHE_DIR`` is set only while our kernel modules are imported (each ``cache=True``
-dispatcher fixes its cache location when it is decorated), then restored.  A user-set NUMBA_CACHE_DIR
-is the base directory (our digest-named subdirectory goes inside it).  A read-only package directory falls back to a per-user cache directory, then to the temp dir.
+Why a directory of our own, named after a digest of every ``kernels/*.py``: Numba keys a cache entry on
+the source file that defines the function only, but our kernels inline helpers from sibling modules
+(``_intrinsics``, ``bias``); without the digest, editing a helper (or upgrading sparseattn) would keep a
+stale compiled kernel in use.
+
+Where: ``kernels/__pycache__/numba-<digest>`` inside the package when it is writable; else
+``$XDG_CACHE_HOME/sparseattn/numba-<digest>`` (default ``~/.cache``); else the temp directory.  A
+user-set ``NUMBA_CACHE_DIR`` is the base directory instead (``$NUMBA_CACHE_DIR/sparseattn-<digest>``).
+
+Why not set the ``NUMBA_CACHE_DIR`` environment variable: Numba reads it once, when it is first imported
+(too late if the user imported Numba first), and it would redirect every other library's cache too.
 """
 
 from __future__ import annotations
@@ -62,11 +68,6 @@ def cache_dir() -> str:
     return candidates[-1]
 
 
-def ensure_cache_dir() -> str:
-    """Compatibility helper: the directory :func:`kernel_cache` will use."""
-    return cache_dir()
-
-
 @contextlib.contextmanager
 def kernel_cache() -> Iterator[str]:
     """Point Numba's cache at :func:`cache_dir` while kernel modules are imported, then restore it."""
@@ -82,11 +83,12 @@ def kernel_cache() -> Iterator[str]:
 
 
 def passive_openmp_waits() -> None:
-    """Make idle OpenMP threads sleep instead of spin (unless the user chose otherwise).
+    """Make idle OpenMP threads sleep instead of spin (unless the user set ``OMP_WAIT_POLICY``).
 
-    FAISS (and Numba's OpenMP layer, when TBB is missing) use OpenMP.  With the default active wait,
-    idle pool threads spin; on a shared 2-core machine that turned a 0.25 ms parallel region into 60 ms
-    (measured: ``SparsePattern.window(512, 512, 64)`` at load average 9).  Must be set before OpenMP starts.
+    FAISS (and Numba's OpenMP layer, when TBB is missing) use OpenMP.  With the default active wait, idle
+    pool threads spin and, on a busy machine with few cores, starve the threads doing the work: a small
+    parallel region such as ``SparsePattern.window(512, 512, 64)`` can take hundreds of times longer.
+    OpenMP reads the variable when its runtime starts, so this runs when sparseattn is imported.
     """
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -28,10 +28,10 @@ import numpy as np
 
 from . import data as data_mod
 from . import metrics
-from .dense import scaled_dot_product_attention
+from .attention.dense import scaled_dot_product_attention
+from .attention.sparse import sparse_attention
 from .pattern import SparsePattern
 from .selectors import get_selector, spec_string
-from .sparse import _uses_attend, sparse_attention
 from .threads import get_num_threads
 
 
@@ -127,6 +127,15 @@ def _rss_peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def json_default(o: Any) -> Any:
+    """``default=`` hook for :func:`json.dump` of results: numpy scalars and arrays as Python values."""
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
 def warm_up() -> None:
     """Compile the shared kernels the harness times: both fused variants, float32 and float64."""
     from .kernels import fused
@@ -188,7 +197,7 @@ def run_selector(wl: Workload, spec: str, *, k: int, is_causal: bool, repeats: i
     """
     template = get_selector(spec)
     spec_str = spec_string(template)
-    attends = _uses_attend(template)
+    attends = template.attends  # declared capability: the selector computes attention itself
     G, L = wl.q.shape[0], wl.q.shape[1]
     per_rep: list[dict[str, float]] = []
     selectors: list[Any] = []
@@ -200,7 +209,7 @@ def run_selector(wl: Workload, spec: str, *, k: int, is_causal: bool, repeats: i
         t0 = time.perf_counter()
         sel.build(wl.k[g], check_finite=False)
         t1 = time.perf_counter()
-        if attends:  # cluster block mode: exact attention over routed blocks, no pattern
+        if attends:  # the selector attends itself (exact attention over routed blocks): no pattern
             out, _ = sel.attend(wl.q[g], wl.v[g], scale=wl.scale, is_causal=is_causal, check_finite=False)
             t2 = t3 = time.perf_counter()
             pat = None
@@ -225,7 +234,7 @@ def run_selector(wl: Workload, spec: str, *, k: int, is_causal: bool, repeats: i
                 outputs.append(out)
         per_rep.append(tot)
     # Peak traced memory from one extra, untimed run of group 0: tracemalloc hooks every allocation
-    # and, left on during the timed runs, added 0.2 s to a 0.4 s cluster attend at n = 65,536.
+    # and would slow allocation-heavy selectors down if left on during the timed runs.
     tracemalloc.start()
     try:
         one(0)

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ._validation import check_positive_int
+from .inputs import check_positive_int
 
 __all__ = [
     "FIXTURES",

@@ -31,19 +31,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._validation import as_float_array, check_positive_int, check_scale
-from .pattern import SparsePattern, _positions
+from .inputs import as_float_array, check_positive_int, check_scale, positions
+from .kernels.topk import ORDER_NONE, block_topk
+from .pattern import SparsePattern
 
 __all__ = ["AccuracyReport", "compare", "mass_recall", "output_relative_error", "topk_recall"]
 
 # Pairs (query, key) whose feature vectors are gathered at once when scoring the selected keys:
 # bounds the gather temporaries to about 2**21 float64 values (16 MiB) whatever the row lengths.
 _GATHER_ELEMS = 2 ** 21
-
-# Running top-k merge: when more than this fraction of a score tile beats the running k-th score,
-# partition the tile (O(tile)); otherwise merge only the few candidates.  After the first key tiles almost
-# nothing beats the running threshold, so the cheap path dominates on long rows.
-_CANDIDATE_FRACTION = 0.125
 
 
 # --------------------------------------------------------------------------------------- the report
@@ -204,8 +200,8 @@ def _prepare(q: np.ndarray, kk: np.ndarray, pattern: object, query_positions: ob
     """
     L, S = q.shape[0], kk.shape[0]
     pattern = _check_pattern(pattern, L, S)
-    qpos = _positions(query_positions, L, "query_positions")
-    kpos = _positions(key_positions, S, "key_positions")
+    qpos = positions(query_positions, L, "query_positions")
+    kpos = positions(key_positions, S, "key_positions")
     if rows is None:
         return q, pattern, qpos, kpos, np.arange(L, dtype=np.int64)
     r = np.asarray(rows)
@@ -513,40 +509,16 @@ def _scan(q: np.ndarray, kk: np.ndarray, v: np.ndarray | None, pattern: SparsePa
 def _merge_topk(top: np.ndarray, g: np.ndarray, k: int) -> np.ndarray:
     """The k largest values per row of ``top`` (nb, k) together with tile ``g`` (nb, c), unsorted.
 
-    The tile is consumed in column chunks of doubling width: the first small chunk is partitioned and
-    sets a running k-th value, after which typically only a few entries of the later (wider) chunks beat
-    it, so they go through the cheap candidate merge instead of a partition of the whole tile.
+    ``top`` is updated in place (and returned) by the shared top-k core in accumulate mode; NaN and
+    ``-inf`` scores are never counted, missing entries stay ``-inf``.  Only the values are used, so every
+    entry gets id 0 (ties need no order: equal values are interchangeable).
     """
-    c = g.shape[1]
-    c0, width = 0, max(8 * k, 256)
-    while c0 < c:
-        c1 = min(c, c0 + width)
-        top = _merge_chunk(top, g[:, c0:c1], k)
-        c0, width = c1, 2 * width
-    return top
-
-
-def _merge_chunk(top: np.ndarray, g: np.ndarray, k: int) -> np.ndarray:
     nb, c = g.shape
-    kth = top.min(axis=1)  # running k-th largest (-inf while fewer than k keys seen)
-    cand = g > kth[:, None]  # ties with the k-th value cannot change the k-th value: strict is enough
-    n_cand = int(np.count_nonzero(cand))
-    if n_cand == 0:
-        return top
-    if n_cand > _CANDIDATE_FRACTION * g.size:
-        part = np.partition(g, c - k, axis=1)[:, c - k:] if c > k else g
-        merged = np.concatenate([top, part], axis=1)
-    else:
-        rows, cols = np.nonzero(cand)
-        counts = np.bincount(rows, minlength=nb)
-        starts = np.zeros(nb, dtype=np.int64)
-        np.cumsum(counts[:-1], out=starts[1:])
-        slot = np.arange(rows.size) - starts[rows]
-        padded = np.full((nb, int(counts.max())), -np.inf)
-        padded[rows, slot] = g[rows, cols]
-        merged = np.concatenate([top, padded], axis=1)
-    w = merged.shape[1]
-    return np.partition(merged, w - k, axis=1)[:, w - k:]
+    top_i = np.where(top > -np.inf, 0, -1).astype(np.int64)
+    zeros = np.zeros(max(nb, c), dtype=np.int64)
+    block_topk(np.ascontiguousarray(g, dtype=top.dtype), k, False, zeros[:nb], zeros[:c], zeros[:c], top,
+               top_i, ORDER_NONE, True)
+    return top
 
 
 def _sparse_block(res: dict, q: np.ndarray, kk: np.ndarray, v: np.ndarray | None, pattern: SparsePattern,

@@ -8,6 +8,10 @@ A pattern says, for each of ``L`` queries, which of ``n_keys`` keys it attends t
 
 Sentinels (FAISS's -1, cKDTree's ``n``) are dropped when a pattern is built and never reach a kernel.
 An empty row is legal: attention over no key yields zeros and a log-sum-exp of ``-inf``.
+
+A pattern is immutable: ``indptr`` and ``indices`` are read-only arrays (``flags.writeable`` False), so the
+invariants checked once at construction still hold when a kernel reads them, and no per-call re-check is
+needed.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._validation import check_positive_int
+from .inputs import check_positive_int, positions
 from .kernels import pattern_ops
 
 _CSR_ERRORS = {
@@ -28,18 +32,6 @@ _CSR_ERRORS = {
     5: "row {row} has duplicate key id {value}",
     6: "row {row} is not sorted ascending (at key id {value})",
 }
-
-
-def _positions(arr: object, length: int, name: str) -> np.ndarray:
-    """Validate a 1-D integer position vector of the given length (None -> arange)."""
-    if arr is None:
-        return np.arange(length, dtype=np.int64)
-    pos = np.asarray(arr)
-    if pos.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be an integer array; got dtype {pos.dtype}.")
-    if pos.shape != (length,):
-        raise ValueError(f"{name} must have shape ({length},); got {pos.shape}.")
-    return np.ascontiguousarray(pos, dtype=np.int64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,8 +47,10 @@ class SparsePattern:
     n_keys : int
         Number of keys (S) the ids index into.
     validate : bool, default True
-        Check the invariants (raises ``ValueError`` naming the offending row and value).  Internal
-        constructors that produce canonical output by construction pass ``False``.
+        Check the invariants (raises ``ValueError`` naming the offending row and value); a caller's
+        writable array is copied, never frozen under it.  ``False`` is for internal constructors only:
+        they hand over freshly built canonical arrays, which are frozen in place without a copy or a
+        check (a kernel trusts them: an invalid id would be an out-of-bounds read).
 
     Examples
     --------
@@ -82,8 +76,8 @@ class SparsePattern:
             raise ValueError("indptr must have length L + 1 >= 1; got an empty array.")
         if indices_arr.size and (indices_arr.max() > np.iinfo(np.int32).max or indices_arr.min() < -(2**31)):
             raise ValueError("indices must fit in int32 (key ids below 2**31).")
-        object.__setattr__(self, "indptr", np.ascontiguousarray(indptr_arr, dtype=np.int64))
-        object.__setattr__(self, "indices", np.ascontiguousarray(indices_arr, dtype=np.int32))
+        object.__setattr__(self, "indptr", _read_only(indptr_arr, np.int64, owned=not validate))
+        object.__setattr__(self, "indices", _read_only(indices_arr, np.int32, owned=not validate))
         object.__setattr__(self, "n_keys", n_keys)
         if validate:
             self.validate()
@@ -150,7 +144,7 @@ class SparsePattern:
         return (self.n_keys == other.n_keys and np.array_equal(self.indptr, other.indptr)
                 and np.array_equal(self.indices, other.indices))
 
-    __hash__ = None  # type: ignore[assignment]  # mutable arrays inside: not hashable
+    __hash__ = None  # type: ignore[assignment]  # equality compares whole arrays: not hashable
 
     # ---------------------------------------------------------------------------------- conversions
     def to_mask(self) -> np.ndarray:
@@ -288,8 +282,8 @@ class SparsePattern:
         For a decoder with a KV cache of S keys and L new queries, pass
         ``query_positions=np.arange(S - L, S)`` (bottom-right alignment).
         """
-        qpos = _positions(query_positions, self.n_queries, "query_positions")
-        kpos = _positions(key_positions, self.n_keys, "key_positions")
+        qpos = positions(query_positions, self.n_queries, "query_positions")
+        kpos = positions(key_positions, self.n_keys, "key_positions")
         ptr, idx = pattern_ops.filter_by_position(self.indptr, self.indices, qpos, kpos)
         return SparsePattern(ptr, idx, self.n_keys, validate=False)
 
@@ -304,6 +298,19 @@ class SparsePattern:
         # Position p of the new rows maps to old position p + (old row start - new row start).
         take = np.arange(indptr[-1], dtype=np.int64) + np.repeat(self.indptr[rows] - indptr[:-1], per_row)
         return SparsePattern(indptr, self.indices[take], self.n_keys, validate=False)
+
+
+def _read_only(arr: np.ndarray, dtype: type, *, owned: bool) -> np.ndarray:
+    """``arr`` as a C-contiguous read-only array of ``dtype``.
+
+    ``owned``: the caller hands the array over (internal constructors), so it is frozen in place.
+    Otherwise an array that still shares memory with the caller's writable one is copied first.
+    """
+    out = np.ascontiguousarray(arr, dtype=dtype)
+    if out.flags.writeable and not owned and np.may_share_memory(out, arr):
+        out = out.copy()
+    out.flags.writeable = False
+    return out
 
 
 def _integer_ids(values: object, name: str) -> np.ndarray:
@@ -336,6 +343,8 @@ def stack_patterns(patterns: list[SparsePattern]) -> tuple[np.ndarray, np.ndarra
         if p.shape != shape:
             raise ValueError(f"patterns[{g}] has shape {p.shape}; expected {shape} like patterns[0].")
     offsets = np.cumsum([0] + [p.nnz for p in patterns[:-1]])
-    indptr = np.concatenate([patterns[0].indptr[:1]] + [p.indptr[1:] + off for p, off in zip(patterns, offsets, strict=True)])
+    indptr = np.concatenate([patterns[0].indptr[:1]]
+                            + [p.indptr[1:] + off for p, off in zip(patterns, offsets, strict=True)])
     indices = np.concatenate([p.indices for p in patterns])
-    return indptr.astype(np.int64), indices.astype(np.int32)
+    # Read-only like a pattern's own arrays: the kernels then see one array type (one compilation).
+    return _read_only(indptr, np.int64, owned=True), _read_only(indices, np.int32, owned=True)

@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ._validation import as_float_array, check_positive_int, result_dtype
+from .inputs import as_float_array, check_positive_int, result_dtype
 from .kernels.bias import BIAS_ALIBI, BIAS_T5
 
 __all__ = [

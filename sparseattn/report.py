@@ -1,17 +1,17 @@
-"""Reports from benchmark results: tables (terminal, Markdown, HTML), JSON and plots, plus the CLI
-subcommands ``compare``, ``bench`` and ``trace``.
+"""Reports from benchmark results: tables (terminal, Markdown, HTML), JSON and plots.
 
-Results are produced as plain dicts by :mod:`sparseattn.bench`; everything here only renders them.
+Results are produced as plain dicts by :mod:`sparseattn.bench` (and suites by :mod:`sparseattn.suite`);
+everything here only renders them.  The command-line handlers live in :mod:`sparseattn.cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
 import os
-import sys
 from typing import Any
+
+from .bench import json_default
 
 COLUMNS = [
     ("selector", "selector"),
@@ -71,6 +71,7 @@ def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 
 def render_text(result: dict[str, Any]) -> str:
+    """A compare result (:func:`sparseattn.bench.compare`) as a fixed-width terminal table."""
     header, rows = table_rows(result)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     widths[0] = min(widths[0], 48)
@@ -96,6 +97,7 @@ def _footnote(result: dict[str, Any]) -> str:
 
 
 def render_markdown(result: dict[str, Any], plots: list[str] | None = None) -> str:
+    """A compare result as a Markdown page: title, table, footnote, machine line, plot images."""
     header, rows = table_rows(result)
     lines = [f"# {_title(result)}", "", "| " + " | ".join(header) + " |",
              "|" + "|".join("---" for _ in header) + "|"]
@@ -113,6 +115,7 @@ def _machine_line(result: dict[str, Any]) -> str:
 
 
 def render_html(result: dict[str, Any], plots: list[str] | None = None) -> str:
+    """A compare result as a standalone HTML page (same content as :func:`render_markdown`)."""
     header, rows = table_rows(result)
     th = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
@@ -181,7 +184,7 @@ def write_compare(result: dict[str, Any], out_dir: str, formats: list[str]) -> l
     if "json" in formats:
         path = os.path.join(out_dir, "compare.json")
         with open(path, "w") as f:
-            json.dump(result, f, indent=2, default=_json_default)
+            json.dump(result, f, indent=2, default=json_default)
         written.append(path)
     plots = plot_compare(result, out_dir) if ("md" in formats or "html" in formats) else []
     written += plots
@@ -196,122 +199,3 @@ def write_compare(result: dict[str, Any], out_dir: str, formats: list[str]) -> l
             f.write(render_html(result, plots))
         written.append(path)
     return written
-
-
-def _json_default(o: Any) -> Any:
-    try:
-        import numpy as np
-        if isinstance(o, np.generic):
-            return o.item()
-        if isinstance(o, np.ndarray):
-            return o.tolist()
-    except ImportError:  # pragma: no cover
-        pass
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-_FORMATS = ("table", "json", "md", "html")
-
-
-def _progress_printer(total: int):
-    state = {"i": 0}
-
-    def say(msg: str) -> None:
-        state["i"] += 1
-        print(f"[{state['i']}/{total}] {msg}", file=sys.stderr, flush=True)
-
-    return say
-
-
-def _cmd_compare(args: argparse.Namespace) -> int:
-    from . import bench
-    from .threads import threads
-
-    formats = [f.strip() for f in args.format.split(",") if f.strip()]
-    bad = sorted(set(formats) - set(_FORMATS))
-    if bad:
-        raise ValueError(f"--format: unknown {bad}; choose from {', '.join(_FORMATS)}.")
-    if args.k < 1:
-        raise ValueError(f"--k must be >= 1; got {args.k}.")
-    with threads(args.threads or _default_threads()):
-        wl_groups = args.max_groups
-        n_sel = len(args.selectors) if args.selectors else len(bench.default_selectors(None))
-        result = bench.compare(args.data, args.selectors, k=args.k, is_causal=args.causal, repeats=args.repeats,
-                               max_groups=wl_groups, progress=_progress_printer(n_sel + 1))
-    if "table" in formats:
-        print(render_text(result))
-    written = write_compare(result, args.out, formats)
-    for p in written:
-        print(f"wrote {p}")
-    return 0 if all("error" not in r for r in result["results"]) else 1
-
-
-def _default_threads() -> int:
-    from .threads import get_num_threads
-    return get_num_threads()
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from . import suite
-    return suite.main_from_args(args)
-
-
-def _cmd_trace(args: argparse.Namespace) -> int:
-    from . import traces
-    kwargs: dict[str, Any] = {"seed": args.seed}
-    if args.kind == "window":
-        kwargs["n_windows"] = args.n_windows
-    else:
-        kwargs.update(n_keys=args.n_keys, n_queries=args.n_queries, layer=args.layer)
-        if args.heads is not None:
-            try:
-                kwargs["heads"] = [int(h) for h in args.heads.split(",")]
-            except ValueError:
-                raise SystemExit(f"sparseattn trace: --heads must be a comma list of integers such as 0,1; "
-                                 f"got {args.heads!r}.") from None
-    out = traces.generate_traces(args.out, args.kind, name=args.name, **kwargs)
-    print(f"wrote {out}")
-    return 0
-
-
-def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    """Register ``compare``, ``bench`` and ``trace`` on the ``sparseattn`` parser."""
-    p = sub.add_parser("compare", help="compare selectors against dense attention (accuracy and speed)",
-                       description="Run selectors and exact attention side by side on one workload and "
-                                   "report speed and accuracy. Default: the shipped real MiniLM traces.")
-    p.add_argument("--data", default="window",
-                   help="window | store | NAME@DIR (a trace written by `sparseattn trace --name NAME --out DIR`) | "
-                        "synthetic:n=65536,d=64,kind=gaussian|clustered|correlated (default window)")
-    p.add_argument("--selectors", nargs="+", default=None,
-                   help="selector specs, e.g. topk window:width=64 'window+sinks+faiss-hnsw:M=32' (default: a "
-                        "representative set; see `sparseattn selectors`)")
-    p.add_argument("--k", type=int, default=64, help="keys per query for top-k selectors (default 64)")
-    p.add_argument("--causal", action="store_true", help="causal attention (keys up to the query's position)")
-    p.add_argument("--repeats", type=int, default=3, help="timing repeats; medians are reported (default 3)")
-    p.add_argument("--max-groups", type=int, default=12,
-                   help="for real traces: evaluate this many evenly spaced (window, layer, head) groups (default 12)")
-    p.add_argument("--threads", type=int, default=None, help="threads for Numba/FAISS/BLAS (default: all cores)")
-    p.add_argument("--out", default="sparseattn-report", help="output directory (default ./sparseattn-report)")
-    p.add_argument("--format", default="table,json,md,html", help="comma list of table,json,md,html")
-    p.set_defaults(func=_cmd_compare)
-
-    p = sub.add_parser("bench", help="run the benchmark suite (time vs n, accuracy vs speed, recall vs k)")
-    p.add_argument("--suite", default="quick", choices=["quick", "full"], help="quick (minutes) or full sweep")
-    p.add_argument("--out", default=os.path.join("benchmarks", "results"), help="output directory")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=None, help="override the suite's repeats")
-    p.set_defaults(func=_cmd_bench)
-
-    p = sub.add_parser("trace", help="capture real Q/K/V traces from MiniLM (needs the 'traces' extra)")
-    p.add_argument("kind", choices=["window", "store"])
-    p.add_argument("--out", default="data")
-    p.add_argument("--n-windows", type=int, default=2)
-    p.add_argument("--n-keys", type=int, default=16384)
-    p.add_argument("--n-queries", type=int, default=2048)
-    p.add_argument("--layer", type=int, default=3)
-    p.add_argument("--heads", default=None, help="store: comma list of heads (default all 12)")
-    p.add_argument("--name", default=None, help="file stem and manifest name (default: the kind); load it "
-                   "with `sparseattn compare --data NAME@OUT`")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_cmd_trace)

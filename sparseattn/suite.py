@@ -1,5 +1,8 @@
 """The benchmark suite behind ``sparseattn bench``: grids of workloads x selectors x k x causal.
 
+This module runs suites and makes their table and plots from the JSON; the command-line handler is in
+:mod:`sparseattn.cli`, result rendering of single comparisons in :mod:`sparseattn.report`.
+
 Each case (one workload, k and causal flag; every selector of the grid plus the dense baselines) runs in
 its own subprocess so that its peak RSS is its own and a crash cannot take the sweep down; results are
 appended to ``suite.json`` as they arrive (an interrupted sweep keeps what it measured).  Plots are made
@@ -250,21 +253,16 @@ def plot_suite(json_path: str, out_dir: str) -> list[str]:
     return paths
 
 
-def main_from_args(args: argparse.Namespace) -> int:
-    path = run_suite(args.suite, args.out, threads=args.threads, repeats=args.repeats)
-    print(f"wrote {path}")
-    return 0
-
-
 def _main() -> int:
+    """Subprocess entry point of :func:`run_suite`: run one case, print its result as one JSON line."""
     ap = argparse.ArgumentParser(description="run one suite case (internal; used by `sparseattn bench`)")
     ap.add_argument("--case", required=True)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
-    from .report import _json_default
+    from .bench import json_default
     res = run_case(json.loads(a.case), a.repeats, a.threads)
-    print(json.dumps(res, default=_json_default))
+    print(json.dumps(res, default=json_default))
     return 0
 
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._validation import as_float_array, check_positive_int
-from .kernels.select_topk import block_topk
-from .pattern import _positions
+from .inputs import as_float_array, check_positive_int, positions
+from .kernels.topk import ORDER_BEST, block_topk
 
 
 def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, *, is_causal: bool = False,
@@ -49,29 +48,20 @@ def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, *, is_causal: bool
     q = q.astype(dtype, copy=False)
     kk = kk.astype(dtype, copy=False)
     L, S = q.shape[0], kk.shape[0]
-    qpos = _positions(query_positions, L, "query_positions") if is_causal else None
-    kpos = _positions(key_positions, S, "key_positions") if is_causal else None
-    kk_eff = min(k, S)
+    qpos = positions(query_positions, L, "query_positions") if is_causal else None
+    kpos = positions(key_positions, S, "key_positions") if is_causal else None
     scores_out = np.full((L, k), -np.inf, dtype=dtype)
     ids_out = np.full((L, k), -1, dtype=np.int64)
     if S == 0 or L == 0:
         return scores_out, ids_out
     qpos_a = qpos if qpos is not None else np.zeros(L, np.int64)
     kpos_a = kpos if kpos is not None else np.zeros(S, np.int64)
-    ids_blk = np.empty((min(block, L), kk_eff), dtype=np.int32)
-    counts = np.empty(min(block, L), dtype=np.int64)
+    key_ids = np.arange(S, dtype=np.int64)
     for start in range(0, L, block):
         stop = min(start + block, L)
-        b = stop - start
         s = q[start:stop] @ kk.T
-        # One heap scan per row (Numba): ties at the k-th score keep the lower key id, deterministically.
-        block_topk(s, kk_eff, is_causal, qpos_a[start:stop], kpos_a, ids_blk[:b], counts[:b])
-        valid = np.arange(kk_eff)[None, :] < counts[:b, None]
-        ids = np.where(valid, ids_blk[:b], 0).astype(np.int64)
-        top = np.where(valid, np.take_along_axis(s, ids, axis=1), -np.inf)
-        order = np.argsort(-top, axis=1, kind="stable")  # ids ascending within equal scores
-        scores_out[start:stop, :kk_eff] = np.take_along_axis(top, order, axis=1)
-        ids_out[start:stop, :kk_eff] = np.where(np.take_along_axis(valid, order, axis=1),
-                                                np.take_along_axis(ids, order, axis=1), -1)
+        # Shared top-k core: NaN never selected, ties at the k-th score keep the lower key id.
+        block_topk(s, k, is_causal, qpos_a[start:stop], kpos_a, key_ids, scores_out[start:stop],
+                   ids_out[start:stop], ORDER_BEST, False)
         del s  # release this block's scores before the next one is computed (one block at a time)
     return scores_out, ids_out

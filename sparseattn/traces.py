@@ -32,7 +32,7 @@ import shutil
 import subprocess
 import tempfile
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -384,7 +384,7 @@ def capture_qkv(model: Any, input_ids: object, attention_mask: object | None = N
     parts: dict[tuple[str, int], list[np.ndarray]] = {}
     handles = []
 
-    def make_hook(kind: str, layer: int):
+    def make_hook(kind: str, layer: int) -> Callable[[Any, Any, Any], None]:
         def hook(_module: Any, _inputs: Any, output: Any) -> None:
             t = output[0] if isinstance(output, tuple) else output
             a = t.detach().to(torch.float32).cpu().numpy()

@@ -31,7 +31,7 @@ def test_compare_schema_and_baselines(result):
                     "keys_per_query", "traced_peak_mb", "rss_peak_mb"):
             assert key in row, key
         assert row["total_s"] >= row["select_s"] >= 0
-    json.dumps(result, default=report._json_default)  # serialisable
+    json.dumps(result, default=bench.json_default)  # serialisable
 
 
 def test_quality_is_recomputed_from_the_pattern(result):

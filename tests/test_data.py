@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import hashlib
 import json
 import shutil
@@ -475,3 +476,8 @@ def test_generate_traces_end_to_end(minilm, tmp_path):
     assert man["files"]["window"]["sha256"] == _sha256(path)
     assert "L5H11" in man["norm_profiles"]["q"]
     assert t.meta["text_sha256"] == hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_docstring_examples_run():
+    result = doctest.testmod(data)
+    assert result.attempted > 0 and result.failed == 0

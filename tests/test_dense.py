@@ -541,3 +541,43 @@ def test_memory_stays_far_below_the_score_matrix():
     rows = np.array([0, 4097, n - 1])
     ref, _ = ref_attention(q[rows], k, v)
     close(out[rows], ref, np.float32)
+
+
+# ------------------------------------------------------------------------ SDPA-compatible signature
+def test_positional_order_matches_torch_sdpa(rng):
+    # (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa): torch's order (torch makes
+    # scale and enable_gqa keyword-only; here they may also be given by position).
+    q, k, v = (rng.standard_normal((2, 4, 6, 8)).astype(np.float32) for _ in range(3))
+    causal = sdpa(q, k, v, is_causal=True)
+    np.testing.assert_array_equal(sdpa(q, k, v, None, 0.0, True), causal)
+    np.testing.assert_array_equal(sdpa(q, k, v, None, 0.0, False, 0.5), sdpa(q, k, v, scale=0.5))
+    kg, vg = k[:, :2], v[:, :2]
+    np.testing.assert_array_equal(sdpa(q, kg, vg, None, 0.0, True, None, True),
+                                  sdpa(q, kg, vg, is_causal=True, enable_gqa=True))
+    torch = pytest.importorskip("torch")
+    tq, tk, tv, tkg, tvg = (torch.from_numpy(x) for x in (q, k, v, np.ascontiguousarray(kg),
+                                                          np.ascontiguousarray(vg)))
+    F = torch.nn.functional
+    mask = rng.random((6, 6)) < 0.7
+    mask[:, 0] = True
+    for ours, theirs in [
+        (sdpa(q, k, v, None, 0.0, True), F.scaled_dot_product_attention(tq, tk, tv, None, 0.0, True)),
+        (sdpa(q, k, v, mask, 0.0, False, 0.3),
+         F.scaled_dot_product_attention(tq, tk, tv, torch.from_numpy(mask), 0.0, False, scale=0.3)),
+        (sdpa(q, kg, vg, None, 0.0, True, None, True),
+         F.scaled_dot_product_attention(tq, tkg, tvg, None, 0.0, True, scale=None, enable_gqa=True)),
+    ]:
+        np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_is_refused(rng):
+    q, k, v = (rng.standard_normal((3, 4)) for _ in range(3))
+    with pytest.raises(ValueError, match=r"dropout_p=0.1: dropout is not supported in this reference"):
+        sdpa(q, k, v, None, 0.1)
+    with pytest.raises(ValueError, match="dropout is not supported"):
+        sdpa(q, k, v, dropout_p=0.5)
+    with pytest.raises(TypeError, match="dropout_p must be a number"):
+        sdpa(q, k, v, None, True)  # is_causal passed in dropout_p's slot
+    np.testing.assert_array_equal(sdpa(q, k, v, None, 0), sdpa(q, k, v))
+    with pytest.raises(TypeError):
+        sdpa(q, k, v, None, 0.0, False, None, False, True)  # extras are keyword-only

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparseattn.merge import merge_attention, merge_pair
+from sparseattn.attention.merge import merge_attention, merge_pair
 
 # Tolerances: float64 merges are exact up to a few ulps of the softmax; float32 parts carry ~1e-7
 # relative rounding each (observed max error ~3e-7 on these sizes).
@@ -208,3 +208,53 @@ def test_property_sharded_equals_full(L, S, parts, seed, spread):
     np.testing.assert_allclose(out, ref, atol=1e-10)
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-12, atol=1e-10)
     assert not np.isnan(out).any()
+
+
+def test_merge_kernel_on_strided_partials_skips_dead_ones():
+    # The kernel routed attention uses: partials with a row-sum column (strided views), a slot map,
+    # garbage in dead partials (sum 0, shift -inf, or a weight that underflows), an lse offset.
+    from sparseattn.kernels.merge import merge_partials
+
+    rng = np.random.default_rng(4)
+    Ev, p, L = 3, 3, 5
+    po = rng.standard_normal((L * p, Ev + 1))
+    po[:, Ev] = rng.uniform(0.5, 2.0, L * p)
+    pm = rng.standard_normal(L * p)
+    po[1, :Ev], pm[1] = np.nan, -np.inf  # dead: shift -inf
+    po[4, :Ev], po[4, Ev] = np.nan, 0.0  # dead: sum 0
+    po[7, :Ev], pm[7] = np.nan, -1e4  # dead: weight exp(-1e4 - M) = 0
+    pm[[9, 10, 11]] = -np.inf  # a row without a live partial
+    slot = rng.permutation(L * p).astype(np.int64)
+    shift = rng.standard_normal(L)
+    out = np.full((L, Ev), np.nan)
+    lse = np.full(L, np.nan)
+    merge_partials((po[:, :Ev],), po[:, Ev], pm, slot, p, shift, out, lse)
+    for i in range(L):
+        parts = slot[i * p:(i + 1) * p]
+        live = [s for s in parts if po[s, Ev] > 0 and pm[s] > -100]
+        if not live:
+            assert np.all(out[i] == 0) and lse[i] == -np.inf
+            continue
+        M = max(pm[s] for s in live)
+        w = np.array([np.exp(pm[s] - M) for s in live])
+        tot = (w * po[live, Ev]).sum()
+        np.testing.assert_allclose(out[i], (w[:, None] * po[live, :Ev]).sum(0) / tot, atol=1e-14)
+        assert lse[i] == pytest.approx(M + np.log(tot) + shift[i], abs=1e-14)
+
+
+def test_merge_pair_with_overlapping_out_views(rng):
+    # out overlapping an input in another layout (here: shifted by one row, still contiguous): the
+    # inputs are copied before the merge; out being o1 itself is the in-place accumulation case.
+    big = rng.standard_normal((7, 4))
+    o2 = rng.standard_normal((6, 4))
+    l1, l2 = rng.standard_normal(6), rng.standard_normal(6)
+    want = merge_attention(np.stack([big[:6], o2]), np.stack([l1, l2]))
+    res = merge_pair(big[:6], l1, o2, l2, out=(big[1:], np.empty(6)))
+    assert res[0].base is big or res[0] is big[1:] or np.shares_memory(res[0], big)
+    np.testing.assert_allclose(big[1:], want[0], atol=1e-14)
+    o1 = rng.standard_normal((6, 4))
+    want = merge_attention(np.stack([o1, o2]), np.stack([l1, l2]))
+    acc = (o1, l1.copy())
+    merge_pair(*acc, o2, l2, out=acc)
+    np.testing.assert_allclose(o1, want[0], atol=1e-14)
+    np.testing.assert_allclose(acc[1], want[1], atol=1e-14)

@@ -369,3 +369,29 @@ def test_thread_count_invariance(rng):
         two = build()
     for x, y in zip(one, two, strict=True):
         assert x == y
+
+
+def test_pattern_arrays_are_read_only():
+    p = SparsePattern.from_rows([[0, 2], [1]], 3)
+    for arr in (p.indptr, p.indices):
+        assert not arr.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        p.indices[0] = 5
+    with pytest.raises(ValueError, match="read-only"):
+        p.indptr[0] = 1
+    for made in (SparsePattern.full(3, 4), SparsePattern.window(5, 5, 2), SparsePattern.from_mask(np.eye(3, dtype=bool)),
+                 SparsePattern.from_padded(np.array([[0, -1]]), 2), p | p, p.causal(), p.select_rows([1, 0])):
+        assert not made.indptr.flags.writeable and not made.indices.flags.writeable
+    ptr, idx = stack_patterns([p, p])
+    assert not ptr.flags.writeable and not idx.flags.writeable
+
+
+def test_caller_arrays_are_copied_not_frozen():
+    indptr = np.array([0, 2, 3], dtype=np.int64)
+    indices = np.array([0, 2, 1], dtype=np.int32)
+    p = SparsePattern(indptr, indices, 3)
+    assert indptr.flags.writeable and indices.flags.writeable  # the caller's arrays stay writable
+    indices[0] = 1  # ... and editing them does not change the pattern
+    assert p.indices.tolist() == [0, 2, 1]
+    q = SparsePattern(p.indptr, p.indices, 3)  # already read-only: shared, no copy
+    assert np.shares_memory(q.indices, p.indices)

@@ -7,6 +7,7 @@ transcribed in torch, GPT-NeoX / HF ``rotate_half``), hand-worked numbers, and t
 
 from __future__ import annotations
 
+import doctest
 import math
 
 import numpy as np
@@ -640,3 +641,10 @@ def test_t5_fused_kernel_at_integer_bucket_boundary():
     expected = _softmax_oracle(q, q, v, bias.dense(np.arange(L), np.arange(L)), 0.5)
     sparse = sa.sparse_attention(q, q, v, sa.SparsePattern.full(L, L), bias=bias)
     np.testing.assert_allclose(sparse, expected, atol=1e-12)
+
+
+def test_docstring_examples_run():
+    import sparseattn.positional
+
+    result = doctest.testmod(sparseattn.positional)
+    assert result.attempted > 0 and result.failed == 0

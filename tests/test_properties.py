@@ -16,6 +16,7 @@ import sparseattn as sa
 from sparseattn import SparsePattern
 from sparseattn.kernels import steps
 from sparseattn.selectors import get_selector, selector_classes
+from sparseattn.tutorial.steps import attention_steps
 
 DTYPES = [np.float16, np.float32, np.float64]
 # Absolute output error allowed, relative to max(1, max|v|): float16 is limited by the float16 output
@@ -173,7 +174,7 @@ def test_attention_steps_weights_rows_sum_to_one(L, S, d, is_causal, sparse, see
     x, ctx = rng.standard_normal((L, d)), rng.standard_normal((S, d))
     Wq, Wk, Wv = (rng.standard_normal((d, d)) for _ in range(3))
     pattern = SparsePattern.from_mask(rng.random((L, S)) < 0.5) if sparse else None
-    st_ = sa.attention_steps(x, Wq, Wk, Wv, context=ctx, is_causal=is_causal, pattern=pattern)
+    st_ = attention_steps(x, Wq, Wk, Wv, context=ctx, is_causal=is_causal, pattern=pattern)
     allowed = np.ones((L, S), bool) if pattern is None else pattern.to_mask()
     if is_causal:
         allowed &= np.arange(S)[None, :] <= np.arange(L)[:, None]

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparseattn.kernels import cluster as ck
+from sparseattn.kernels.topk import rows_topk
 from sparseattn.selectors.base import get_selector
 from sparseattn.selectors.cluster import ClusterSelector
 from sparseattn.topk import exact_topk
@@ -246,11 +247,13 @@ def test_block_causal_with_cache_positions(rng):
 
 def test_many_blocks_and_tiles(rng, monkeypatch):
     # Tiny buffers: queries in many blocks, large clusters in many row tiles, buffers reused.
-    import sparseattn.selectors.cluster as mod
+    import sparseattn.attention.routed as routed_mod
+    import sparseattn.index.cluster as index_mod
 
-    monkeypatch.setattr(mod, "_BLOCK_BUDGET", 3000)
-    monkeypatch.setattr(mod, "_TILE", 512)
-    monkeypatch.setattr(mod, "_MIN_ROWS", 2)
+    for mod in (routed_mod, index_mod):
+        monkeypatch.setattr(mod, "_BLOCK_BUDGET", 3000)
+        monkeypatch.setattr(mod, "_TILE", 512)
+        monkeypatch.setattr(mod, "_MIN_ROWS", 2)
     q, k, v = clustered(rng, 700, 260)
     sel = ClusterSelector(n_clusters=5, n_probe=2, mode="block").build(k)
     for is_causal in (False, True):
@@ -367,7 +370,8 @@ def test_shifted_exp_rows_matches_float64_oracle(rng, dtype):
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 300), seed=st.integers(0, 2**32 - 1), ties=st.sampled_from([0, 1, 2]),
        big=st.booleans(), f64=st.booleans())
-def test_property_select_topk_is_exact_with_ties(n, seed, ties, big, f64):
+def test_property_rows_topk_is_exact_with_ties(n, seed, ties, big, f64):
+    """The shared top-k core as mode=topk calls it: one score row, exact with ties and huge values."""
     rng = np.random.default_rng(seed)
     vals = rng.standard_normal(n)
     if ties == 1:
@@ -378,11 +382,11 @@ def test_property_select_topk_is_exact_with_ties(n, seed, ties, big, f64):
         vals *= 1e300 if f64 else 1e37
     vals = vals.astype(np.float64 if f64 else np.float32)
     k = int(rng.integers(1, n + 1))
-    out_s = np.empty(k, dtype=vals.dtype)
-    out_i = np.empty(k, dtype=np.int64)
-    cnt = ck._select_topk(vals, np.arange(n, dtype=np.int64), n, k, out_s, out_i)
-    assert cnt == k
-    assert len(set(out_i.tolist())) == k
+    out_s = np.empty((1, k), dtype=vals.dtype)
+    out_i = np.empty((1, k), dtype=np.int32)
+    rows_topk(vals[None, :].copy(), k, np.arange(n, dtype=np.int64), out_s, out_i)
+    out_s, out_i = out_s[0], out_i[0].astype(np.int64)
+    assert np.all(out_i >= 0) and len(set(out_i.tolist())) == k
     np.testing.assert_array_equal(np.sort(vals[out_i]), np.sort(vals)[n - k:])
     np.testing.assert_array_equal(out_s, vals[out_i])
 
@@ -543,6 +547,8 @@ def test_error_messages(rng):
     sel = ClusterSelector(n_clusters=4, n_probe=2)
     with pytest.raises(RuntimeError, match="not built"):
         sel.attend(k, v)
+    with pytest.raises(RuntimeError, match="not built"):
+        sel.route(k)
     sel.build(k)
     with pytest.raises(ValueError, match=r"values must have shape \(S=100, Ev\)"):
         sel.attend(k, v[:50])
@@ -661,3 +667,36 @@ def test_scan_pairs_marks_empty_and_lists_tiny_sums():
     bad = ck.scan_pairs(pm, po, 1e-20)
     np.testing.assert_array_equal(bad, [3])  # 0 < sum < tiny; NaN is neither empty nor refined
     np.testing.assert_array_equal(pm, [0.0, -np.inf, -np.inf, 2.0, 3.0, 4.0])  # sum 0 -> empty
+
+
+# ------------------------------------------------------------------------------- the adapter's contract
+def test_attends_follows_mode_and_block_mode_refuses_bias():
+    topk = ClusterSelector(n_clusters=4)
+    block = ClusterSelector(n_clusters=4, mode="block")
+    assert topk.attends is False and block.attends is True
+    assert topk.not_supported_reasons(n_keys=100, dim=8, is_causal=True, bias=True) == []
+    assert block.not_supported_reasons(n_keys=100, dim=8, is_causal=True, bias=False) == []
+    assert block.not_supported_reasons(n_keys=100, bias=True) == [
+        "bias is not supported by cluster:mode=block (block mode attends by itself); use mode=topk or drop bias"]
+    assert topk.set_params(mode="block").attends is True  # mode is a query-time parameter
+
+
+def test_selector_is_a_thin_adapter_over_index_and_routed_attention(rng):
+    from sparseattn.attention.routed import routed_attention
+    from sparseattn.index.cluster import ClusterIndex
+
+    q, k, v = clustered(rng, 800, 90)
+    sel = ClusterSelector(n_clusters=9, n_probe=3, mode="block", split=1.0).build(k)
+    index = ClusterIndex(n_clusters=9, n_probe=3, split=1.0).build(k)
+    assert isinstance(sel.index_, ClusterIndex)
+    for name in ("n_clusters_", "n_probe_", "centroids_", "perm_", "cluster_ptr_", "assignment_", "radius_",
+                 "mean_", "parent_", "kmeans_centroids_", "coarse_centroids_"):
+        np.testing.assert_array_equal(getattr(sel, name), getattr(index, name), err_msg=name)
+    np.testing.assert_array_equal(sel.route(q), index.route(q)[0])
+    for is_causal in (False, True):
+        a = sel.attend(q, v, is_causal=is_causal, scale=0.4)
+        b = routed_attention(index, q, v, is_causal=is_causal, scale=0.4)
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_array_equal(a[1], b[1])
+    topk = ClusterSelector(n_clusters=9, n_probe=3, split=1.0).build(k)
+    assert topk.query(q, 12) == index.search(q, 12)

@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 pytest.importorskip("faiss")
 
-from sparseattn.selectors.base import get_selector, selector_classes  # noqa: E402
 from sparseattn.selectors.faiss_ann import (  # noqa: E402
     FaissFlatSelector,
     FaissHNSWSelector,
@@ -25,6 +24,7 @@ from sparseattn.selectors.faiss_ann import (  # noqa: E402
     get_faiss_threads,
     set_faiss_threads,
 )
+from sparseattn.selectors.registry import get_selector, selector_classes  # noqa: E402
 from sparseattn.topk import exact_topk  # noqa: E402
 
 N, D, K = 4000, 32, 32
@@ -360,12 +360,23 @@ def test_parameter_errors(spec, exc, match):
         get_selector(spec)
 
 
-def test_set_params_rejects_build_params():
-    with pytest.raises(ValueError, match=r"faiss-hnsw: \['M'\] cannot be changed after construction; "
-                                         r"query-time parameters: ef_search"):
-        FaissHNSWSelector().set_params(M=8)
+def test_set_params_build_params_need_a_rebuild():
+    keys = np.random.default_rng(0).standard_normal((300, 8)).astype(np.float32)
+    sel = FaissHNSWSelector(M=16).build(keys)
+    assert FaissHNSWSelector.query_params == ("ef_search",)
+    assert sel.set_params(ef_search=16) is sel and sel.index_ is not None  # query-time: index kept
+    sel.set_params(M=8)
+    assert sel.get_params()["M"] == 8 and sel.get_params()["ef_search"] == 16
+    with pytest.raises(RuntimeError, match=r"'faiss-hnsw': build-time parameter\(s\) M changed by "
+                                           r"set_params\(\) after build\(\); call build\(keys\) again "
+                                           r"before query\(\)"):
+        sel.query(keys[:2], 4)
+    with pytest.raises(RuntimeError, match=r"call build\(keys\) again before add\(\)"):
+        sel.add(keys[:2])
+    assert sel.build(keys).query(keys[:2], 4).nnz_per_row.tolist() == [4, 4]
     with pytest.raises(ValueError, match=r"parameter nprobe must be > 0; got 0"):
         FaissIVFFlatSelector().set_params(nprobe=0)
+    assert FaissIVFPQSelector.query_params == ("nprobe", "k_factor")
 
 
 def test_query_before_build():
@@ -433,7 +444,7 @@ def test_property_valid_causal_indices(problem, which):
 
 def test_k_at_least_s_returns_every_allowed_key_without_searching(monkeypatch):
     # The documented rule (rows with <= k allowed keys hold all of them) makes the search pointless.
-    from sparseattn.selectors.base import get_selector
+    from sparseattn.selectors.registry import get_selector
 
     rng = np.random.default_rng(0)
     keys = rng.standard_normal((10, 8)).astype(np.float32)

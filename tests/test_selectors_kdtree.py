@@ -165,6 +165,20 @@ def test_spec_round_trip():
     assert get_selector(spec_string(sel)).params == sel.params
 
 
+def test_set_params_query_time_keeps_the_trees(rng):
+    q, k = _data(rng, 20, 300, 3)
+    assert KDTreeSelector.query_params == ("eps", "candidates", "workers")
+    sel = KDTreeSelector(eps=4.0, pca_dim=2, candidates=8).build(k)
+    tree = sel.index_.tree
+    p = sel.set_params(eps=0.0, candidates=300).query(q, 5)
+    assert sel.index_.tree is tree  # no rebuild
+    _assert_exact_topk(p, q, k, 5)  # every key is a candidate: exact after the re-rank
+    sel.set_params(pca_dim=1)
+    with pytest.raises(RuntimeError, match=r"build-time parameter\(s\) pca_dim changed by set_params\(\)"):
+        sel.query(q, 5)
+    assert sel.build(k).components_.shape == (3, 1)
+
+
 # --------------------------------------------------------------------------------------- properties
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(L=st.integers(0, 10), S=st.integers(1, 40), kk=st.integers(1, 8), is_causal=st.booleans(),

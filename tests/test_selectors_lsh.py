@@ -13,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparseattn.kernels import lsh as lk
+from sparseattn.kernels.topk import rerank_topk
 from sparseattn.pattern import SparsePattern
 from sparseattn.selectors import get_selector, spec_string
 from sparseattn.selectors.angular_lsh import AngularLSHSelector
-from sparseattn.selectors.base import _fill_small_rows
+from sparseattn.selectors.base import fill_small_rows as _fill_small_rows
 from sparseattn.selectors.lsh import LSHSelector
 from sparseattn.topk import exact_topk
 
@@ -395,14 +395,14 @@ def test_angular_param_errors():
 
 
 # ================================================================================== shared kernels
-def test_rerank_unique_topk_matches_oracle(rng):
+def test_rerank_topk_unique_matches_oracle(rng):
     q, k = _gaussian(rng, 25, 60, 5)
     cand = np.full((25, 30), -1, dtype=np.int64)
     for i in range(25):
         m = rng.integers(0, 31)
         cand[i, rng.permutation(30)[:m]] = rng.choice(60, m, replace=False)  # -1 anywhere in the row
     k[7] = k[3]  # a tie
-    scores, ids = lk.rerank_unique_topk(q, k, cand, 6)
+    scores, ids = rerank_topk(q, k, cand, 6, True)
     s = q.astype(np.float64) @ k.astype(np.float64).T
     for i in range(25):
         c = cand[i][cand[i] >= 0]

@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sparseattn as sa
-import sparseattn.sparse as sparse_mod
+import sparseattn.attention.sparse as sparse_mod
 from sparseattn import SparsePattern, scaled_dot_product_attention, sparse_attention
+from sparseattn.attention.sparse import sparse_attention_result
 from sparseattn.kernels import fused
 from sparseattn.kernels.bias import no_bias_args
 
@@ -360,15 +361,25 @@ def test_non_contiguous_and_read_only_inputs(rng):
     close(out, scaled_dot_product_attention(np.array(q), np.array(k), np.array(v), attn_mask=mask), np.float64)
 
 
-def test_return_result(rng):
+def test_sparse_attention_result(rng):
     q, k, v = qkv(rng, (2,), (2,), 4, 5, 3, 2, np.float64)
     p = SparsePattern.window(4, 5, 2, is_causal=True)
-    res = sparse_attention(q, k, v, p, return_result=True)
+    res = sparse_attention_result(q, k, v, p)
     assert isinstance(res, sa.SparseAttentionResult)
     out, lse = sparse_attention(q, k, v, p, return_lse=True)
     assert np.array_equal(res.output, out) and np.array_equal(res.lse, lse)
+    assert np.array_equal(sparse_attention(q, k, v, p), out)
     assert res.patterns == [p] and res.selector is None
     assert set(res.timings) == {"build", "select", "kernel"} and res.timings["kernel"] >= 0
+    sel = sparse_attention_result(q, k, v, "topk", k=2)
+    assert sel.selector.startswith("topk") and len(sel.patterns) == 2 and sel.timings["build"] >= 0
+    np.testing.assert_array_equal(sel.output, sparse_attention(q, k, v, "topk", k=2))
+
+
+def test_return_result_is_gone(rng):
+    q, k, v = qkv(rng, (), (), 4, 5, 3, 2, np.float64)
+    with pytest.raises(TypeError, match="return_result"):
+        sparse_attention(q, k, v, SparsePattern.full(4, 5), return_result=True)
 
 
 def test_is_causal_filters_an_explicit_pattern(rng):
@@ -382,21 +393,17 @@ def test_is_causal_filters_an_explicit_pattern(rng):
         sparse_attention(q, k, v, p, is_causal="yes")
 
 
-def test_out_of_range_pattern_raises_instead_of_reading_out_of_bounds(rng):
+def test_patterns_are_immutable_so_the_kernel_can_trust_them(rng):
+    # No per-call CSR re-check: a pattern is validated once, when built, and cannot be edited afterwards.
     q, k, v = qkv(rng, (), (), 6, 6, 3, 2, np.float32)
-    bad = SparsePattern(np.array([0, 1, 1, 1, 1, 1, 1]), np.array([10**8]), 6, validate=False)
-    with pytest.raises(ValueError, match="is not a valid CSR over 6 keys"):
-        sparse_attention(q, k, v, bad)
-    # negative ids, ids == S, one bad pattern among per-head patterns, bad row pointers
-    neg = SparsePattern(np.array([0, 1, 2, 2, 2, 2, 2]), np.array([0, -1], dtype=np.int32), 6, validate=False)
-    edge = SparsePattern(np.array([0, 0, 0, 0, 0, 0, 2]), np.array([5, 6], dtype=np.int32), 6, validate=False)
-    ptr = SparsePattern(np.array([0, 2, 1, 1, 1, 1, 2]), np.array([0, 1], dtype=np.int32), 6, validate=False)
-    for p in (neg, edge, ptr):
-        with pytest.raises(ValueError, match="is not a valid CSR over 6 keys"):
-            sparse_attention(q, k, v, p)
-    qh, kh, vh = (np.stack([x, x]) for x in (q, k, v))
-    with pytest.raises(ValueError, match=r"pattern\[1\] is not a valid CSR"):
-        sparse_attention(qh, kh, vh, [SparsePattern.full(6, 6), edge])
+    p = SparsePattern.full(6, 6)
+    with pytest.raises(ValueError, match="read-only"):
+        p.indices[0] = 10**8
+    with pytest.raises(ValueError, match="read-only"):
+        p.indptr[1] = 0
+    with pytest.raises(ValueError, match="outside"):
+        SparsePattern(np.array([0, 1, 1, 1, 1, 1, 1]), np.array([10**8]), 6)
+    close(sparse_attention(q, k, v, p), scaled_dot_product_attention(q, k, v), np.float32)
 
 
 # -------------------------------------------------------------------------------- empty inputs
@@ -446,3 +453,32 @@ def test_shape_errors(rng):
         sparse_attention(q.astype(np.int64), k, v, p)
     with pytest.raises(ValueError, match=r"scale must be finite; got nan"):
         sparse_attention(q, k, v, p, scale=float("nan"))
+
+
+# ------------------------------------------------------------------------- declared capabilities
+def test_selector_that_attends_is_dispatched_by_its_declaration(rng):
+    from sparseattn.selectors import Selector, get_selector
+
+    q, k, v = qkv(rng, (2,), (2,), 16, 64, 8, 3, np.float64)
+    spec = "cluster:mode=block,n_clusters=4,n_probe=2"
+    assert get_selector(spec).attends is True and get_selector("cluster").attends is False
+    assert Selector.attends is False
+    res = sparse_attention_result(q, k, v, spec, k=8)
+    assert res.patterns == [] and res.selector.startswith("cluster")
+    for g in range(2):
+        out, lse = get_selector(spec).build(k[g]).attend(q[g], v[g])
+        close(res.output[g], out, np.float64)
+        close(res.lse[g], lse, np.float64)
+
+
+def test_unsupported_input_is_refused_with_the_selectors_reasons(rng):
+    q, k, v = qkv(rng, (), (), 8, 32, 4, 2, np.float64)
+    with pytest.raises(ValueError, match=r"selector 'cluster:.*mode=block.*' cannot run here: bias is not "
+                                         r"supported by cluster:mode=block"):
+        sparse_attention(q, k, v, "cluster:mode=block,n_clusters=4", bias=np.zeros((8, 32)))
+    with pytest.raises(ValueError, match=r"cannot run here: n_clusters=50 > n_keys=32"):
+        sparse_attention(q, k, v, "cluster:n_clusters=50")
+    # a selector that only selects keys supports a bias: the kernel adds it to the selected scores
+    bias = rng.standard_normal((8, 32))
+    ref = sparse_attention(q, k, v, SparsePattern.full(8, 32), bias=bias)
+    close(sparse_attention(q, k, v, "topk", k=32, bias=bias), ref, np.float64)

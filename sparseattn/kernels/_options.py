@@ -8,18 +8,23 @@ gathered rows on AVX-512 machines without changing the IEEE special-value behavi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
 
-
-def serial_and_parallel(impl, *, constants: dict | None = None, suffix: str = "", **options):
+def serial_and_parallel(impl: Callable[..., Any], *, constants: dict[str, Any] | None = None, suffix: str = "",
+                        **options: Any) -> tuple[Any, Any]:
     """Compile ``impl`` twice, serial and ``parallel=True``, each with its own on-disk cache entry.
 
+    Returns ``(serial, parallel)`` dispatchers.  ``constants`` replace module globals for this pair only,
+    ``suffix`` distinguishes several pairs made from one function, ``options`` go to ``njit``.
+
     Why the clone: Numba names cache files after the function's qualified name and line, and does not
-    key them by the ``parallel`` flag.  Two dispatchers over the same Python function therefore share
-    one cache index, and whichever variant compiled first was loaded for both (measured: the "parallel"
-    fused kernel ran single-threaded, 0.16 s instead of 0.07 s, after the test suite had compiled the
-    serial one).  Distinct qualnames give distinct cache files.
+    key them by the ``parallel`` flag.  Two dispatchers over the same Python function would share one
+    cache index, and whichever variant compiled first would be loaded for both (a "parallel" kernel
+    running serial code).  Distinct qualnames give distinct cache files.
     """
     import types
 
@@ -29,7 +34,7 @@ def serial_and_parallel(impl, *, constants: dict | None = None, suffix: str = ""
     # constants and prunes dead branches on them (e.g. a no-bias kernel never types the bias code).
     namespace = impl.__globals__ if not constants else {**impl.__globals__, **constants}
 
-    def clone(variant):
+    def clone(variant: str) -> types.FunctionType:
         fn = types.FunctionType(impl.__code__, namespace, impl.__name__ + suffix + variant,
                                 impl.__defaults__, impl.__closure__)
         fn.__qualname__ = impl.__qualname__ + suffix + variant

@@ -1,4 +1,5 @@
-"""Numba kernels of the cluster-routing selector (``sparseattn.selectors.cluster``).
+"""Numba kernels of the cluster index and routed attention (``sparseattn.index.cluster``,
+``sparseattn.attention.routed``).
 
 The dense arithmetic (per-cluster ``Q_c K_c^T`` and ``P_c V_c``) is BLAS on contiguous blocks; these kernels
 drive it and do the irregular parts around it without Python loops or numpy fancy indexing:
@@ -17,14 +18,13 @@ drive it and do the irregular parts around it without Python loops or numpy fanc
 * ``causal_mask_block``: ``-inf`` where a key lies after its query, inside one cluster block;
 * ``scan_pairs``: after a pass, marks pairs without allowed keys empty and lists those to refine;
 * ``exact_pairs``: a scalar last-resort recomputation of pairs with their true row maximum;
-* ``merge_partials``: each query's partials (unnormalised output, shift, row sum) across its clusters,
-  merged exactly by log-sum-exp;
-* ``rows_topk`` / ``merge_topk``: per-cluster top-k of a score block, then per-query top-k over its
-  clusters' candidates, emitted as canonical CSR (selection by value bisection with SIMD counts);
 * ``routed_pattern``: the CSR of all keys of each query's routed clusters.
 
-The serial ``nogil`` kernels (``causal_mask_block``, ``rows_topk``) are the ones the selector calls from its
-own worker threads: Numba's parallel pool must not be entered from several Python threads at once.
+Each query's partials across its clusters are merged by :func:`sparseattn.kernels.merge.merge_partials`.
+The per-cluster top-k of ``mode=topk`` is the shared core's (:mod:`sparseattn.kernels.topk`).
+The serial ``nogil`` kernels (``causal_mask_block``, ``attend_clusters_f32``, ...) are the ones called from the
+worker threads (:func:`sparseattn.threads.run_jobs`): Numba's parallel pool must not be entered from
+several Python threads at once.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def _row_top_p(scores, p):
     return out, out_s
 
 
-# Serial ``nogil`` variants run inside the selector's worker threads (one row chunk each, right after
+# Serial ``nogil`` variants run inside the worker threads (one row chunk each, right after
 # that chunk's BLAS product); the parallel ones serve single calls from Python.
 row_argmax_serial, row_argmax = serial_and_parallel(_row_argmax, fastmath=FASTMATH, nogil=True)
 row_top_p_serial, row_top_p = serial_and_parallel(_row_top_p, fastmath=FASTMATH, nogil=True)
@@ -345,11 +345,11 @@ def _shifted_exp_rows(s, m, clamp, masked, qpos, kpos, rowsum):
     each streamed the tile through memory again; here each row is read and written once, with a
     float32 exp that vectorises (numpy's exp inside Numba is a scalar libm call).  Measured on a
     1024 x 256 tile: 81 us against 208 us for numpy maximum + exp + sum.  The clamp keeps every allowed
-    weight >= exp(clamp) > 0, a normal float (subnormals make the next GEMM slow; see the selector's
-    ``_CLAMP``), so a zero row sum still means "no allowed key".  Relative error of a float32 weight:
+    weight >= exp(clamp) > 0, a normal float (subnormals make the next GEMM slow; see ``_CLAMP`` in
+    :mod:`sparseattn.attention.routed`), so a zero row sum still means "no allowed key".  Relative error of a float32 weight:
     the rounding of ``s - m`` and ``(s - m) log2(e)``, about ``(|s| + |m| + 2 |s - m|) * 6e-8``: the
     order of the rounding already in a float32 score s.
-    Serial and ``nogil``: called from the selector's worker threads.
+    Serial and ``nogil``: called from the worker threads.
     """
     R, n = s.shape
     for r in range(R):
@@ -384,7 +384,7 @@ def _attend_clusters(jobs, qptr, kptr, Qs, Kp, Vp, pm, po, clamp, tiny, tile_ele
     the products of the full cluster blocks.
     Why in Numba: the same loop in Python cost 12-18 % of attend at S = 65,536 and ~30 % at S = 4,096
     (per-tile interpreter and GIL hand-offs between the two workers).  Serial and ``nogil``: each worker
-    thread of the selector runs one call.
+    thread runs one call.
     """
     Ev = Vp.shape[1]
     n_low = 0
@@ -438,6 +438,18 @@ attend_clusters_f64 = serial_and_parallel(_attend_clusters, constants={"_exp_row
                                           suffix="_f64", fastmath=FASTMATH, nogil=True)[0]
 
 
+# A dedicated kernel, not the fused sparse kernel (kernels/fused.py) over a CSR of keys 0..n_i-1 per row,
+# because it is measurably faster.  Side by side in one process (float32, E = Ev = 64, the
+# prefix_budget() rows of a causal attend with C = sqrt(S), n_probe = 8, i.e. n_i = 1..B; dedicated path
+# including its key/value gathers on 2 worker threads, fused path ``fused_parallel_nobias`` including the
+# CSR construction; medians of 30 (S = 4,096) / 7 (S = 65,536) repeats, 3 interleaved rounds):
+#   S = 4,096, B = 512 rows:    dedicated 6.95-8.75 ms, fused 8.61-12.0 ms   (2-core machine at load ~7-10)
+#   S = 65,536, B = 2,048 rows: dedicated 104-124 ms,   fused 182-234 ms     (same machine and load)
+#   idle 2-core machine:        S = 4,096: 1.55 ms vs 1.63-1.71 ms; S = 65,536: 22.7 ms vs 31-32 ms
+# Command: a script timing ``attend_prefix_rows_f32`` (rows split in 2 shares by prefix length, run with
+# ``threads.run_jobs``) against ``fused.fused_parallel_nobias(q[None], k[None], v[None], ..., indptr,
+# indices, True, scale, B, 64, *bias.no_bias_args(1), 1, out, lse, True)`` inside
+# ``threads.worker_threads(2)``.  The two agree to 3.6e-7 (output) / 2.9e-6 (lse) in float32.
 def _attend_prefix_rows(Qs, n_vis, Ks, Vs, clamp, buf, out, lse):
     """Exact attention of row r over the first ``n_vis[r]`` keys of ``Ks`` (the causal prefix rows).
 
@@ -449,7 +461,7 @@ def _attend_prefix_rows(Qs, n_vis, Ks, Vs, clamp, buf, out, lse):
     union) and the call around it cost 4.7 ms of a 20 ms causal attend at S = 4,096.  Why plain loops
     and not BLAS: the result must not depend on the calling thread, and OpenBLAS ignores thread limits
     set from a non-main thread (measured: a product split over its threads differs in the last bit).
-    Serial and ``nogil``: each worker thread of the selector runs one call on its own rows.
+    Serial and ``nogil``: each worker thread runs one call on its own rows.
     """
     R, E = Qs.shape
     Ev = Vs.shape[1]
@@ -498,7 +510,7 @@ def scan_pairs(pm, po, tiny):
     pm (n,) shifts, po (n, Ev + 1) partials with the row sum in the last column.  A live pair
     (``pm > -inf``) with sum 0 has no allowed key: marked empty in place (``pm = -inf``).  A live pair
     with ``0 < sum < tiny`` may have lost relevant weights to the clamp: returned.  One serial pass
-    instead of five numpy passes with temporaries (12 ms -> ~1 ms at 590k pairs).
+    instead of five numpy passes with temporaries (~1 ms against 12 ms at 590k pairs).
     """
     n = pm.shape[0]
     ev = po.shape[1] - 1
@@ -572,192 +584,6 @@ def exact_pairs(bad, Qs, kp, vp, kptr, pair_cluster, is_causal, qpos_s, kpos_p, 
                 po[t, e] += w * vp[j, e]
         po[t, Ev] = tot
         pm[t] = m
-
-
-@njit(parallel=True, cache=True, fastmath=FASTMATH)
-def merge_partials(po, pm, slot, p, lse_shift, out, lse):
-    """Merge each query's p partials exactly (log-sum-exp weights).
-
-    po (n_pairs, Ev + 1): unnormalised partial outputs ``Σ_j exp(s_j - m) v_j`` with the row sum
-    ``Σ_j exp(s_j - m)`` in the last column; pm (n_pairs,) the shifts m (``-inf`` or a zero sum: no key,
-    the partial is not read); slot (L*p,) sorted position of the pair (i, t); lse_shift (L,) added to
-    each lse (the score offset removed by centring the keys).  Writes out (L, Ev) and lse (L,):
-    zeros and ``-inf`` for a query none of whose partials holds a key.
-    """
-    L = out.shape[0]
-    Ev = out.shape[1]
-    n_blocks = (L + _ROWS - 1) // _ROWS
-    for blk in prange(n_blocks):
-        # one local accumulator per block of rows (per row, the allocations cost ~0.4 ms at L = 4,096)
-        acc = np.empty(Ev, dtype=out.dtype)  # local: the update loop vectorises
-        for i in range(blk * _ROWS, min(L, blk * _ROWS + _ROWS)):
-            M = -np.inf
-            for t in range(p):
-                s = slot[i * p + t]
-                if po[s, Ev] > 0 and pm[s] > M:
-                    M = pm[s]
-            o = out[i]
-            if M == -np.inf:
-                for e in range(Ev):
-                    o[e] = 0.0
-                lse[i] = -np.inf
-                continue
-            for e in range(Ev):
-                acc[e] = 0.0
-            tot = 0.0
-            for t in range(p):
-                s = slot[i * p + t]
-                if po[s, Ev] > 0 and pm[s] > -np.inf:
-                    w64 = np.exp(np.float64(pm[s]) - M)
-                    tot += w64 * np.float64(po[s, Ev])
-                    w = out.dtype.type(w64)
-                    ps = po[s]
-                    for e in range(Ev):
-                        acc[e] += w * ps[e]
-            inv = out.dtype.type(1.0 / tot)
-            for e in range(Ev):
-                o[e] = acc[e] * inv
-            lse[i] = M + np.log(tot) + lse_shift[i]
-
-
-@njit(cache=True, nogil=True)
-def _count_ge(vals, n, t):
-    c = 0
-    for j in range(n):
-        c += vals[j] >= t
-    return c
-
-
-@njit(cache=True, nogil=True)
-def _kth_threshold(vals, n, k):
-    """A value t with ``#(vals[:n] > t) <= k <= #(vals[:n] >= t)`` (1 <= k <= n, finite values).
-
-    Bisection on the value with a branch-free (SIMD) count per step, stopping as soon as exactly k
-    values are >= the midpoint; 7x faster than ``np.partition`` in Numba on rows of 256.  Compiled
-    without fastmath so the midpoint ``0.5*lo + 0.5*hi`` cannot overflow and adjacent floats end it.
-    """
-    lo = vals[0]
-    hi = vals[0]
-    for j in range(1, n):
-        v = vals[j]
-        if v < lo:
-            lo = v
-        if v > hi:
-            hi = v
-    if _count_ge(vals, n, hi) >= k:
-        return hi
-    # invariant: #(>= lo) > k and #(>= hi) < k
-    for _ in range(4096):
-        mid = 0.5 * lo + 0.5 * hi
-        if not (lo < mid and mid < hi):
-            break  # lo and hi are adjacent floats: the values in [lo, hi) all equal lo
-        c = _count_ge(vals, n, mid)
-        if c == k:
-            return mid
-        if c > k:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-@njit(cache=True, nogil=True)
-def _select_topk(vals, ids, n, k, out_s, out_i):
-    """Copy the k largest of ``vals[:n]`` (with their ``ids``) to out_s/out_i, unordered; return the count.
-
-    Values above the threshold of :func:`_kth_threshold` first, then values equal to it (in input order)
-    until k are taken: exact, ties broken by position.
-    """
-    if n <= k:
-        for j in range(n):
-            out_s[j] = vals[j]
-            out_i[j] = ids[j]
-        return n
-    thr = _kth_threshold(vals, n, k)
-    cnt = 0
-    for j in range(n):
-        if vals[j] > thr and cnt < k:
-            out_s[cnt] = vals[j]
-            out_i[cnt] = ids[j]
-            cnt += 1
-    for j in range(n):
-        if cnt == k:
-            break
-        if vals[j] == thr:
-            out_s[cnt] = vals[j]
-            out_i[cnt] = ids[j]
-            cnt += 1
-    return cnt
-
-
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
-def rows_topk(S, k, key_ids, out_s, out_i):
-    """Top-k entries of each row of a score block; serial, ``nogil`` (called from worker threads).
-
-    S (R, n) scores (``-inf`` = not allowed, never selected); key_ids (n,) int64 global id of each column;
-    writes out_s (R, k) scores and out_i (R, k) int32 ids, unordered, padded with ``-inf`` / -1.
-    """
-    R, n = S.shape
-    vals = np.empty(n, dtype=S.dtype)
-    ids = np.empty(n, dtype=np.int64)
-    for r in range(R):
-        m = 0
-        for c in range(n):
-            s = S[r, c]
-            if s != -np.inf:
-                vals[m] = s
-                ids[m] = key_ids[c]
-                m += 1
-        cnt = _select_topk(vals, ids, m, k, out_s[r], out_i[r])
-        for t in range(cnt, k):
-            out_s[r, t] = -np.inf
-            out_i[r, t] = -1
-
-
-@njit(parallel=True, cache=True, fastmath=FASTMATH)
-def merge_topk(cand_s, cand_i, slot, p, k):
-    """Per query, the top-k of its p candidate lists, as canonical CSR (ids sorted ascending).
-
-    cand_s (n_pairs, k) float, cand_i (n_pairs, k) int32 (-1 = none); slot (L*p,) int64.
-    Returns indptr (L+1,) int64 and indices (nnz,) int32.  Candidate ids are unique across a query's
-    lists (each key belongs to exactly one cluster), so no deduplication is needed.
-    """
-    L = slot.shape[0] // p
-    counts = np.zeros(L, dtype=np.int64)
-    for i in prange(L):
-        c = 0
-        for t in range(p):
-            s = slot[i * p + t]
-            for j in range(k):
-                if cand_i[s, j] >= 0:
-                    c += 1
-        counts[i] = min(c, k)
-    indptr = np.zeros(L + 1, dtype=np.int64)
-    for i in range(L):
-        indptr[i + 1] = indptr[i] + counts[i]
-    indices = np.empty(indptr[L], dtype=np.int32)
-    for i in prange(L):
-        kk = counts[i]
-        if kk == 0:
-            continue
-        vals = np.empty(p * k, dtype=cand_s.dtype)
-        ids = np.empty(p * k, dtype=np.int32)
-        m = 0
-        for t in range(p):
-            s = slot[i * p + t]
-            for j in range(k):
-                if cand_i[s, j] >= 0:
-                    vals[m] = cand_s[s, j]
-                    ids[m] = cand_i[s, j]
-                    m += 1
-        top_s = np.empty(kk, dtype=cand_s.dtype)
-        top_i = np.empty(kk, dtype=np.int32)
-        _select_topk(vals, ids, m, kk, top_s, top_i)
-        top_i.sort()
-        a = indptr[i]
-        for t in range(kk):
-            indices[a + t] = top_i[t]
-    return indptr, indices
 
 
 @njit(parallel=True, cache=True)

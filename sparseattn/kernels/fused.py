@@ -10,9 +10,18 @@ chunk owns its scratch buffers.  Per row:
 3. the weighted sum of the value rows, one division.
 
 Two passes over the row's keys instead of an online rescale per key: cheaper for the short rows sparse
-attention has (measured slower as a single online pass).  A row with no key, or only ``-inf`` scores, gets
-zeros and ``lse = -inf``.  The parallel and serial variants are compiled from the same Python function;
-each row is computed by one thread in a fixed order, so both give bit-identical results.
+attention has (a single online pass measured slower).  The parallel and serial variants are compiled from
+the same Python function; each row is computed by one thread in a fixed order, so both give bit-identical
+results.
+
+Special rows (the caller applies :func:`sparseattn.inputs.check_lse` to ``lse``):
+
+* no key, or only ``-inf`` scores (masked): zeros and ``lse = -inf``;
+* some score ``+inf`` (finite inputs overflowed the dtype): NaN output and ``lse = +inf``;
+* some score NaN (``inf - inf`` inside an overflowing dot product, or NaN inputs): NaN output and
+  ``lse = NaN``.  NaN scores need an explicit scan: ``s > m`` is false for NaN, so the running maximum
+  skips them, and the float32 polynomial exp maps NaN to 0; unscanned, such a row would come out as an
+  empty row (zeros) or as an average that silently ignores the overflowed keys.
 """
 
 from __future__ import annotations
@@ -72,10 +81,17 @@ def _fused_rows(q, k, v, q_map, kv_map, indptr, indices, shared, scale, max_nnz,
                 if s > m:
                     m = s
             n = b - a
-            if m == np.inf:  # a finite input overflowed the dtype: flagged, the caller raises
+            # NaN scores: the running maximum skips them, and so does the float32 exp (NaN -> 0); np.exp
+            # propagates them into the sum, so with a finite maximum float64 needs no scan.  The scan
+            # is a vectorised pass over the row's n scores, off the gather-bound score loop.
+            has_nan = False
+            if fast_exp or m == -np.inf:
+                for t in range(n):
+                    has_nan |= scratch[t] != scratch[t]
+            if m == np.inf or has_nan:  # overflow (or NaN input): flagged, the caller raises
                 for e in range(Ev):
                     out[g, i, e] = np.nan
-                lse[g, i] = np.inf
+                lse[g, i] = np.inf if m == np.inf else np.nan
                 continue
             if n == 0 or m == -np.inf:
                 for e in range(Ev):

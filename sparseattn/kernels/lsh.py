@@ -24,6 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._options import FASTMATH
+from .topk import ORDER_BEST, heap_finish, pad_row, rerank_ids
 
 # ------------------------------------------------------------------------------------------ hash codes
 
@@ -365,103 +366,25 @@ def window_fill(slots, lo, hi, sorted_ids, chunk, forward, causal, qpos, kpos, i
 
 @njit(parallel=True, cache=True, fastmath=FASTMATH)
 def window_topk(q, keys, slots, lo, hi, sorted_ids, chunk, forward, causal, qpos, kpos, k):
-    """Exact top-k by inner product among each query's candidates.
+    """Exact top-k by inner product among each query's candidates (selection by the shared top-k core).
 
-    q (L, E), keys (S, E) same float dtype.  Returns ids (L, k) int64, -1 padded, best first.
+    q (L, E), keys (S, E) same float dtype.  Returns ids (L, k) int64, -1 padded, best first (ties by
+    smaller id; NaN scores never selected).
     """
     L = slots.shape[1]
     S = sorted_ids.shape[1]
-    E = q.shape[1]
-    out = np.full((L, k), -1, dtype=np.int64)
+    out = np.empty((L, k), dtype=np.int64)
     n_blocks = (L + _ROW_BLOCK - 1) // _ROW_BLOCK
     for blk in prange(n_blocks):
         r0 = blk * _ROW_BLOCK
         r1 = min(r0 + _ROW_BLOCK, L)
         stamp = np.zeros(S, dtype=np.int64)
-        cap = _max_capacity(r0, r1, slots, lo, hi, S, chunk, forward)
-        buf = np.empty(cap, dtype=np.int64)
-        sc = np.empty(cap, dtype=q.dtype)
-        sel = np.empty(min(k, cap), dtype=np.int64)
+        buf = np.empty(_max_capacity(r0, r1, slots, lo, hi, S, chunk, forward), dtype=np.int64)
+        hs = np.empty(k, dtype=q.dtype)
         for i in range(r0, r1):
             m = _gather_row(i, slots, lo, hi, sorted_ids, chunk, forward, causal, qpos, kpos, stamp, buf)
-            for p in range(m):
-                j = buf[p]
-                s = q.dtype.type(0.0)
-                for e in range(E):
-                    s += q[i, e] * keys[j, e]
-                sc[p] = s
-            kk = _topk_of_scores(sc, m, k, sel)
-            for t in range(kk):
-                out[i, t] = buf[sel[t]]
+            # buf[:m] holds distinct ids in [0, S)
+            n = rerank_ids(q, i, keys, buf[:m], False, k, hs, out[i])
+            heap_finish(hs, out[i], n, ORDER_BEST)
+            pad_row(hs, out[i], n)
     return out
-
-
-@njit(cache=True, fastmath=FASTMATH)
-def _topk_of_scores(sc, m, k, sel):
-    """Write into sel[:min(k, m)] the positions of the min(k, m) largest sc[:m], best first (stable)."""
-    kk = min(k, m)
-    if kk == 0:
-        return 0
-    if kk < m:
-        thr = -np.partition(-sc[:m], kk - 1)[kk - 1]
-        n_above = 0
-        for p in range(m):
-            if sc[p] > thr:
-                n_above += 1
-        n_tie = kk - n_above  # ties at the threshold fill the rest, in candidate order
-        w = 0
-        for p in range(m):
-            if sc[p] > thr:
-                sel[w] = p
-                w += 1
-            elif sc[p] == thr and n_tie > 0:
-                sel[w] = p
-                w += 1
-                n_tie -= 1
-    else:
-        for p in range(m):
-            sel[p] = p
-    sub = np.empty(kk, dtype=sc.dtype)
-    for t in range(kk):
-        sub[t] = -sc[sel[t]]
-    order = np.argsort(sub, kind="mergesort")
-    tmp = sel[:kk].copy()
-    for t in range(kk):
-        sel[t] = tmp[order[t]]
-    return kk
-
-
-@njit(parallel=True, cache=True, fastmath=FASTMATH)
-def rerank_unique_topk(q, keys, cand, k):
-    """Exact top-k of each row's candidates, for rows of *distinct* ids (-1 = none, anywhere in the row).
-
-    Like :func:`sparseattn.kernels.rerank.rerank_topk` without its per-row sort and full argsort (a
-    partition finds the k-th score), for candidate lists that are unique by construction.
-
-    q (L, E), keys (S, E) same float dtype; cand (L, C) int64.  Returns (scores (L, k) in q's dtype,
-    best first, -inf padded; ids (L, k) int64, -1 padded).
-    """
-    L, C = cand.shape
-    E = q.shape[1]
-    out_ids = np.full((L, k), -1, dtype=np.int64)
-    out_scores = np.full((L, k), -np.inf, dtype=q.dtype)
-    for i in prange(L):
-        ids = np.empty(C, dtype=np.int64)
-        sc = np.zeros(C, dtype=q.dtype)
-        m = 0
-        for p in range(C):
-            j = cand[i, p]
-            if j < 0:
-                continue
-            s = sc[m]
-            for e in range(E):
-                s += q[i, e] * keys[j, e]
-            sc[m] = s
-            ids[m] = j
-            m += 1
-        sel = np.empty(max(min(k, m), 1), dtype=np.int64)
-        kk = _topk_of_scores(sc, m, k, sel)
-        for t in range(kk):
-            out_ids[i, t] = ids[sel[t]]
-            out_scores[i, t] = sc[sel[t]]
-    return out_scores, out_ids

@@ -1,8 +1,9 @@
-"""The unfused steps of sparse attention, one kernel each, for tests and the step-by-step mode.
+"""The unfused steps of sparse attention, one kernel each, for tests and ``sparseattn.tutorial``.
 
-Over one (L, E) query block and one (S, E) key block with a CSR pattern:
-``sparse_scores`` (q.k * scale per selected pair), ``csr_softmax`` (stable softmax per row, plus lse),
-``csr_matmul`` (probabilities times V).  Composed they equal the fused kernel up to rounding.
+Over one (L, E) query block and one (S, E) key block with a CSR pattern (``indptr`` (L + 1,) int64,
+``indices`` (nnz,) int32 key ids): ``sparse_scores`` (q.k * scale per selected pair), ``csr_softmax``
+(stable softmax per row, plus lse), ``csr_matmul`` (probabilities times V).  Composed they equal the
+fused kernel up to rounding.  Arrays must be C-contiguous float32 or float64.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from ._options import FASTMATH
 
 @njit(parallel=True, cache=True, fastmath=FASTMATH)
 def sparse_scores(q, k, indptr, indices, scale):
-    """Scores (nnz,) in the dtype of q: ``scale * q[i] . k[j]`` for each selected (i, j)."""
+    """Scores (nnz,) in the dtype of q: ``scale * q[i] . k[j]`` for each selected (i, j).
+
+    q (L, E) and k (S, E) float arrays; indptr (L + 1,), indices (nnz,) the CSR pattern; scale a float.
+    """
     L = indptr.shape[0] - 1
     E = q.shape[1]
     out = np.empty(indices.shape[0], dtype=q.dtype)
@@ -32,7 +36,10 @@ def sparse_scores(q, k, indptr, indices, scale):
 
 @njit(parallel=True, cache=True, fastmath=FASTMATH)
 def csr_softmax(indptr, scores):
-    """Row-wise stable softmax of CSR scores; returns (probs (nnz,), lse (L,)). Empty rows: lse = -inf."""
+    """Row-wise stable softmax of CSR scores (nnz,); returns (probs (nnz,), lse (L,)) in their dtype.
+
+    Rows with no pair, or only ``-inf`` scores, get probabilities 0 and ``lse = -inf``.
+    """
     L = indptr.shape[0] - 1
     probs = np.zeros_like(scores)
     lse = np.empty(L, dtype=scores.dtype)
@@ -59,7 +66,7 @@ def csr_softmax(indptr, scores):
 
 @njit(parallel=True, cache=True, fastmath=FASTMATH)
 def csr_matmul(indptr, indices, probs, v):
-    """Dense (L, Ev) = sparse (L, S) probabilities @ v (S, Ev)."""
+    """Dense (L, Ev) in v's dtype = sparse (L, S) probabilities (CSR, ``probs`` (nnz,)) @ v (S, Ev)."""
     L = indptr.shape[0] - 1
     Ev = v.shape[1]
     out = np.zeros((L, Ev), dtype=v.dtype)

@@ -68,7 +68,9 @@ import numpy as np
 
 from ..kernels import lsh as lk
 from ..pattern import SparsePattern
-from .base import Param, Selector, non_negative, positive, register
+from .base import Selector
+from .params import Param, non_negative, positive
+from .registry import register
 
 _ORDERS = ("position", "norm")
 
@@ -141,11 +143,12 @@ class AngularLSHSelector(Selector):
                                     "directions", _even),
         "n_hashes": Param(int, 2, "hashes concatenated into a round's bucket (n_buckets**n_hashes)", positive),
         "n_rounds": Param(int, 16, "independent hashing rounds (candidates unioned)", positive),
-        "chunk_size": Param(int, 32, "window unit: 2*chunk_size keys per round; 0 = whole bucket", non_negative),
+        "chunk_size": Param(int, 32, "window unit: 2*chunk_size keys per round; 0 = whole bucket", non_negative,
+                            when="query"),
         "order": Param(str, "norm", "order inside a bucket: 'norm' (largest centred-key norm first, window "
                                     "from the bucket start) or 'position' (Reformer: by id, query at its "
                                     "position, chunk + previous chunk)", _order_check),
-        "rerank": Param(bool, True, "exact top-k of the candidates (False: keep all candidates)"),
+        "rerank": Param(bool, True, "exact top-k of the candidates (False: keep all candidates)", when="query"),
         "seed": Param(int, 0, "seed of the random rotations", non_negative),
         "center": Param(bool, True, "subtract the mean key before hashing"),
     }

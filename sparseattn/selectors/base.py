@@ -1,10 +1,18 @@
-"""The selector protocol, the registry, parameter parsing, and causal search for index backends.
+"""The selector protocol and causal search for index backends.
 
 A selector answers "which keys should each query attend to?" with a :class:`~sparseattn.SparsePattern`.
 
 * ``__init__(**params)`` only stores (validated) parameters: cheap, so specs can be parsed and listed;
 * ``build(keys)`` does the work (index construction) once;
 * ``query(queries, k, is_causal=..., query_positions=..., key_positions=...)`` is cheap to sweep.
+
+Parameters (declared in ``params_spec`` with :class:`~sparseattn.selectors.params.Param`) are read with
+:meth:`Selector.get_params` and changed with :meth:`Selector.set_params`; each is either build-time
+(changing it on a built selector requires ``build()`` again) or query-time (takes effect on the next
+query).  Optional capabilities are declared, never discovered: ``supports_add`` (``add()`` appends keys
+to a built index) and ``attends`` (``attend()`` computes attention itself instead of returning a
+pattern).  :meth:`Selector.not_supported_reasons` says up front why a configuration cannot run on some
+input.  Registration and spec strings live in :mod:`sparseattn.selectors.registry`.
 
 Every selector states the ``metric`` it approximates (always maximum inner product here: the keys that
 carry the softmax mass are those with the largest q.k, not the nearest in Euclidean distance) and a
@@ -20,76 +28,148 @@ from all pieces are re-ranked exactly.
 
 from __future__ import annotations
 
-import ast
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
-from .._validation import as_float_array, check_positive_int
-from ..kernels.rerank import rerank_topk
-from ..pattern import SparsePattern, _positions
+from ..inputs import as_float_array, check_positive_int, positions
+from ..kernels.topk import ORDER_NONE, block_topk, rerank_topk
+from ..pattern import SparsePattern
+from .params import Param, coerce_param, in_unit_interval, non_negative, positive
+from .registry import get_selector, register, selector_classes, spec_string
 
+__all__ = [
+    "IndexSelector", "Param", "Selector", "fill_small_rows", "get_selector", "in_unit_interval",
+    "non_negative", "positive", "register", "selector_classes",
+]
 
-@dataclass(frozen=True)
-class Param:
-    """One selector parameter: type, default, help text, and an optional check returning an error."""
-
-    type: type
-    default: Any
-    help: str
-    check: Callable[[Any], str | None] | None = None
-
-
-def positive(v: Any) -> str | None:
-    return None if v is None or v > 0 else "must be > 0"
-
-
-def non_negative(v: Any) -> str | None:
-    return None if v is None or v >= 0 else "must be >= 0"
-
-
-def in_unit_interval(v: Any) -> str | None:
-    return None if 0 <= v <= 1 else "must lie in [0, 1]"
+_S = TypeVar("_S", bound="Selector")
 
 
 class Selector(ABC):
-    """Base class: parameter handling, input validation and the causal safety filter.
+    """Base class: parameter handling, input validation, declared capabilities and the causal filter.
 
     Subclasses set ``name``, ``metric``, ``guarantee``, ``params_spec`` and implement ``_build`` and
     ``_query``.  ``k`` is the per-query budget of top-k style selectors; structural selectors
     (window, sinks, random) document how they use it.
+
+    Capabilities (class attributes, read by callers instead of probing for methods):
+
+    * ``supports_add``: :meth:`add` appends keys to a built selector (else it raises
+      ``NotImplementedError``); a subclass declaring it must override :meth:`add`, and vice versa.
+    * ``attends``: :meth:`attend` computes attention over the selected keys itself (else it raises
+      ``NotImplementedError``; use :meth:`query` and :func:`sparseattn.sparse_attention`).
+    * ``fills_small_rows``: see below.
+    * ``query_params``: names of the query-time parameters (derived from ``params_spec``).
     """
 
     name: ClassVar[str] = ""
     metric: ClassVar[str] = "inner_product"
     guarantee: ClassVar[str] = ""
     params_spec: ClassVar[dict[str, Param]] = {}
+    #: Parameters with ``Param.when == "query"``: :meth:`set_params` changes them without a rebuild.
+    query_params: ClassVar[tuple[str, ...]] = ()
+    #: True exactly when :meth:`add` can append keys to a built selector.
     supports_add: ClassVar[bool] = False
+    #: True when :meth:`attend` computes attention itself (selectors may make this a property).
+    attends: ClassVar[bool] = False
     #: Top-k style selectors promise every allowed key when a row has at most k of them (k >= S, or the
     #: first rows of a causal sequence); structural selectors (window, sinks, random) opt out.
     fills_small_rows: ClassVar[bool] = True
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for pname, spec in cls.params_spec.items():
+            if not isinstance(spec, Param):
+                raise TypeError(f"{cls.__qualname__}.params_spec[{pname!r}] must be a Param; got {spec!r}.")
+        cls.query_params = tuple(p for p, spec in cls.params_spec.items() if spec.when == "query")
+        overrides_add = cls.add is not Selector.add
+        if bool(cls.supports_add) != overrides_add:
+            raise TypeError(f"{cls.__qualname__}: supports_add={cls.supports_add} but add() is "
+                            f"{'overridden' if overrides_add else 'not overridden'}; declare supports_add = "
+                            f"True exactly when the class implements add().")
+
     def __init__(self, **params: Any) -> None:
+        self._params: dict[str, Any] = self._coerce_params(params)
+        self.keys_: np.ndarray | None = None
+        self.key_positions_: np.ndarray | None = None
+        self._stale: tuple[str, ...] = ()  # build-time parameters changed since build()
+
+    # ---------------------------------------------------------------------------------- parameters
+    def _coerce_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Check names and coerce every value, defaults filled in."""
         unknown = sorted(set(params) - set(self.params_spec))
         if unknown:
             valid = ", ".join(sorted(self.params_spec)) or "(none)"
             raise ValueError(f"unknown parameter(s) {unknown} for selector {self.name!r}; valid: {valid}.")
-        self._params: dict[str, Any] = {}
-        for pname, spec in self.params_spec.items():
-            value = params.get(pname, spec.default)
-            self._params[pname] = _coerce(self.name, pname, value, spec)
-        self.keys_: np.ndarray | None = None
-        self.key_positions_: np.ndarray | None = None
+        return {p: coerce_param(self.name, p, params.get(p, spec.default), spec)
+                for p, spec in self.params_spec.items()}
 
-    # ------------------------------------------------------------------------------------ metadata
     @property
     def params(self) -> dict[str, Any]:
-        """The parameters in force (defaults filled in), for reports."""
+        """The parameters in force (defaults filled in), for reports; the same as :meth:`get_params`."""
+        return self.get_params()
+
+    def get_params(self) -> dict[str, Any]:
+        """name -> value of every parameter in force (defaults filled in; None means "derived").
+
+        ``get_selector(spec_string(sel))`` rebuilds an equal selector from these.
+        """
         return dict(self._params)
 
+    def _merge_params(self, current: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+        """The full parameter set after ``set_params(**changes)`` (override for exclusive parameters)."""
+        return {**current, **changes}
+
+    def set_params(self: _S, **params: Any) -> _S:
+        """Change parameters in place, validated exactly as by ``__init__``; returns ``self``.
+
+        * Query-time parameters (``Param(..., when="query")``, listed in ``query_params``) take effect
+          on the next :meth:`query`; the built index is kept.
+        * Changing a build-time parameter drops the built state: the next ``query()`` or ``add()``
+          raises ``RuntimeError`` naming the changed parameters and asking for ``build(keys)`` again.
+          Setting a parameter to its current value changes nothing.
+
+        Raises
+        ------
+        ValueError
+            Unknown parameter (the message lists the valid ones) or an invalid value (the message names
+            the parameter and the rule, e.g. ``"window: parameter width must be > 0; got -1."``).
+        TypeError
+            A value of the wrong type.  On any error the selector is left unchanged.
+        """
+        if not params:
+            return self
+        unknown = sorted(set(params) - set(self.params_spec))
+        if unknown:
+            valid = ", ".join(sorted(self.params_spec)) or "(none)"
+            raise ValueError(f"unknown parameter(s) {unknown} for selector {self.name!r}; valid: {valid}.")
+        merged = self._merge_params(dict(self._params), dict(params))
+        fresh = type(self)(**merged)  # the same coercion and cross-parameter rules as __init__
+        rebuild = [p for p, spec in self.params_spec.items()
+                   if spec.when == "build" and fresh._params[p] != self._params[p]]
+        if not rebuild:
+            self._params = fresh._params
+            return self
+        was_built = self.keys_ is not None or bool(self._stale)
+        stale = tuple(dict.fromkeys(self._stale + tuple(rebuild)))
+        self.__dict__.clear()  # drop the index and caches built with the old values
+        self.__dict__.update(fresh.__dict__)
+        if was_built:
+            self._stale = stale
+        return self
+
+    def _require_built(self, action: str) -> None:
+        """Raise ``RuntimeError`` unless the selector is built with its current parameters."""
+        if self._stale:
+            changed = ", ".join(self._stale)
+            raise RuntimeError(f"selector {self.name!r}: build-time parameter(s) {changed} changed by "
+                               f"set_params() after build(); call build(keys) again before {action}().")
+        if self.keys_ is None:
+            raise RuntimeError(f"selector {self.name!r} is not built: call build(keys) before {action}().")
+
+    # ------------------------------------------------------------------------------------ metadata
     def __repr__(self) -> str:
         return spec_string(self)
 
@@ -99,19 +179,44 @@ class Selector(ABC):
         return None
 
     def not_supported_reasons(self, *, n_keys: int | None = None, dim: int | None = None,
-                              is_causal: bool = False) -> list[str]:
-        """Reasons this selector cannot run on such input (empty list: supported)."""
+                              is_causal: bool = False, bias: bool = False) -> list[str]:
+        """Reasons this configured selector cannot run on such input (empty list: supported).
+
+        Every argument is optional; pass what is known (``build()`` passes ``n_keys`` and ``dim``).
+
+        Parameters
+        ----------
+        n_keys : int, optional
+            Number of keys S to be indexed (e.g. an IVF index needs at least ``nlist`` keys).
+        dim : int, optional
+            Key dimension E (e.g. PQ sub-quantizers must divide E).
+        is_causal : bool, default False
+            Whether queries will be causal.
+        bias : bool, default False
+            Whether an additive score bias will be applied to the selected scores (a selector that
+            attends by itself may not support one).
+
+        Returns
+        -------
+        list of str, one sentence per problem, each saying what to change.
+        """
         reason = self.unavailable_reason()
         return [reason] if reason else []
 
     # ----------------------------------------------------------------------------------------- work
-    def build(self, keys: np.ndarray, *, check_finite: bool = True) -> Selector:
+    def build(self: _S, keys: np.ndarray, *, check_finite: bool = True) -> _S:
         """Index the keys.
 
         Parameters
         ----------
         keys : float array, shape (S, E)
             float16 is upcast to float32; float64 stays float64.
+        check_finite : bool, default True
+            Reject NaN / inf keys.
+
+        Returns
+        -------
+        ``self``, built (clears any "call build() again" state left by :meth:`set_params`).
         """
         kk = as_float_array(keys, "keys", min_ndim=2, check_finite=check_finite)
         if kk.ndim != 2:
@@ -122,12 +227,58 @@ class Selector(ABC):
             raise ValueError(f"selector {self.name!r} cannot run here: {'; '.join(reasons)}")
         dtype = np.float64 if kk.dtype == np.float64 else np.float32
         self.keys_ = np.ascontiguousarray(kk, dtype=dtype)
+        self._stale = ()
         self._build(self.keys_)
         return self
 
-    def add(self, new_keys: np.ndarray) -> Selector:
-        """Append keys (ids continue after the existing ones), where the backend supports growth."""
-        raise NotImplementedError(f"selector {self.name!r} cannot grow in place; call build() with all keys.")
+    def add(self: _S, new_keys: np.ndarray, *, check_finite: bool = True) -> _S:
+        """Append keys to a built selector; their ids continue after the existing ones (``S, S + 1, ...``).
+
+        Only selectors with ``supports_add = True`` implement it.
+
+        Parameters
+        ----------
+        new_keys : float array, shape (N, E)
+        check_finite : bool, default True
+
+        Raises
+        ------
+        NotImplementedError
+            This selector cannot grow in place (``supports_add`` is False).
+        """
+        raise NotImplementedError(f"selector {self.name!r} cannot add keys in place (supports_add is False); "
+                                  f"call build() with all the keys instead.")
+
+    def attend(self, queries: np.ndarray, values: np.ndarray, *, scale: float | None = None,
+               is_causal: bool = False, query_positions: object = None, key_positions: object = None,
+               check_finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Softmax attention of each query over the keys this selector picks, computed by the selector.
+
+        Only selectors with ``attends`` true implement it; the others return patterns from
+        :meth:`query`, to be used with :func:`sparseattn.sparse_attention`.
+
+        Parameters
+        ----------
+        queries : float array, shape (L, E)
+        values : float array, shape (S, Ev)
+            One row per key given to :meth:`build`, in the same order.
+        scale : float, optional
+            Score scale (default ``1/sqrt(E)``).
+        is_causal, query_positions, key_positions, check_finite
+            As for :meth:`query`.
+
+        Returns
+        -------
+        output : (L, Ev) array, float64 if any input is float64, else float32
+        lse : (L,) array, same dtype: log-sum-exp of the scaled scores of each row's keys
+
+        Raises
+        ------
+        NotImplementedError
+            This selector does not attend by itself (``attends`` is False).
+        """
+        raise NotImplementedError(f"selector {self.name!r} does not compute attention itself (attends is "
+                                  f"False); use query() to get a pattern and pass it to sparse_attention.")
 
     def query(self, queries: np.ndarray, k: int = 64, *, is_causal: bool = False,
               query_positions: object = None, key_positions: object = None,
@@ -145,13 +296,19 @@ class Selector(ABC):
         query_positions, key_positions : int arrays of shape (L,) and (S,), optional
             Default ``arange`` (SDPA's top-left alignment). For L new queries after a cache of S keys use
             ``query_positions=np.arange(S - L, S)``.
+        check_finite : bool, default True
+            Reject NaN / inf queries.
 
         Returns
         -------
         SparsePattern with ``n_queries = L`` and ``n_keys = S``.
+
+        Raises
+        ------
+        RuntimeError
+            Not built, or a build-time parameter changed since :meth:`build`.
         """
-        if self.keys_ is None:
-            raise RuntimeError(f"selector {self.name!r} is not built: call build(keys) before query().")
+        self._require_built("query")
         q = as_float_array(queries, "queries", min_ndim=2, check_finite=check_finite)
         if q.ndim != 2:
             raise ValueError(f"queries must be 2-D (L, E); got shape {q.shape}.")
@@ -162,8 +319,8 @@ class Selector(ABC):
             raise TypeError(f"is_causal must be a bool; got {is_causal!r}.")
         q = np.ascontiguousarray(q, dtype=self.keys_.dtype)
         L, S = q.shape[0], self.keys_.shape[0]
-        qpos = _positions(query_positions, L, "query_positions")
-        kpos = _positions(key_positions, S, "key_positions")
+        qpos = positions(query_positions, L, "query_positions")
+        kpos = positions(key_positions, S, "key_positions")
         if S == 0:  # nothing to select from: every row empty (attention over it gives zeros)
             return SparsePattern(np.zeros(L + 1, np.int64), np.zeros(0, np.int32), 0, validate=False)
         if self.fills_small_rows and k >= S:
@@ -178,7 +335,7 @@ class Selector(ABC):
         if is_causal:
             pattern = pattern.causal(qpos, kpos)
         if self.fills_small_rows:
-            pattern = _fill_small_rows(pattern, k, bool(is_causal), qpos, kpos)
+            pattern = fill_small_rows(pattern, k, bool(is_causal), qpos, kpos)
         return pattern
 
     @abstractmethod
@@ -191,9 +348,25 @@ class Selector(ABC):
         """Return an (L, S) pattern; causal selectors should already respect positions."""
 
 
-def _fill_small_rows(pattern: SparsePattern, k: int, is_causal: bool, qpos: np.ndarray,
-                     kpos: np.ndarray) -> SparsePattern:
-    """Union each row that has at most k allowed keys with all of them (the documented k >= S rule)."""
+def fill_small_rows(pattern: SparsePattern, k: int, is_causal: bool, qpos: np.ndarray,
+                    kpos: np.ndarray) -> SparsePattern:
+    """Union each row that has at most k allowed keys with all of them (the documented k >= S rule).
+
+    Parameters
+    ----------
+    pattern : SparsePattern, shape (L, S)
+    k : int
+        The per-query budget.
+    is_causal : bool
+        Whether key j is allowed for query i only when ``kpos[j] <= qpos[i]`` (else all S keys are).
+    qpos, kpos : int64 arrays, shapes (L,) and (S,)
+        Query and key positions.
+
+    Returns
+    -------
+    SparsePattern (L, S): ``pattern`` with every row that has between 1 and k allowed keys completed to
+    all of them (non-causal: the full pattern when ``k >= S``, else ``pattern`` unchanged).
+    """
     L, S = pattern.shape
     if not is_causal:
         return SparsePattern.full(L, S) if k >= S else pattern
@@ -255,7 +428,7 @@ class IndexSelector(Selector):
         if not is_causal:
             cand = self._candidates(q, min(k, S))
             if self.rerank:
-                _, ids = rerank_topk(q, self.keys_, cand, k)
+                _, ids = rerank_topk(q, self.keys_, cand, k, False)
             else:
                 ids = cand
             return SparsePattern.from_padded(ids, S)
@@ -287,11 +460,12 @@ class IndexSelector(Selector):
             if hi <= lo:
                 continue
             s = q[rows] @ self.keys_[lo:hi].T
-            s[np.arange(lo, hi)[None, :] >= prefix[rows, None]] = -np.inf
             kk = min(k, hi - lo)
-            part = np.argpartition(-s, kk - 1, axis=1)[:, :kk]
-            ok = np.isfinite(np.take_along_axis(s, part, axis=1))
-            tail[rows, :kk] = np.where(ok, part + lo, -1)
+            top_s = np.empty((rows.size, kk), dtype=s.dtype)
+            top_i = np.empty((rows.size, kk), dtype=np.int64)
+            key_ids = np.arange(lo, hi, dtype=np.int64)  # a key's id is also its rank in position order
+            block_topk(s, kk, True, prefix[rows] - 1, key_ids, key_ids, top_s, top_i, ORDER_NONE, False)
+            tail[rows, :kk] = top_i
         pieces.append(tail)
         # Dyadic blocks covering [0, B*floor(c/B)): bit l of n_full selects block t = (n_full >> l) - 1
         # at level l after clearing lower bits, i.e. a binary decomposition of the prefix.
@@ -316,132 +490,6 @@ class IndexSelector(Selector):
                 block_ids[rows, :ids.shape[1]] = ids
             pieces.append(block_ids)
         cand = np.concatenate(pieces, axis=1)
-        _, ids = rerank_topk(q, self.keys_, cand, k)
+        _, ids = rerank_topk(q, self.keys_, cand, k, False)
         return ids
 
-
-# ------------------------------------------------------------------------------------------ registry
-_REGISTRY: dict[str, type[Selector]] = {}
-
-
-def register(cls: type[Selector]) -> type[Selector]:
-    """Class decorator adding a selector to the registry under ``cls.name``."""
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} needs a non-empty name")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def _ensure_loaded() -> None:
-    from . import _all  # noqa: F401  (imports every selector module, each registering itself)
-
-
-def selector_classes() -> dict[str, type[Selector]]:
-    """name -> class for every registered selector."""
-    _ensure_loaded()
-    return dict(sorted(_REGISTRY.items()))
-
-
-def available_selectors() -> dict[str, str | None]:
-    """name -> None when usable here, else the reason it is unavailable."""
-    return {name: cls.unavailable_reason() for name, cls in selector_classes().items()}
-
-
-def _coerce(selector: str, pname: str, value: Any, spec: Param) -> Any:
-    if value is None and spec.default is None:
-        return None
-    if isinstance(value, str) and spec.type is not str:
-        value = _parse_value(value)
-    if spec.type is bool:
-        if not isinstance(value, (bool, np.bool_)):
-            raise TypeError(f"{selector}: parameter {pname} must be a bool (true/false); got {value!r}.")
-        value = bool(value)
-    elif spec.type is int:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{selector}: parameter {pname} must be an integer; got {value!r}.")
-        value = int(value)
-    elif spec.type is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-            raise TypeError(f"{selector}: parameter {pname} must be a number; got {value!r}.")
-        value = float(value)
-        if not np.isfinite(value):
-            raise ValueError(f"{selector}: parameter {pname} must be finite; got {value!r}.")
-    elif spec.type is str:
-        if not isinstance(value, str):
-            raise TypeError(f"{selector}: parameter {pname} must be a string; got {value!r}.")
-    if spec.check is not None:
-        problem = spec.check(value)
-        if problem:
-            raise ValueError(f"{selector}: parameter {pname} {problem}; got {value!r}.")
-    return value
-
-
-def _parse_value(text: str) -> Any:
-    low = text.strip().lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    if low in ("none", "null"):
-        return None
-    try:
-        return ast.literal_eval(text.strip())
-    except (ValueError, SyntaxError):
-        return text.strip()
-
-
-def parse_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
-    """Parse ``"name:a=1,b=x+other"`` into ``[(name, {a: 1, b: 'x'}), (other, {})]``."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"selector spec must be a non-empty string like 'faiss-hnsw:M=32'; got {spec!r}.")
-    parts = []
-    for piece in spec.split("+"):
-        name, _, rest = piece.strip().partition(":")
-        params: dict[str, Any] = {}
-        for item in filter(None, (x.strip() for x in rest.split(","))):
-            key, eq, value = item.partition("=")
-            if not eq:
-                raise ValueError(f"selector spec {piece!r}: parameter {item!r} must look like name=value.")
-            params[key.strip()] = value.strip()
-        parts.append((name.strip(), params))
-    return parts
-
-
-def get_selector(spec: str | Selector, **params: Any) -> Selector:
-    """A selector from a name or spec string (``"window:width=64+faiss-hnsw:M=32"``) or an instance.
-
-    Keyword parameters apply to a single-name spec.  Unknown names or parameters raise ``ValueError``
-    listing the valid ones; an unavailable backend raises ``ImportError`` saying what to install.
-    """
-    if isinstance(spec, Selector):
-        if params:
-            raise ValueError("parameters cannot be given together with a Selector instance.")
-        return spec
-    parts = parse_spec(spec)
-    classes = selector_classes()
-    if len(parts) > 1:
-        if params:
-            raise ValueError("keyword parameters are ambiguous for a union spec; put them in the string.")
-        from .union import UnionSelector
-        return UnionSelector([get_selector_from_part(n, p, classes) for n, p in parts])
-    name, parsed = parts[0]
-    parsed.update(params)
-    return get_selector_from_part(name, parsed, classes)
-
-
-def get_selector_from_part(name: str, params: dict[str, Any], classes: dict[str, type[Selector]]) -> Selector:
-    if name not in classes:
-        raise ValueError(f"unknown selector {name!r}; available: {', '.join(classes)}.")
-    cls = classes[name]
-    reason = cls.unavailable_reason()
-    if reason:
-        raise ImportError(f"selector {name!r} is unavailable: {reason}")
-    return cls(**params)
-
-
-def spec_string(sel: Selector) -> str:
-    """The string form that ``get_selector`` parses back to an equal selector."""
-    if hasattr(sel, "children"):
-        return "+".join(spec_string(c) for c in sel.children)  # type: ignore[attr-defined]
-    items = ",".join(f"{k}={v}" for k, v in sel.params.items() if v is not None)
-    return f"{sel.name}:{items}" if items else sel.name

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels.select_topk import block_topk
+from ..kernels.topk import ORDER_ID, block_topk
 from ..pattern import SparsePattern
-from .base import Param, Selector, positive, register
+from .base import Selector
+from .params import Param, positive
+from .registry import register
 
 __all__ = ["TopKSelector", "topk_pattern"]
 
@@ -45,12 +47,15 @@ def topk_pattern(q: np.ndarray, keys: np.ndarray, k: int, *, is_causal: bool = F
     qpos = np.ascontiguousarray(np.zeros(L) if query_positions is None else query_positions, dtype=np.int64)
     kpos = np.ascontiguousarray(np.zeros(S) if key_positions is None else key_positions, dtype=np.int64)
     ids = np.empty((L, kk), dtype=np.int32)
+    scores = np.empty((L, kk), dtype=q.dtype)
     counts = np.empty(L, dtype=np.int64)
+    key_ids = np.arange(S, dtype=np.int64)
     kT = keys.T
     for start in range(0, L, block):
         stop = min(start + block, L)
         s = q[start:stop] @ kT
-        block_topk(s, kk, is_causal, qpos[start:stop], kpos, ids[start:stop], counts[start:stop])
+        counts[start:stop] = block_topk(s, kk, is_causal, qpos[start:stop], kpos, key_ids, scores[start:stop],
+                                        ids[start:stop], ORDER_ID, False)
         del s  # one block of scores alive at a time
     indptr = np.zeros(L + 1, dtype=np.int64)
     np.cumsum(counts, out=indptr[1:])
@@ -63,9 +68,9 @@ class TopKSelector(Selector):
     """Exact maximum-inner-product top-k by blocked brute force.
 
     The same computation as :func:`sparseattn.topk.exact_topk` (one ``block x S`` GEMM at a time, causal
-    masking by positions) but selecting with a Numba heap scan instead of ``argpartition``, emitting the
-    pattern directly, and breaking ties deterministically: among keys whose score equals the k-th
-    largest, the lower ids are kept.  Cost O(L*S*E) flops, memory O(block * S).  Scores are computed in
+    masking by positions) but selecting with the shared Numba top-k core (:mod:`sparseattn.kernels.topk`),
+    emitting the pattern directly, and breaking ties deterministically: among keys whose score equals the
+    k-th largest, the lower ids are kept; NaN scores are never selected.  Cost O(L*S*E) flops, memory O(block * S).  Scores are computed in
     the keys' dtype (float32 unless the keys are float64), so "largest" is up to that rounding.
     """
 
@@ -73,7 +78,8 @@ class TopKSelector(Selector):
     guarantee = ("exact: exactly the k largest q.k among the allowed keys (ties at the k-th score broken "
                  "by lower id); causal rows search exactly their allowed keys")
     params_spec = {
-        "block": Param(int, 512, "query rows scored per GEMM (memory: block * S scores)", positive),
+        "block": Param(int, 512, "query rows scored per GEMM (memory: block * S scores)", positive,
+                       when="query"),
     }
 
     def _build(self, keys: np.ndarray) -> None:

@@ -42,9 +42,11 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from .._validation import as_float_array, check_positive_int
-from ..kernels.rerank import rerank_topk
-from .base import IndexSelector, Param, _coerce, positive, register
+from ..inputs import as_float_array, check_positive_int
+from ..kernels.topk import rerank_topk
+from .base import IndexSelector
+from .params import Param, positive
+from .registry import register
 
 __all__ = [
     "FaissFlatSelector", "FaissHNSWSelector", "FaissIVFFlatSelector", "FaissIVFPQSelector",
@@ -144,8 +146,6 @@ class _FaissSelector(IndexSelector):
     """Shared FAISS plumbing: float32 conversion, search parameters, exact small blocks, ``add``."""
 
     supports_add: ClassVar[bool] = True
-    #: Query-time parameters that :meth:`set_params` may change without a rebuild.
-    query_params: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -188,20 +188,6 @@ class _FaissSelector(IndexSelector):
         return scores, np.asarray(ids, dtype=np.int64)
 
     # ------------------------------------------------------------------------------ mutation
-    def set_params(self, **params: Any) -> _FaissSelector:
-        """Change query-time parameters (e.g. ``ef_search``, ``nprobe``) without rebuilding.
-
-        Raises ``ValueError`` for build-time or unknown parameters, listing the query-time ones.
-        """
-        bad = sorted(set(params) - set(self.query_params))
-        if bad:
-            valid = ", ".join(self.query_params) or "(none)"
-            raise ValueError(f"{self.name}: {bad} cannot be changed after construction; query-time "
-                             f"parameters: {valid}. Build a new selector to change the others.")
-        for pname, value in params.items():
-            self._params[pname] = _coerce(self.name, pname, value, self.params_spec[pname])
-        return self
-
     def add(self, new_keys: np.ndarray, *, check_finite: bool = True) -> _FaissSelector:
         """Append keys; their ids continue after the existing ones (``S, S + 1, ...``).
 
@@ -220,8 +206,7 @@ class _FaissSelector(IndexSelector):
           keys that ``add`` leaves unchanged, so they remain valid; blocks that the new keys complete are
           built lazily at the next causal query.
         """
-        if self.keys_ is None:
-            raise RuntimeError(f"selector {self.name!r} is not built: call build(keys) before add().")
+        self._require_built("add")
         nk = as_float_array(new_keys, "new_keys", min_ndim=2, check_finite=check_finite)
         if nk.ndim != 2:
             raise ValueError(f"new_keys must be 2-D (N, E); got shape {nk.shape}.")
@@ -301,13 +286,11 @@ class FaissHNSWSelector(_FaissSelector):
         "M": Param(int, 32, "HNSW graph degree", lambda v: None if v >= 2 else "must be >= 2"),
         "ef_construction": Param(int, 80, "build-time candidate list length", positive),
         "ef_search": Param(int, 128, "search-time candidate list length (max(ef_search, k) is used)",
-                           positive),
+                           positive, when="query"),
         "center": _CENTER,
         "hnsw_min_block": Param(int, 262144, "causal: blocks smaller than this are scanned exactly",
                                 positive),
     }
-    query_params = ("ef_search",)
-
     def _make_index(self, keys: np.ndarray) -> Any:
         faiss = _faiss()
         index = faiss.IndexHNSWFlat(keys.shape[1], self._params["M"], faiss.METRIC_INNER_PRODUCT)
@@ -328,7 +311,6 @@ def _nlist_check(v: Any) -> str | None:
 
 
 class _IVFBase(_FaissSelector):
-    query_params = ("nprobe",)
     #: Fewest inverted lists a causal dyadic block must get to be indexed by IVF (else: exact scan).
     min_block_lists: ClassVar[int] = 32
 
@@ -337,8 +319,8 @@ class _IVFBase(_FaissSelector):
         return auto_nlist(n) if nlist is None else nlist
 
     def not_supported_reasons(self, *, n_keys: int | None = None, dim: int | None = None,
-                              is_causal: bool = False) -> list[str]:
-        reasons = super().not_supported_reasons(n_keys=n_keys, dim=dim, is_causal=is_causal)
+                              is_causal: bool = False, bias: bool = False) -> list[str]:
+        reasons = super().not_supported_reasons(n_keys=n_keys, dim=dim, is_causal=is_causal, bias=bias)
         nlist = self._params["nlist"]
         if n_keys is not None and nlist is not None and nlist > n_keys:
             reasons.append(f"nlist={nlist} exceeds the number of keys S={n_keys}: an IVF index needs at "
@@ -407,7 +389,7 @@ class FaissIVFFlatSelector(_IVFBase):
     params_spec = {
         "nlist": Param(int, None, "inverted lists (None: about 4*sqrt(S), >= 39 keys per list)",
                        _nlist_check),
-        "nprobe": Param(int, 8, "lists scanned per query", positive),
+        "nprobe": Param(int, 8, "lists scanned per query", positive, when="query"),
         "center": _CENTER,
     }
 
@@ -447,18 +429,17 @@ class FaissIVFPQSelector(_IVFBase):
     params_spec = {
         "nlist": Param(int, None, "inverted lists (None: about 4*sqrt(S), >= 39 keys per list)",
                        _nlist_check),
-        "nprobe": Param(int, 8, "lists scanned per query", positive),
+        "nprobe": Param(int, 8, "lists scanned per query", positive, when="query"),
         "m": Param(int, 8, "PQ sub-quantizers (must divide E)", positive),
         "nbits": Param(int, 8, "bits per PQ code",
                        lambda v: None if 1 <= v <= 16 else "must lie in [1, 16]"),
-        "k_factor": Param(int, 4, "candidates fetched per wanted key, re-ranked exactly", positive),
+        "k_factor": Param(int, 4, "candidates fetched per wanted key, re-ranked exactly", positive,
+                          when="query"),
         "center": _CENTER,
     }
-    query_params = ("nprobe", "k_factor")
-
     def not_supported_reasons(self, *, n_keys: int | None = None, dim: int | None = None,
-                              is_causal: bool = False) -> list[str]:
-        reasons = super().not_supported_reasons(n_keys=n_keys, dim=dim, is_causal=is_causal)
+                              is_causal: bool = False, bias: bool = False) -> list[str]:
+        reasons = super().not_supported_reasons(n_keys=n_keys, dim=dim, is_causal=is_causal, bias=bias)
         m, nbits = self._params["m"], self._params["nbits"]
         if dim is not None and dim % m != 0:
             reasons.append(f"m={m} PQ sub-quantizers must divide the key dimension E={dim}; "
@@ -504,4 +485,5 @@ class FaissIVFPQSelector(_IVFBase):
         q32 = _f32(queries)
         kk = min(k * self._params["k_factor"], int(index.ntotal))
         _, cand = index.search(q32, kk, params=self._search_params(kk))
-        return rerank_topk(q32, vectors, np.asarray(cand, dtype=np.int64), min(k, kk))
+        # one FAISS search returns distinct ids per row: no per-row de-duplication needed
+        return rerank_topk(q32, vectors, np.asarray(cand, dtype=np.int64), min(k, kk), True)

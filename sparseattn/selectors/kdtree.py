@@ -12,8 +12,10 @@ from typing import Any
 import numpy as np
 from scipy.spatial import cKDTree
 
-from ..kernels.rerank import rerank_topk
-from .base import IndexSelector, Param, non_negative, positive, register
+from ..kernels.topk import rerank_topk
+from .base import IndexSelector
+from .params import Param, non_negative, positive
+from .registry import register
 
 __all__ = ["KDTreeSelector"]
 
@@ -68,7 +70,7 @@ class KDTreeSelector(IndexSelector):
     64    0.059 s     55.4 s             8.2 s           6.8x slower
     ====  ==========  =================  ==============  ==================
 
-    (Earlier runs under different load gave 0.6-1.8x at d = 8, 2.7-5.6x at d = 32, 7-11x at d = 64;
+    (Repeated runs under other loads: 0.6-1.8x at d = 8, 2.7-5.6x at d = 32, 7-11x at d = 64;
     DESIGN.md reports 3-7x at d = 32..64.)  d = 8 is roughly break-even and the tree only pays off below;
     the ``topk`` selector is the faster exact choice (3.8-4.5 s in the same runs).  ``eps`` and
     ``pca_dim`` trade exactness for speed but do not close the gap on isotropic data.
@@ -81,19 +83,19 @@ class KDTreeSelector(IndexSelector):
                  "candidates, exactly re-ranked")
     params_spec = {
         "eps": Param(float, 0.0, "cKDTree approximation: (1+eps)-approximate neighbours (0 = exact)",
-                     non_negative),
+                     non_negative, when="query"),
         "leafsize": Param(int, 16, "cKDTree leaf size", positive),
         "pca_dim": Param(int, None, "search a PCA projection of this many dims (< E), then re-rank exactly",
                          positive),
         "candidates": Param(int, None, "keys per query from the PCA search before re-ranking "
-                            "(None: 4*k); ignored without pca_dim", positive),
+                            "(None: 4*k); ignored without pca_dim", positive, when="query"),
         "center": Param(bool, True, "subtract the mean key before lifting (exact for softmax)"),
-        "workers": Param(int, 1, "cKDTree query threads (-1: all cores)", _workers_check),
+        "workers": Param(int, 1, "cKDTree query threads (-1: all cores)", _workers_check, when="query"),
     }
 
     def not_supported_reasons(self, *, n_keys: int | None = None, dim: int | None = None,
-                              is_causal: bool = False) -> list[str]:
-        reasons = super().not_supported_reasons(n_keys=n_keys, dim=dim, is_causal=is_causal)
+                              is_causal: bool = False, bias: bool = False) -> list[str]:
+        reasons = super().not_supported_reasons(n_keys=n_keys, dim=dim, is_causal=is_causal, bias=bias)
         p = self._params["pca_dim"]
         if p is not None and dim is not None and p >= dim:
             reasons.append(f"pca_dim={p} must be < E={dim} (the key dimension); use pca_dim=None to "
@@ -150,7 +152,7 @@ class KDTreeSelector(IndexSelector):
         missing = ids >= index.n
         ids[missing] = -1
         if pca:
-            return rerank_topk(queries, index.keys, ids, kk)
+            return rerank_topk(queries, index.keys, ids, kk, True)  # tree neighbours are distinct
         # |q~ - k~|^2 = |q|^2 + M^2 - 2 q.(k - mu)  =>  q.(k - mu) = (|q|^2 + M^2 - d^2) / 2
         q2 = np.einsum("ij,ij->i", x, x)[:, None]
         scores = np.where(missing, -np.inf, 0.5 * (q2 + index.m2 - dist * dist))

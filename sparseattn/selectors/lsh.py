@@ -34,9 +34,9 @@ lazily; a block of at most ``n_candidates`` keys needs no index (all its keys ar
 This is a slow baseline by nature: every table lookup is a Python call inside datasketch (~4 us), so a
 query costs ``(n_probes + 1) * n_tables`` lookups plus the set bookkeeping of its candidates, and a build
 ``n_tables`` dictionary inserts per key.  Measured numbers are in the class docstring.
-An alternative tried: ``MinHashLSHForest`` over SimHash bits (l = 32 trees of 8 bits) reached recall@64
-0.46 with 2,048 candidates at 1.4 ms per query on the same 16k Gaussian keys, against 0.65 with ~2,000
-keys at ~0.6-1.0 ms here: the forest visits one prefix level per tree per step in Python and its
+Why banded tables rather than ``MinHashLSHForest``: a forest over SimHash bits (l = 32 trees of 8 bits)
+reached recall@64 0.46 with 2,048 candidates at 1.4 ms per query on the same 16k Gaussian keys, against
+0.65 with ~2,000 keys at ~0.6-1.0 ms here: the forest visits one prefix level per tree per step in Python and its
 coarse prefix order is no better than banded multi-probe tables.
 """
 
@@ -48,8 +48,11 @@ from typing import Any
 import numpy as np
 
 from ..kernels import lsh as lk
+from ..kernels.topk import rerank_topk
 from ..pattern import SparsePattern
-from .base import IndexSelector, Param, non_negative, positive, register
+from .base import IndexSelector
+from .params import Param, non_negative, positive
+from .registry import register
 
 _FAMILIES = ("crosspolytope", "simhash")
 _MAX_BITS = {"simhash": 32, "crosspolytope": 12}
@@ -145,7 +148,7 @@ class LSHSelector(IndexSelector):
                                 "buckets, 1..12)", _n_bits_check),
         "hashes_per_table": Param(int, 2, "hash values concatenated per table (band size r)", positive),
         "n_tables": Param(int, 32, "hash tables (bands b)", _at_least_two),
-        "n_probes": Param(int, 2, "extra multi-probe lookups per table", non_negative),
+        "n_probes": Param(int, 2, "extra multi-probe lookups per table", non_negative, when="query"),
         "n_candidates": Param(int, 2048, "probing stops once this many distinct keys are found; at most "
                                      "max(n_candidates, k) are re-ranked exactly", positive),
         "seed": Param(int, 0, "seed of the random projections", non_negative),
@@ -259,7 +262,7 @@ class LSHSelector(IndexSelector):
                 cand = np.ascontiguousarray(np.broadcast_to(np.arange(n, dtype=np.int64), (stop - start, n)))
             else:
                 cand = self._lsh_candidates(index.lsh, queries[start:stop], keys, cap)
-            scores[start:stop], ids[start:stop] = lk.rerank_unique_topk(queries[start:stop], keys, cand, k)
+            scores[start:stop], ids[start:stop] = rerank_topk(queries[start:stop], keys, cand, k, True)
         return scores, ids
 
     def _lsh_candidates(self, lsh: Any, queries: np.ndarray, keys: np.ndarray, cap: int) -> np.ndarray:
@@ -275,6 +278,7 @@ class LSHSelector(IndexSelector):
         probes = self._probe_values(queries)
         n_probe_total = probes.shape[1]
         out = np.full((queries.shape[0], cap), -1, dtype=np.int64)
+        over: list[tuple[int, np.ndarray]] = []  # rows that found more than cap keys
         for i in range(queries.shape[0]):
             found: set[int] = set()
             for t in range(n_probe_total):
@@ -283,9 +287,15 @@ class LSHSelector(IndexSelector):
                     break
             row = np.fromiter(found, dtype=np.int64, count=len(found))
             if row.shape[0] > cap:
-                score = keys[row] @ queries[i]
-                row = row[np.argpartition(-score, cap - 1)[:cap]]
-            out[i, :row.shape[0]] = row
+                over.append((i, row))
+            else:
+                out[i, :row.shape[0]] = row
+        if over:  # keep the best cap of each overflowing row, scored exactly by the shared top-k core
+            rows = np.array([i for i, _ in over], dtype=np.int64)
+            found_ids = np.full((rows.size, max(r.shape[0] for _, r in over)), -1, dtype=np.int64)
+            for t, (_, row) in enumerate(over):
+                found_ids[t, :row.shape[0]] = row
+            out[rows] = rerank_topk(np.ascontiguousarray(queries[rows]), keys, found_ids, cap, True)[1]
         return out
 
     def _query(self, q: np.ndarray, k: int, is_causal: bool, qpos: np.ndarray,

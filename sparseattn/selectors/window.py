@@ -17,7 +17,9 @@ import numpy as np
 
 from ..kernels import pattern_ops, structural
 from ..pattern import SparsePattern
-from .base import Param, Selector, positive, register
+from .base import Selector
+from .params import Param, positive
+from .registry import register
 
 __all__ = ["RandomSelector", "SinksSelector", "WindowSelector"]
 
@@ -66,8 +68,8 @@ class WindowSelector(Selector):
     guarantee = ("exact: query at position p selects exactly the keys at positions p + t*dilation for t in "
                  "the window (causal: the width positions ending at p; bidirectional: centred on p)")
     params_spec = {
-        "width": Param(int, None, "keys per window (None: use the query budget k)", positive),
-        "dilation": Param(int, 1, "stride between window positions", positive),
+        "width": Param(int, None, "keys per window (None: use the query budget k)", positive, when="query"),
+        "dilation": Param(int, 1, "stride between window positions", positive, when="query"),
     }
 
     def _build(self, keys: np.ndarray) -> None:
@@ -152,8 +154,9 @@ class SinksSelector(Selector):
     guarantee = ("exact: every query selects exactly the sink keys (the g lowest key positions, or the keys "
                  "at the given positions) that are not after it")
     params_spec = {
-        "g": Param(int, 4, "number of sink keys: the g lowest key positions", positive),
-        "positions": Param(str, None, "explicit sink key positions, e.g. '0;5;9' (overrides g)"),
+        "g": Param(int, 4, "number of sink keys: the g lowest key positions", positive, when="query"),
+        "positions": Param(str, None, "explicit sink key positions, e.g. '0;5;9' (overrides g)",
+                           when="query"),
     }
 
     def __init__(self, **params: Any) -> None:
@@ -165,6 +168,15 @@ class SinksSelector(Selector):
         super().__init__(**params)
         if self._params["positions"] is not None:
             self._params["g"] = None  # not in force; keeps spec_string round-trippable
+
+    def _merge_params(self, current: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+        """``g`` and ``positions`` exclude each other: setting one (not None) clears the other."""
+        merged = {**current, **changes}
+        if changes.get("g") is not None and "positions" not in changes:
+            merged["positions"] = None
+        if merged.get("g") is None or (changes.get("positions") is not None and "g" not in changes):
+            merged.pop("g", None)  # not in force (or the default 4 when positions is cleared too)
+        return merged
 
     @property
     def sink_positions(self) -> np.ndarray | None:
@@ -213,8 +225,9 @@ class RandomSelector(Selector):
     guarantee = ("exact sampling: each query gets min(n_random, allowed) distinct keys, every such subset of "
                  "its allowed keys equally likely; deterministic given seed and positions")
     params_spec = {
-        "n_random": Param(int, None, "random keys per query (None: use the query budget k)", positive),
-        "seed": Param(int, 0, "random seed (any integer)"),
+        "n_random": Param(int, None, "random keys per query (None: use the query budget k)", positive,
+                          when="query"),
+        "seed": Param(int, 0, "random seed (any integer)", when="query"),
     }
 
     def _build(self, keys: np.ndarray) -> None:

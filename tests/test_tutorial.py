@@ -1,14 +1,19 @@
-"""Layers: the tutorial's worked example, multi-head, self/cross, the step-by-step mode."""
+"""sparseattn.tutorial: the worked example, the eight-step mode, heads, multi-head, self/cross."""
 
 from __future__ import annotations
+
+import doctest
+import importlib
+import importlib.metadata
 
 import numpy as np
 import pytest
 
 import sparseattn as sa
-from sparseattn.layers import AttentionHead, MultiHeadAttention, attention_steps, seed_example
+from sparseattn.tutorial import AttentionHead, MultiHeadAttention, attention_steps, seed_example
 
-# shared/seed-example.md, computed independently of this code.
+# The worked example's outputs, worked out by hand independently of this code (the numbers are also in
+# sparseattn/tutorial/example.py's docstring).  K, Q, V, the scores and softmax(row 1) are checked below.
 OUT_SCALE_1 = np.array([[1.936621, 6.683105, 1.595068],
                         [1.999994, 7.963992, 0.053976],
                         [1.999705, 7.759892, 0.358389]])
@@ -48,9 +53,54 @@ def test_seed_example_through_every_entry_point(scale, expected):
 
 def test_tutorial_rounded_weights_give_its_rounded_output():
     # The tutorial rounds softmax(row 1) to [0, .5, .5] and reports output1 = [2.0, 7.0, 1.5].
-    _, _, _, _ = _example()
-    v = np.array([[1, 2, 3], [2, 8, 0], [2, 6, 3]], dtype=float)
-    np.testing.assert_allclose(np.array([0.0, 0.5, 0.5]) @ v, [2.0, 7.0, 1.5])
+    steps = attention_steps(*_example(), scale=1.0)
+    np.testing.assert_allclose(np.array([0.0, 0.5, 0.5]) @ steps.values, [2.0, 7.0, 1.5])
+
+
+def test_steps_equal_the_dense_reference_causal_and_cross(rng):
+    x, ctx = rng.standard_normal((6, 4)), rng.standard_normal((9, 5))
+    Wq, Wv = rng.standard_normal((4, 3)), rng.standard_normal((5, 2))
+    for context, is_causal in ((None, True), (ctx, False), (ctx, True)):
+        d_ctx = x.shape[1] if context is None else ctx.shape[1]
+        Wk, Wv = rng.standard_normal((d_ctx, 3)), rng.standard_normal((d_ctx, 2))
+        steps = attention_steps(x, Wq, Wk, Wv, context=context, is_causal=is_causal)
+        ref = sa.scaled_dot_product_attention(steps.queries, steps.keys, steps.values, is_causal=is_causal)
+        np.testing.assert_allclose(steps.outputs, ref, atol=1e-12)
+        np.testing.assert_allclose(steps.weights.sum(axis=1), 1.0, atol=1e-12)
+        if is_causal:
+            L, S = steps.scores.shape
+            future = np.arange(S)[None, :] > np.arange(L)[:, None]
+            assert np.isneginf(steps.scores[future]).all() and (steps.weights[future] == 0).all()
+
+
+def test_steps_compute_float16_and_float32_in_float32(rng):
+    X, Wq, Wk, Wv = _example()
+    for dtype in (np.float16, np.float32):
+        steps = attention_steps(X.astype(dtype), Wq.astype(dtype), Wk.astype(dtype), Wv.astype(dtype),
+                                scale=1.0)
+        assert steps.outputs.dtype == steps.weights.dtype == np.float32
+        np.testing.assert_allclose(steps.outputs, OUT_SCALE_1, atol=1e-5)
+    with pytest.raises(TypeError, match="pattern must be a SparsePattern"):
+        attention_steps(X, Wq, Wk, Wv, pattern=np.ones((3, 3), bool))
+
+
+def test_tutorial_is_a_submodule_not_top_level():
+    assert sa.tutorial.MultiHeadAttention is MultiHeadAttention
+    for name in sa.tutorial.__all__:
+        assert not hasattr(sa, name), name
+        assert name not in sa.__all__
+    assert "tutorial" in sa.__all__
+
+
+def test_version_comes_from_the_package_metadata():
+    assert sa.__version__ == importlib.metadata.version("sparseattn")
+
+
+@pytest.mark.parametrize("module", ["sparseattn", "sparseattn.tutorial", "sparseattn.tutorial.example",
+                                    "sparseattn.tutorial.steps", "sparseattn.tutorial.layers"])
+def test_docstring_examples_run(module):
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
 
 
 def test_sparse_steps_zero_the_unselected_keys():

@@ -7,7 +7,9 @@ given each part's log-sum-exp of scores ``lse = log Σ_j exp(s_j)``::
     out  = exp(lse_A - lse) * out_A + exp(lse_B - lse) * out_B
 
 This is how split-KV (flash-decoding), ring attention and cluster routing combine their pieces.  The
-computation is shifted by the largest part's lse so nothing overflows.  A part with ``lse = -inf``
+computation is shifted by the largest part's lse so nothing overflows; it runs in the one merge kernel
+:func:`sparseattn.kernels.merge.merge_partials` (weights and totals in float64), shared with routed
+attention.  A part with ``lse = -inf``
 (attention over no key, or only masked keys) has weight zero and contributes nothing, whatever its output
 holds (even NaN); when every part is ``-inf`` the result is zeros with ``lse = -inf``, never NaN.
 
@@ -31,7 +33,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._validation import as_float_array
+from ..inputs import as_float_array
+from ..kernels.merge import PARALLEL_MIN_WORK, merge_partials, merge_partials_serial
 
 __all__ = ["merge_attention", "merge_pair"]
 
@@ -54,6 +57,47 @@ def _check_lse(lse: np.ndarray, name: str) -> None:
 
 def _dtype(*arrays: np.ndarray) -> np.dtype:
     return np.dtype(np.float64) if any(a.dtype == np.float64 for a in arrays) else np.dtype(np.float32)
+
+
+def _merge_parts(parts: tuple[np.ndarray, ...], lses: np.ndarray, dtype: np.dtype,
+                 out: np.ndarray | None = None, lse: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Merge normalised parts by :func:`~sparseattn.kernels.merge.merge_partials`.
+
+    parts: P arrays (N, Ev) (read in place when C-contiguous in ``dtype``), or one (P * N, Ev) array with
+    part t of row i at row ``t * N + i``; lses (P, N).  A normalised part with lse l is the partial
+    (output, row sum 1, shift l).  Writes and returns (N, Ev) and (N,) arrays of ``dtype`` (``out`` /
+    ``lse`` when given; they must not overlap the parts).
+    """
+    P, N = lses.shape
+    Ev = parts[0].shape[-1]
+    flat = tuple(np.ascontiguousarray(x, dtype=dtype) for x in parts)
+    shifts = np.ascontiguousarray(lses, dtype=dtype).reshape(P * N)
+    slot = (np.arange(P, dtype=np.int64)[None, :] * N + np.arange(N, dtype=np.int64)[:, None]).reshape(-1)
+    out = np.empty((N, Ev), dtype=dtype) if out is None else out
+    lse = np.empty(N, dtype=dtype) if lse is None else lse
+    kernel = merge_partials if P * N * Ev >= PARALLEL_MIN_WORK else merge_partials_serial
+    kernel(flat, np.ones(P * N, dtype=dtype), shifts, slot, P, np.zeros(N, dtype=dtype), out, lse)
+    return out, lse
+
+
+def _same_view(a: np.ndarray, b: np.ndarray) -> bool:
+    """True when a and b are the same elements in the same layout (same start, shape and strides)."""
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.shape == b.shape
+            and a.strides == b.strides and a.dtype == b.dtype)
+
+
+def _raise_non_finite(parts: np.ndarray, lses: np.ndarray) -> None:
+    """Raise for the first NaN/Inf output entry of a part whose weight is non-zero (the kernel read it)."""
+    dtype = _dtype(parts, lses)
+    lse_p = lses.astype(dtype, copy=False)
+    m = lse_p.max(axis=0)
+    m_safe = np.where(m == -np.inf, 0.0, m).astype(dtype, copy=False)
+    live = np.exp(lse_p - m_safe) > 0
+    bad = live[..., None] & ~np.isfinite(parts)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"outputs contains NaN or Inf at index {idx} in a part whose lse is finite; "
+                         f"clean the input or pass check_finite=False.")
 
 
 def merge_attention(outputs: np.ndarray | Sequence[np.ndarray],
@@ -94,28 +138,14 @@ def merge_attention(outputs: np.ndarray | Sequence[np.ndarray],
         raise ValueError("outputs must hold at least one part (P >= 1); got P = 0.")
     _check_lse(lse_parts, "lses")
     dtype = _dtype(out_parts, lse_parts)
-    o = out_parts.astype(dtype, copy=False)
-    lse_p = lse_parts.astype(dtype, copy=False)
-    m = lse_p.max(axis=0)
-    m_safe = np.where(m == -np.inf, 0.0, m).astype(dtype, copy=False)
-    w = np.exp(lse_p - m_safe)  # (P, ..., L); exactly 0 for -inf parts, 1 for the largest part
-    live = w > 0
-    if check_finite:
-        bad = live[..., None] & ~np.isfinite(o)
-        if bad.any():
-            idx = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(f"outputs contains NaN or Inf at index {idx} in a part whose lse is finite; "
-                             f"clean the input or pass check_finite=False.")
-    if not live.all():
-        o = np.where(live[..., None], o, 0.0).astype(dtype, copy=False)  # ignore garbage in empty parts
-    total = w.sum(axis=0)
-    acc = np.einsum("p...,p...e->...e", w, o)
-    nonempty = total > 0
-    inv = np.where(nonempty, 1.0 / np.where(nonempty, total, 1.0), 0.0).astype(dtype, copy=False)
-    out = acc * inv[..., None]
-    with np.errstate(divide="ignore"):
-        lse = np.where(nonempty, m_safe + np.log(np.where(nonempty, total, 1.0)), -np.inf)
-    return out.astype(dtype, copy=False), lse.astype(dtype, copy=False)
+    P, lead, Ev = out_parts.shape[0], out_parts.shape[1:-1], out_parts.shape[-1]
+    N = int(np.prod(lead, dtype=np.int64))
+    out, lse = _merge_parts((out_parts.reshape(P * N, Ev),), lse_parts.reshape(P, N), dtype)
+    # A live part holding NaN/Inf leaves NaN/Inf in its rows of the result: check only the (P times
+    # smaller) result, and look for the culprit only then.
+    if check_finite and not np.isfinite(out).all():
+        _raise_non_finite(out_parts, lse_parts)
+    return out.reshape(lead + (Ev,)), lse.reshape(lead)
 
 
 def merge_pair(o1: np.ndarray, l1: np.ndarray, o2: np.ndarray, l2: np.ndarray, *,
@@ -148,17 +178,6 @@ def merge_pair(o1: np.ndarray, l1: np.ndarray, o2: np.ndarray, l2: np.ndarray, *
             raise ValueError(f"{name} must have shape o1.shape[:-1] = {a1.shape[:-1]}; got {lse.shape}.")
         _check_lse(lse, name)
     dtype = _dtype(a1, b1, a2, b2)
-    m = np.maximum(b1, b2).astype(dtype, copy=False)
-    m_safe = np.where(m == -np.inf, 0.0, m).astype(dtype, copy=False)
-    w1 = np.exp(b1.astype(dtype, copy=False) - m_safe)
-    w2 = np.exp(b2.astype(dtype, copy=False) - m_safe)
-    total = w1 + w2
-    nonempty = total > 0
-    inv = np.where(nonempty, 1.0 / np.where(nonempty, total, 1.0), 0.0).astype(dtype, copy=False)
-    c1 = (w1 * inv)[..., None]
-    c2 = (w2 * inv)[..., None]
-    with np.errstate(divide="ignore"):
-        new_lse = np.where(nonempty, m_safe + np.log(np.where(nonempty, total, 1.0)), -np.inf).astype(dtype)
     if out is None:
         o_out = np.empty(a1.shape, dtype=dtype)
         l_out = np.empty(b1.shape, dtype=dtype)
@@ -172,13 +191,19 @@ def merge_pair(o1: np.ndarray, l1: np.ndarray, o2: np.ndarray, l2: np.ndarray, *
                 or l_out.dtype != dtype:
             raise ValueError(f"out must hold arrays of shapes {a1.shape} and {b1.shape} with dtype {dtype}; "
                              f"got {o_out.shape} {o_out.dtype} and {l_out.shape} {l_out.dtype}.")
-    part2 = a2 * c2
-    if not (w2 > 0).all():
-        part2 = np.where(c2 > 0, part2, 0.0)
-    if (w1 > 0).all():
-        np.multiply(a1, c1, out=o_out)
-    else:
-        o_out[...] = np.where(c1 > 0, a1 * c1, 0.0)
-    o_out += part2
-    l_out[...] = new_lse
+    Ev = a1.shape[-1]
+    N = int(np.prod(a1.shape[:-1], dtype=np.int64))
+    # The kernel reads o1 and o2 in place and writes ``out``.  ``out`` may be (o1, l1) itself (in-place
+    # accumulation): each output row is written only after its own input rows were read.  Any other
+    # overlap is resolved by copying the inputs first.
+    x1, x2 = a1.reshape(N, Ev), a2.reshape(N, Ev)
+    if any(np.shares_memory(o_out, x) and not _same_view(o_out, x) for x in (a1, a2)):
+        x1, x2 = np.array(x1, dtype=dtype), np.array(x2, dtype=dtype)
+    lse_in = np.stack([b1.reshape(N), b2.reshape(N)]).astype(dtype, copy=False)
+    direct = o_out.flags.c_contiguous and l_out.flags.c_contiguous
+    o, lse = _merge_parts((x1, x2), lse_in, dtype, o_out.reshape(N, Ev) if direct else None,
+                          l_out.reshape(N) if direct else None)
+    if not direct:
+        o_out[...] = o.reshape(a1.shape)
+        l_out[...] = lse.reshape(b1.shape)
     return o_out, l_out

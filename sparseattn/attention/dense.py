@@ -17,7 +17,7 @@ Conventions (identical to ``torch.nn.functional.scaled_dot_product_attention``):
 * ``is_causal``: query i sees keys ``j <= i`` (top-left aligned, also when L != S);
 * default scale ``1 / sqrt(E)``.
 
-A row with no allowed key returns zeros and ``lse = -inf``, never NaN (older PyTorch releases return NaN
+A row with no allowed key returns zeros and ``lse = -inf``, never NaN (some PyTorch releases return NaN
 there; 2.13 on CPU returns zeros).
 Dtypes: float64 inputs compute in float64; float16/float32 compute in float32.  The output has the
 promoted input dtype (float16 in -> float16 out), ``lse`` the computation dtype.
@@ -25,14 +25,24 @@ promoted input dtype (float16 in -> float16 out), ``lse`` the computation dtype.
 
 from __future__ import annotations
 
+import numbers
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from ._broadcast import flat3, group_maps
-from ._validation import as_float_array, check_positive_int, check_scale, overflow_message, result_dtype
-from .threads import get_num_threads, single_threaded_blas
+from ..inputs import (
+    as_float_array,
+    check_lse,
+    check_positive_int,
+    check_scale,
+    flat3,
+    group_maps,
+    overflow_message,
+    positions,
+    result_dtype,
+)
+from ..threads import get_num_threads, single_threaded_blas
 
 DEFAULT_Q_BLOCK = 256
 DEFAULT_K_BLOCK = 1024
@@ -61,10 +71,11 @@ def scaled_dot_product_attention(
     key: np.ndarray,
     value: np.ndarray,
     attn_mask: np.ndarray | None = None,
+    dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: float | None = None,
-    *,
     enable_gqa: bool = False,
+    *,
     return_lse: bool = False,
     bias: Any = None,
     query_positions: np.ndarray | None = None,
@@ -75,6 +86,10 @@ def scaled_dot_product_attention(
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Exact attention ``softmax(query @ key^T * scale + mask) @ value``, blocked.
 
+    The positional parameters follow ``torch.nn.functional.scaled_dot_product_attention``:
+    ``(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)``; the extras are
+    keyword-only.
+
     Parameters
     ----------
     query : float array, shape (..., L, E)
@@ -82,6 +97,8 @@ def scaled_dot_product_attention(
     value : float array, shape (..., S, Ev)
     attn_mask : bool or float array broadcastable to (..., L, S), optional
         Boolean: True = may attend.  Float: added to the scores (use -inf to forbid).
+    dropout_p : float
+        Must be 0.0: dropout is not supported in this reference (it exists for SDPA's positional order).
     is_causal : bool
         Query i attends keys j <= i (top-left alignment, as in PyTorch).  Combined with ``attn_mask``
         both restrictions apply.
@@ -105,7 +122,14 @@ def scaled_dot_product_attention(
     Returns
     -------
     output : array (..., L, Ev), the promoted input dtype
-    lse : array (..., L), only with ``return_lse``; ``-inf`` for rows with no allowed key.
+    lse : array (..., L), only with ``return_lse``; the computation dtype, ``-inf`` for rows with no
+        allowed key.
+
+    Raises
+    ------
+    ValueError
+        Bad shapes or arguments, ``dropout_p != 0``, or scores that overflow the computation dtype
+        (finite inputs, some score ``+inf``; see :func:`sparseattn.inputs.check_lse`).
 
     Examples
     --------
@@ -126,6 +150,7 @@ def scaled_dot_product_attention(
         raise ValueError(f"key and value must have the same leading dims; got {k.shape[:-2]} and {v.shape[:-2]}.")
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"is_causal must be a bool; got {is_causal!r}.")
+    _check_dropout(dropout_p)
     q_block = check_positive_int(q_block, "q_block")
     k_block = check_positive_int(k_block, "k_block")
     L, E = q.shape[-2:]
@@ -139,13 +164,12 @@ def scaled_dot_product_attention(
     out_dtype = np.result_type(q.dtype, k.dtype, v.dtype)
     qpos = kpos = None
     if bias is not None:
-        from .pattern import _positions
         n_heads = lead[-1] if lead else 1
         if getattr(bias, "num_heads", None) != n_heads:
             raise ValueError(f"bias has {getattr(bias, 'num_heads', None)} heads but the inputs have "
                              f"{n_heads} (dimension -3).")
-        qpos = _positions(query_positions, L, "query_positions")
-        kpos = _positions(key_positions, S, "key_positions")
+        qpos = positions(query_positions, L, "query_positions")
+        kpos = positions(key_positions, S, "key_positions")
 
     G = len(q_map)
     out = np.zeros((G, L, Ev), dtype=cdt)
@@ -168,10 +192,20 @@ def scaled_dot_product_attention(
         else:
             with single_threaded_blas(), ThreadPoolExecutor(n_workers) as pool:
                 list(pool.map(run, tasks))
+    check_lse(lse, cdt, sc, nan_is_overflow=check_finite)
     result = out.reshape(lead + (L, Ev)).astype(out_dtype, copy=False)
     if return_lse:
         return result, lse.reshape(lead + (L,))
     return result
+
+
+def _check_dropout(dropout_p: object) -> None:
+    """Accept only ``dropout_p == 0`` (SDPA's positional slot; this reference has no dropout)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a number (0.0); got {dropout_p!r} ({type(dropout_p).__name__}).")
+    if float(dropout_p) != 0.0:
+        raise ValueError(f"dropout_p={dropout_p!r}: dropout is not supported in this reference "
+                         f"implementation; pass dropout_p=0.0 (apply dropout outside if you need it).")
 
 
 def _attend_block(qg, kg, vg, mask_g, g, lead, r0, r1, is_causal, scale, cdt, k_block, bias, qpos, kpos,
@@ -202,7 +236,7 @@ def _attend_block(qg, kg, vg, mask_g, g, lead, r0, r1, is_causal, scale, cdt, k_
         if bias is not None:
             s += bias.block(qpos[r0:r1], kpos[c0:c1], head=head)
         m_tile = s.max(axis=1)
-        if np.isposinf(m_tile).any():  # finite inputs whose score overflowed: refuse, never guess
+        if np.isposinf(m_tile).any():  # overflow: fail fast (check_lse would raise on the result too)
             raise ValueError(overflow_message(cdt, scale))
         m_new = np.maximum(m, m_tile)
         # Rows whose every score so far is -inf keep a finite shift of 0 so exp gives 0, not NaN.
@@ -218,3 +252,9 @@ def _attend_block(qg, kg, vg, mask_g, g, lead, r0, r1, is_causal, scale, cdt, k_
     ok = total > 0
     out_g[r0:r1][ok] = acc[ok] / total[ok, None]
     lse_g[r0:r1] = np.where(ok, np.where(np.isneginf(m), 0, m) + np.log(np.where(ok, total, 1)), -np.inf)
+    # A NaN score (inf - inf inside an overflowing product, or a NaN input) is not an empty row: report
+    # NaN, which check_lse turns into the overflow error.
+    nan_rows = np.isnan(total) | np.isnan(m)
+    if nan_rows.any():
+        out_g[r0:r1][nan_rows] = np.nan
+        lse_g[r0:r1][nan_rows] = np.nan

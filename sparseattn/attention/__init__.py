@@ -1,0 +1,9 @@
+"""Attention itself: the stage after selection in Q/K/V -> selector -> pattern -> kernel -> output.
+
+* :mod:`.sparse` — attention of each query over the keys a :class:`~sparseattn.SparsePattern` (or a
+  selector) gives it, through the fused Numba kernel;
+* :mod:`.routed` — attention over the routed clusters of a :class:`~sparseattn.ClusterIndex` (no
+  pattern is materialised);
+* :mod:`.dense` — the exact reference, SDPA-compatible;
+* :mod:`.merge` — the exact log-sum-exp merge of attention over disjoint key sets.
+"""

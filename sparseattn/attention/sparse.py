@@ -1,0 +1,385 @@
+"""Sparse attention: attention of each query over the keys a pattern (or a selector) gives it.
+
+Data path: Q/K/V validated once (:func:`_validate`) -> patterns, given (:func:`_explicit_patterns`) or
+built per (batch, head) group by a selector (:func:`_run_selector`) -> the fused Numba kernel
+(:func:`_run_kernel`: scores, stable softmax, weighted sum) -> output and log-sum-exp.  A selector that
+declares ``attends`` (cluster routing in block mode) computes attention itself and no pattern is made.
+
+Two entry points share that path: :func:`sparse_attention` returns the output (and the lse with
+``return_lse=True``); :func:`sparse_attention_result` also returns the patterns used and the time spent in
+each step, as a :class:`SparseAttentionResult`.
+
+Empty-row and overflow policy (:func:`sparseattn.inputs.check_lse`): a row with no selected key gives
+zeros and ``lse = -inf``; finite inputs whose scores overflow the computation dtype raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..inputs import (
+    as_float_array,
+    check_lse,
+    check_positive_int,
+    check_scale,
+    flat3,
+    group_maps,
+    positions,
+    result_dtype,
+)
+from ..kernels import fused
+from ..kernels.bias import BIAS_DENSE, no_bias_args
+from ..pattern import SparsePattern, stack_patterns
+from ..threads import get_num_threads
+
+CHUNK_ROWS = 64  # rows per prange task: big enough to amortise scratch allocation, small for balance
+PARALLEL_MIN_WORK = 1 << 20  # gathered elements below which the serial kernel is faster
+
+PatternArg = SparsePattern | Sequence[SparsePattern] | Any  # also a Selector or a selector spec string
+
+
+@dataclass
+class SparseAttentionResult:
+    """What :func:`sparse_attention_result` returns.
+
+    Attributes
+    ----------
+    output : array (..., L, Ev)
+        Promoted input dtype (float16 in -> float16 out).
+    lse : array (..., L)
+        Computation dtype (float64 if any input is float64, else float32); ``-inf`` on rows that selected
+        no key.
+    patterns : list of SparsePattern
+        One (L, S) pattern per flattened (batch, head) group, or a single one shared by all groups; empty
+        for selectors that attend by themselves (``selector.attends``, e.g. ``cluster:mode=block``).
+    timings : dict
+        ``build``, ``select`` and ``kernel`` seconds (``perf_counter``), summed over groups.
+    selector : str or None
+        The selector's spec string, or None for explicit patterns.
+    """
+
+    output: np.ndarray
+    lse: np.ndarray
+    patterns: list[SparsePattern]
+    timings: dict[str, float] = field(default_factory=dict)
+    selector: str | None = None
+
+
+@dataclass
+class _Inputs:
+    """Validated inputs: (G, n, f) arrays in the computation dtype plus the group maps."""
+
+    q3: np.ndarray
+    k3: np.ndarray
+    v3: np.ndarray
+    lead: tuple[int, ...]
+    q_map: np.ndarray
+    kv_map: np.ndarray
+    scale: float
+    cdt: np.dtype
+    out_dtype: np.dtype
+
+    @property
+    def G(self) -> int:
+        return len(self.q_map)
+
+    @property
+    def L(self) -> int:
+        return self.q3.shape[1]
+
+    @property
+    def S(self) -> int:
+        return self.k3.shape[1]
+
+    @property
+    def E(self) -> int:
+        return self.q3.shape[2]
+
+    @property
+    def Ev(self) -> int:
+        return self.v3.shape[2]
+
+    def finish(self, out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(G, L, Ev) / (G, L) kernel results -> (..., L, Ev) in the output dtype / (..., L)."""
+        output = out.reshape(self.lead + (self.L, self.Ev)).astype(self.out_dtype, copy=False)
+        return output, lse.reshape(self.lead + (self.L,))
+
+
+# ------------------------------------------------------------------------------------ public API
+def sparse_attention(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    pattern: PatternArg,
+    *,
+    k: int = 64,
+    is_causal: bool = False,
+    scale: float | None = None,
+    bias: Any = None,
+    query_positions: np.ndarray | None = None,
+    key_positions: np.ndarray | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    check_finite: bool = True,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Attention of each query over the keys selected for it.
+
+    Parameters
+    ----------
+    query : float array, shape (..., L, E)
+    key : float array, shape (..., S, E)
+    value : float array, shape (..., S, Ev)
+        float16, float32 or float64; leading (batch, head) dims broadcast like numpy's.
+    pattern : SparsePattern, sequence of SparsePattern, Selector, or selector spec string
+        A single (L, S) pattern is shared by every (batch, head) group; a sequence gives one pattern
+        per group (flattened leading dims, C order).  A selector (object or string such as
+        ``"window:width=64+faiss-hnsw:M=32"``) is built on each group's keys and queried with ``k``;
+        a selector whose ``attends`` is True computes the attention itself.
+    k : int
+        Keys per query asked of a selector (ignored for explicit patterns).
+    is_causal : bool
+        Only keys with position <= the query's: selectors select accordingly, and an explicit pattern is
+        filtered with ``pattern.causal(query_positions, key_positions)`` (top-left alignment by default).
+    scale : float, optional
+        Default ``1 / sqrt(E)``.
+    bias : RelativeBias or float array (..., L, S), optional
+        Added to each selected score: ALiBi / T5 objects are evaluated per pair inside the kernel.
+    query_positions, key_positions : int arrays (L,), (S,), optional
+        Positions for causal selection and relative biases (default ``arange``).
+    enable_gqa : bool
+        Fewer K/V heads than query heads (as in the dense reference).
+    return_lse : bool
+        Also return the natural-log log-sum-exp of each row's selected scores.
+    check_finite : bool
+        Reject NaN/Inf in query, key and value (default).  False skips the O(n) check.
+
+    Returns
+    -------
+    output : array (..., L, Ev)
+        The promoted input dtype.  Rows with no selected key give zeros.
+    lse : array (..., L), only with ``return_lse``
+        The computation dtype (float64 if any input is float64, else float32); ``-inf`` for rows with no
+        selected key.
+
+    Raises
+    ------
+    ValueError
+        Bad shapes or arguments; a selector that does not support the input (its
+        ``not_supported_reasons`` are listed); scores that overflow the computation dtype.
+
+    See Also
+    --------
+    sparse_attention_result : the same computation, also returning the patterns and timings.
+    """
+    res = sparse_attention_result(query, key, value, pattern, k=k, is_causal=is_causal, scale=scale, bias=bias,
+                                  query_positions=query_positions, key_positions=key_positions,
+                                  enable_gqa=enable_gqa, check_finite=check_finite)
+    return (res.output, res.lse) if return_lse else res.output
+
+
+def sparse_attention_result(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    pattern: PatternArg,
+    *,
+    k: int = 64,
+    is_causal: bool = False,
+    scale: float | None = None,
+    bias: Any = None,
+    query_positions: np.ndarray | None = None,
+    key_positions: np.ndarray | None = None,
+    enable_gqa: bool = False,
+    check_finite: bool = True,
+) -> SparseAttentionResult:
+    """:func:`sparse_attention` returning a :class:`SparseAttentionResult`: output, lse, patterns, timings.
+
+    Parameters are those of :func:`sparse_attention` (without ``return_lse``: the lse is always there).
+    Used by the benchmark harness and by callers that want to inspect the selected keys.
+    """
+    inp = _validate(query, key, value, scale, is_causal, enable_gqa, check_finite)
+    timings = {"build": 0.0, "select": 0.0, "kernel": 0.0}
+    if isinstance(pattern, (SparsePattern, list, tuple)):
+        patterns = _explicit_patterns(pattern, inp, is_causal, query_positions, key_positions)
+        spec = None
+    else:
+        spec, patterns, direct = _run_selector(pattern, inp, k, is_causal, bias, query_positions, key_positions,
+                                               timings)
+        if direct is not None:
+            out, lse = direct
+            check_lse(lse, inp.cdt, inp.scale, nan_is_overflow=check_finite)
+            return SparseAttentionResult(*inp.finish(out, lse), [], timings, spec)
+    bias_args = _bias_args(bias, inp, query_positions, key_positions)
+    t0 = time.perf_counter()
+    out, lse = _run_kernel(inp, patterns, bias_args, with_bias=bias is not None)
+    timings["kernel"] = time.perf_counter() - t0
+    check_lse(lse, inp.cdt, inp.scale, nan_is_overflow=check_finite)
+    return SparseAttentionResult(*inp.finish(out, lse), patterns, timings, spec)
+
+
+# --------------------------------------------------------------------------------------- helpers
+def _validate(query: Any, key: Any, value: Any, scale: Any, is_causal: Any, enable_gqa: bool,
+              check_finite: bool) -> _Inputs:
+    """Check Q/K/V, scale and flags once; return them as C-contiguous (G, n, f) computation arrays."""
+    q = as_float_array(query, "query", check_finite=check_finite)
+    kk = as_float_array(key, "key", check_finite=check_finite)
+    v = as_float_array(value, "value", check_finite=check_finite)
+    if q.shape[-1] != kk.shape[-1]:
+        raise ValueError(f"query and key must have the same feature size E; got {q.shape} and {kk.shape}.")
+    if kk.shape[-2] != v.shape[-2] or kk.shape[:-2] != v.shape[:-2]:
+        raise ValueError(f"key and value must agree on (..., S); got key {kk.shape} and value {v.shape}.")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal must be a bool; got {is_causal!r}.")
+    sc = check_scale(scale, q.shape[-1])
+    lead, q_map, kv_map = group_maps(q.shape[:-2], kk.shape[:-2], enable_gqa=enable_gqa)
+    cdt = result_dtype(q, kk, v)
+    if not np.isfinite(cdt.type(sc)):
+        raise ValueError(f"scale={sc:g} overflows the computation dtype {cdt.name}; pass float64 inputs.")
+    return _Inputs(np.ascontiguousarray(flat3(q), dtype=cdt), np.ascontiguousarray(flat3(kk), dtype=cdt),
+                   np.ascontiguousarray(flat3(v), dtype=cdt), tuple(lead), q_map, kv_map, sc, cdt,
+                   np.result_type(q.dtype, kk.dtype, v.dtype))
+
+
+def _explicit_patterns(pattern: SparsePattern | Sequence[SparsePattern], inp: _Inputs, is_causal: bool,
+                       query_positions: Any, key_positions: Any) -> list[SparsePattern]:
+    """Check a given pattern (or one per group) against (L, S); filter it causally when asked.
+
+    No per-call CSR check: a SparsePattern is validated when constructed and its arrays are read-only.
+    """
+    if isinstance(pattern, SparsePattern):
+        patterns = [pattern]
+    else:
+        patterns = list(pattern)
+        if len(patterns) != inp.G:
+            raise ValueError(f"pattern sequence has {len(patterns)} entries; expected one per (batch, head) "
+                             f"group = {inp.G} for leading dims {inp.lead}, or pass a single SparsePattern.")
+    for i, p in enumerate(patterns):
+        if not isinstance(p, SparsePattern):
+            raise TypeError(f"pattern[{i}] must be a SparsePattern; got {type(p).__name__}.")
+        if p.shape != (inp.L, inp.S):
+            raise ValueError(f"pattern shape {p.shape} does not match (L, S) = {(inp.L, inp.S)} of query/key.")
+    if is_causal:  # keep only keys at or before each query (as SDPA's is_causal would)
+        qpos = positions(query_positions, inp.L, "query_positions")
+        kpos = positions(key_positions, inp.S, "key_positions")
+        patterns = [p.causal(qpos, kpos) for p in patterns]
+    return patterns
+
+
+def _resolve_selector(pattern: Any, inp: _Inputs, is_causal: bool, bias: Any) -> tuple[Any, str]:
+    """A Selector (or spec string) -> (template selector, spec string), refused when it cannot run here.
+
+    The one place where a selector's declared capabilities are checked: ``not_supported_reasons``
+    (keys, dimension, causal, bias) here, ``attends`` in :func:`_run_selector`.
+    """
+    from ..selectors import Selector, get_selector, spec_string
+
+    if not isinstance(pattern, (str, Selector)):
+        raise TypeError(f"pattern must be a SparsePattern, a sequence of them, a Selector or a selector spec "
+                        f"string; got {type(pattern).__name__}.")
+    template = get_selector(pattern)
+    spec = spec_string(template)
+    reasons = template.not_supported_reasons(n_keys=inp.S, dim=inp.E, is_causal=is_causal,
+                                             bias=bias is not None)
+    if reasons:
+        raise ValueError(f"selector {spec!r} cannot run here: {'; '.join(reasons)}.")
+    return template, spec
+
+
+def _run_selector(pattern: Any, inp: _Inputs, k: int, is_causal: bool, bias: Any, query_positions: Any,
+                  key_positions: Any, timings: dict[str, float]
+                  ) -> tuple[str, list[SparsePattern], tuple[np.ndarray, np.ndarray] | None]:
+    """Build the selector once per distinct K/V group and query it (or let it attend) for every group.
+
+    Returns (spec, patterns, direct): ``direct`` is the (G, L, Ev) output and (G, L) lse when the selector
+    attends by itself (then ``patterns`` is empty), else None.
+    """
+    from ..selectors import get_selector
+
+    k = check_positive_int(k, "k")
+    template, spec = _resolve_selector(pattern, inp, is_causal, bias)
+    attends = bool(template.attends)
+    qpos = positions(query_positions, inp.L, "query_positions")
+    kpos = positions(key_positions, inp.S, "key_positions")
+    G = inp.G
+    patterns: list[SparsePattern] = []
+    out = np.empty((G, inp.L, inp.Ev), dtype=inp.cdt) if attends else None
+    lse = np.empty((G, inp.L), dtype=inp.cdt) if attends else None
+    built: dict[int, Any] = {}
+    for g in range(G):
+        kv = int(inp.kv_map[g])
+        if kv not in built:
+            sel = get_selector(spec) if built or G > 1 else template
+            t0 = time.perf_counter()
+            sel.build(inp.k3[kv], check_finite=False)
+            timings["build"] += time.perf_counter() - t0
+            built[kv] = sel
+        qg = inp.q3[inp.q_map[g]]
+        t0 = time.perf_counter()
+        if attends:
+            out[g], lse[g] = built[kv].attend(qg, inp.v3[kv], scale=inp.scale, is_causal=is_causal,
+                                              query_positions=qpos, key_positions=kpos, check_finite=False)
+        else:
+            patterns.append(built[kv].query(qg, k, is_causal=is_causal, query_positions=qpos,
+                                            key_positions=kpos, check_finite=False))
+        timings["select"] += time.perf_counter() - t0
+    return spec, patterns, ((out, lse) if attends else None)
+
+
+def _bias_args(bias: Any, inp: _Inputs, query_positions: Any, key_positions: Any) -> tuple:
+    """The kernel's bias arguments: none, a relative-position bias object, or a dense (..., L, S) array."""
+    G, L, S, lead, cdt = inp.G, inp.L, inp.S, inp.lead, inp.cdt
+    if bias is None:
+        return no_bias_args(G) + (1,)
+    qpos = positions(query_positions, L, "query_positions")
+    kpos = positions(key_positions, S, "key_positions")
+    if hasattr(bias, "kernel_args"):
+        kind, params, ints = bias.kernel_args()
+        n_heads = lead[-1] if lead else 1
+        if bias.num_heads != n_heads:
+            raise ValueError(f"bias has {bias.num_heads} heads but the inputs have {n_heads} (dimension -3).")
+        return (int(kind), np.ascontiguousarray(params, np.float64), np.ascontiguousarray(ints, np.int64),
+                qpos, kpos, np.zeros((1, 1, 1), cdt), np.zeros(G, np.int64), int(n_heads))
+    arr = as_float_array(bias, "bias", min_ndim=2, check_finite=False)  # -inf forbids a pair: legal
+    if arr.shape[-2:] != (L, S):
+        raise ValueError(f"bias array must end in (L, S) = {(L, S)}; got {arr.shape}.")
+    if np.isnan(arr).any():
+        raise ValueError("bias contains NaN; use -inf to forbid a pair.")
+    blead, _, bmap = group_maps(lead, arr.shape[:-2], kv_name="bias")
+    if tuple(blead) != tuple(lead):
+        raise ValueError(f"bias leading dims {arr.shape[:-2]} must broadcast to the inputs' {lead} without "
+                         f"widening them.")
+    dense = np.ascontiguousarray(flat3(arr), dtype=cdt)
+    return (BIAS_DENSE, np.zeros((1, 1)), np.zeros(3, np.int64), qpos, kpos, dense, bmap, 1)
+
+
+def _run_kernel(inp: _Inputs, patterns: list[SparsePattern], bias_args: tuple, *, with_bias: bool
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The fused kernel over all groups: (G, L, Ev) output and (G, L) lse in the computation dtype."""
+    G, L, cdt = inp.G, inp.L, inp.cdt
+    shared = len(patterns) == 1
+    if shared:
+        indptr, indices = patterns[0].indptr, patterns[0].indices
+    else:
+        indptr, indices = stack_patterns(patterns)
+    max_nnz = int(np.diff(indptr).max()) if indptr.shape[0] > 1 else 0
+    out = np.empty((G, L, inp.Ev), dtype=cdt)
+    lse = np.empty((G, L), dtype=cdt)
+    if not (G and L):
+        return out, lse
+    # Small problems run serially: thread start-up costs more than it saves there, and the serial
+    # variant compiles in a fraction of the parallel one's time (first-call latency).
+    work = indices.shape[0] * (G if shared else 1) * (inp.E + inp.Ev)
+    use_parallel = get_num_threads() > 1 and work > PARALLEL_MIN_WORK
+    if with_bias:
+        kernel = fused.fused_parallel if use_parallel else fused.fused_serial
+    else:
+        kernel = fused.fused_parallel_nobias if use_parallel else fused.fused_serial_nobias
+    # float32: the vectorised polynomial exp (rel. error <= 2.5e-7); float64 keeps np.exp's precision.
+    kernel(inp.q3, inp.k3, inp.v3, inp.q_map, inp.kv_map, indptr, indices, shared, cdt.type(inp.scale), max_nnz,
+           CHUNK_ROWS, *bias_args, out, lse, cdt == np.float32)
+    return out, lse

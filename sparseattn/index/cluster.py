@@ -1,0 +1,512 @@
+"""ClusterIndex: spherical k-means over the centred keys, cluster order, routing and routed exact top-k.
+
+Build: the keys are centred (subtracting the mean key changes no softmax), a k-means with ``n_clusters``
+centroids is trained on a sample of them with FAISS (``faiss.Kmeans``: spherical, i.e. cosine assignment
+and unit-norm centroids, by default; Lloyd with ``spherical=False``), then every key is assigned to a
+centroid: ``assign="ip"`` (default) picks the centroid of largest inner product ``k.c`` (the score that
+routes queries), ``"l2"`` the nearest one.  Measured at S = 16,384 (E = 64, C = 128, n_probe = 8): on
+clustered keys "ip" kept 0.998 of the softmax mass (output error 0.019) against 0.90 (0.35) for "l2"; on
+Gaussian keys neither works (0.42 / 0.09 of the mass).  Optionally (``split > 0``) clusters larger than
+``split`` times the mean size are split by a k-means of their members.  The keys are then stored once in
+cluster order, so each cluster is one contiguous block (a CSR over clusters: ``perm_``, ``cluster_ptr_``).
+
+Each cluster is represented by the mean of its keys (``route_by="mean"``, the default: unit-norm
+spherical centroids ignore how large a cluster's keys are, which the inner product rewards) or by its
+k-means centroid; ``radius_`` is the members' largest distance to that vector.
+
+Query side: :meth:`ClusterIndex.route` ranks the clusters by ``q.c`` (the mean key adds a per-query
+constant, so centred vectors rank the same) and keeps the ``n_probe`` best; :meth:`ClusterIndex.search`
+is the exact top-k by inner product among the keys of those clusters.  The index knows nothing about
+values: attention over the routed clusters is :func:`sparseattn.attention.routed.routed_attention`.
+
+Seam for a growing index (KV-cache decode, not implemented): routed attention reads the index only
+through ``_route_rows``, ``keys_as``, ``prefix_budget`` / ``prefix_rows``, ``keys_``, ``mean_``, ``perm_``,
+``cluster_ptr_``, ``radius_``, ``n_clusters_``, ``n_probe_``, ``threads_`` and ``is_built``.  A segmented index would keep one such cluster-ordered segment per
+build (plus an exact tail of recent keys) and routed attention would run once per segment, merging the
+segments' partials with the same log-sum-exp kernel (:mod:`sparseattn.kernels.merge`).
+
+Threads: the scoring products run on ``n_threads`` workers of :func:`sparseattn.threads.executor`, BLAS
+pinned to one thread each (:func:`sparseattn.threads.worker_threads`).  The k-means runs single-threaded:
+FAISS's OpenMP pool is set to 1 thread for it and restored afterwards (0.023 s against 0.40 s on two
+threads with the other core busy, 16k keys).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numba
+import numpy as np
+
+from ..inputs import as_float_array, positions
+from ..kernels import cluster as ck
+from ..kernels import topk as topk_core
+from ..pattern import SparsePattern
+from ..threads import run_jobs, worker_threads
+
+__all__ = ["ClusterIndex"]
+
+ASSIGN = ("ip", "l2")
+ROUTE_BY = ("mean", "centroid")
+# Elements (not bytes) of the per-block buffers: queries are processed in blocks so the score chunks and
+# the top-k candidate lists stay near 2**24 elements (64 MiB in float32).
+_BLOCK_BUDGET = 1 << 24
+# Elements of one score tile ``Q_c K_c^T`` (rows of a large cluster are processed in tiles), and the
+# fewest query rows per tile (large clusters would otherwise give skinny, slow products).
+_TILE = 1 << 18
+_MIN_ROWS = 64
+
+
+def cluster_jobs(qptr: np.ndarray, kptr: np.ndarray) -> list[int]:
+    """Clusters with work (queries x keys > 0), largest cost first.
+
+    qptr (C + 1,) int64: sorted (query, cluster) pairs per cluster; kptr (C + 1,) int64: keys per cluster.
+    """
+    cost = np.diff(qptr) * np.diff(kptr)
+    order = np.argsort(-cost, kind="stable")
+    return [int(c) for c in order if cost[c] > 0]
+
+
+class ClusterIndex:
+    """K-means cluster index over keys: build, assignment, cluster order, routing, routed exact top-k.
+
+    sklearn style: ``__init__`` only stores (and checks) the parameters, :meth:`build` does the work and
+    sets the attributes ending in ``_``.
+
+    Parameters
+    ----------
+    n_clusters : int, optional
+        Number of k-means clusters C (default ``round(sqrt(S))`` clipped to [1, S]).
+    n_probe : int, optional
+        Clusters each query is routed to (default ``min(8, C)``); at most ``n_clusters``.
+    train_sample : int, optional
+        Keys sampled for k-means training (default ``min(S, 64 * C)``); at least ``n_clusters``.
+    n_iter : int, default 5
+        K-means iterations.
+    seed : int, default 0
+        Seed of the training sample and of FAISS's k-means initialisation.
+    center : bool, default True
+        Subtract the mean key before clustering.
+    spherical : bool, default True
+        Spherical k-means (unit-norm centroids, cosine assignment during training).
+    assign : {"ip", "l2"}, default "ip"
+        Key -> cluster rule after training: largest inner product or nearest centroid.
+    route_by : {"mean", "centroid"}, default "mean"
+        The vector each cluster is routed (and bounded) by: the mean of its keys or the k-means centroid.
+    split : float, default 0 (off)
+        When > 0, every cluster holding more than ``split * S / n_clusters`` keys is split by a k-means
+        of its members into ``ceil(size / (S / n_clusters))`` parts (members go to their nearest part);
+        ``n_clusters_`` then exceeds ``n_clusters``.
+    n_threads : int, optional
+        Worker threads (default: Numba's current thread count).
+
+    Attributes
+    ----------
+    keys_ : (S, E) float32 or float64
+        The keys given to :meth:`build` (original order, not centred; not copied).
+    n_clusters_, n_probe_ : int
+        The sizes in force after splitting.
+    mean_ : (E,) array in the keys' dtype
+        The mean key (zeros when ``center=False``).
+    centroids_ : (C, E) array in the keys' dtype
+        The routing vectors in centred coordinates: member means (``route_by="mean"``; the k-means
+        centroid for a cluster without keys) or the k-means centroids.
+    kmeans_centroids_ : (C, E)
+        The centroids that assigned the keys.
+    coarse_centroids_ : (C0, E)
+        The first k-means' centroids (before splitting).
+    parent_ : (C,) int64
+        Coarse cluster each final cluster came from (itself when not split).
+    assignment_ : (S,) int32
+        Cluster of each key.
+    perm_ : (S,) int64
+        Key ids in cluster order: cluster c is ``perm_[cluster_ptr_[c]:cluster_ptr_[c+1]]`` (ascending
+        inside a cluster).
+    cluster_ptr_ : (C + 1,) int64
+    keys_perm_ : (S, E)
+        Centred keys in cluster order.
+    radius_ : (C,) float64
+        Largest distance of a member key to its routing vector (for score bounds).
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> keys = rng.standard_normal((512, 16)).astype(np.float32)
+    >>> index = ClusterIndex(n_clusters=8, n_probe=2).build(keys)
+    >>> ids, scores = index.route(keys[:3])
+    >>> ids.shape, ids.dtype, index.search(keys[:3], 5).nnz_per_row.tolist()
+    ((3, 2), dtype('int32'), [5, 5, 5])
+    """
+
+    def __init__(self, *, n_clusters: int | None = None, n_probe: int | None = None,
+                 train_sample: int | None = None, n_iter: int = 5, seed: int = 0, center: bool = True,
+                 spherical: bool = True, assign: str = "ip", route_by: str = "mean", split: float = 0.0,
+                 n_threads: int | None = None) -> None:
+        if n_clusters is not None and n_probe is not None and n_probe > n_clusters:
+            raise ValueError(f"cluster: n_probe must be <= n_clusters; got n_probe={n_probe} > "
+                             f"n_clusters={n_clusters}. Routing a query to every cluster is n_probe = "
+                             f"n_clusters (exact attention).")
+        if n_clusters is not None and train_sample is not None and train_sample < n_clusters:
+            raise ValueError(f"cluster: train_sample must be >= n_clusters; got train_sample={train_sample} "
+                             f"< n_clusters={n_clusters}. k-means needs at least one training key per "
+                             f"centroid.")
+        if assign not in ASSIGN:
+            raise ValueError(f"cluster: assign must be one of {ASSIGN}; got {assign!r}.")
+        if route_by not in ROUTE_BY:
+            raise ValueError(f"cluster: route_by must be one of {ROUTE_BY}; got {route_by!r}.")
+        self.n_clusters = n_clusters
+        self.n_probe = n_probe
+        self.train_sample = train_sample
+        self.n_iter = n_iter
+        self.seed = seed
+        self.center = center
+        self.spherical = spherical
+        self.assign = assign
+        self.route_by = route_by
+        self.split = split
+        self.n_threads = n_threads
+        self.keys_: np.ndarray | None = None
+
+    def get_params(self) -> dict[str, Any]:
+        """name -> value of every constructor parameter (``ClusterIndex(**index.get_params())`` is equal)."""
+        return {name: getattr(self, name) for name in (
+            "n_clusters", "n_probe", "train_sample", "n_iter", "seed", "center", "spherical", "assign",
+            "route_by", "split", "n_threads")}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
+        return f"ClusterIndex({args})"
+
+    @property
+    def threads_(self) -> int:
+        """Worker threads in use: ``n_threads``, or Numba's current thread count when None."""
+        return int(self.n_threads) if self.n_threads is not None else int(numba.get_num_threads())
+
+    @property
+    def is_built(self) -> bool:
+        return self.keys_ is not None
+
+    def _check_built(self) -> None:
+        if self.keys_ is None:
+            raise RuntimeError("ClusterIndex is not built: call build(keys) first.")
+
+    # ------------------------------------------------------------------------------------------ build
+    def sizes(self, n_keys: int) -> tuple[int, int, int]:
+        """(clusters C, probes p, training keys) for ``n_keys`` keys, defaults resolved and checked."""
+        S = n_keys
+        C = self.n_clusters
+        if C is None:
+            C = int(min(max(round(float(np.sqrt(S))), 1), S))
+        p = self.n_probe
+        if p is None:
+            p = min(8, C)
+        elif p > C:
+            raise ValueError(f"cluster: n_probe={p} exceeds the {C} clusters chosen for S={S} keys; pass "
+                             f"n_probe <= {C} or set n_clusters explicitly.")
+        t = self.train_sample
+        if t is None:
+            t = min(S, 64 * C)
+        elif t < C:
+            raise ValueError(f"cluster: train_sample={t} < n_clusters={C}; k-means needs at least one "
+                             f"training key per centroid.")
+        return C, p, min(t, S)
+
+    def build(self, keys: np.ndarray) -> ClusterIndex:
+        """Cluster the keys and store them in cluster order; returns ``self``.
+
+        Parameters
+        ----------
+        keys : (S, E) float32 or float64 array, S >= 1 (C-contiguous; not copied, kept as ``keys_``)
+        """
+        keys = np.asarray(keys)
+        if keys.ndim != 2 or keys.dtype not in (np.float32, np.float64):
+            raise ValueError(f"keys must be a 2-D float32 or float64 array (S, E); got {keys.dtype} "
+                             f"{keys.shape}.")
+        keys = np.ascontiguousarray(keys)
+        S, E = keys.shape
+        C, p, n_train = self.sizes(S)
+        self.n_clusters_, self.n_probe_ = C, p
+        if self.center:
+            self.mean_ = keys.mean(axis=0, dtype=np.float64).astype(keys.dtype)
+        else:
+            self.mean_ = np.zeros(E, dtype=keys.dtype)
+        centred = keys - self.mean_ if self.center else keys
+        self.centroids_ = self._kmeans(centred, C, n_train).astype(keys.dtype)
+        n = self.threads_
+        with worker_threads(n):
+            assignment = self._assign(centred, n)
+            self.coarse_centroids_ = self.centroids_
+            self.parent_ = np.arange(C, dtype=np.int64)
+            if self.split > 0:
+                assignment = self._split_large(centred, assignment, self.split * S / C, S / C)
+                # n_probe = n_clusters keeps its meaning (every cluster: exact attention).
+                self.n_probe_ = self.centroids_.shape[0] if p == C else p
+                self.n_clusters_ = C = self.centroids_.shape[0]
+            self.assignment_ = assignment
+            self.perm_ = np.argsort(assignment, kind="stable").astype(np.int64)
+            self.cluster_ptr_ = np.zeros(C + 1, dtype=np.int64)
+            np.cumsum(np.bincount(assignment, minlength=C), out=self.cluster_ptr_[1:])
+            kp = np.empty((S, E), dtype=keys.dtype)
+            ck.gather_rows(centred, self.perm_, kp)
+            self.kmeans_centroids_ = self.centroids_
+            if self.route_by == "mean":
+                # member means; the k-means centroid for a cluster without keys (it holds nothing to
+                # attend, so its routing vector only costs a probe)
+                self.centroids_ = ck.cluster_means(kp, self.cluster_ptr_,
+                                                   np.ascontiguousarray(self.centroids_, dtype=kp.dtype))
+            self.radius_ = ck.cluster_radius(kp, self.cluster_ptr_, self.centroids_)
+        self.keys_perm_ = kp
+        self._keys_cast: dict[np.dtype, np.ndarray] = {kp.dtype: kp}
+        self.keys_ = keys
+        return self
+
+    def _kmeans(self, centred: np.ndarray, C: int, n_train: int, seed_offset: int = 0) -> np.ndarray:
+        """(C, E) float32 centroids of a k-means over ``n_train`` sampled rows of ``centred``."""
+        import faiss
+
+        S, E = centred.shape
+        seed = self.seed + seed_offset
+        rng = np.random.default_rng(seed)
+        sample = centred if n_train >= S else centred[np.sort(rng.choice(S, n_train, replace=False))]
+        sample = np.ascontiguousarray(sample, dtype=np.float32)
+        if C == 1:
+            cent = sample.mean(axis=0, keepdims=True)
+            if self.spherical:
+                cent /= max(float(np.linalg.norm(cent)), 1e-30)
+            return cent
+        old = faiss.omp_get_max_threads()
+        # One OpenMP thread, whatever n_threads: with the other core busy, FAISS's k-means took 0.40 s
+        # on 2 threads against 0.023 s on 1 (16k x 64 sample, 128 centroids): its many short parallel
+        # regions spin at barriers.  Set before pinning BLAS: FAISS's OpenBLAS follows the OpenMP setting.
+        faiss.omp_set_num_threads(1)
+        try:
+            with worker_threads(1):
+                km = faiss.Kmeans(E, C, niter=self.n_iter, seed=seed, spherical=self.spherical, verbose=False,
+                                  max_points_per_centroid=1 << 30, min_points_per_centroid=1)
+                km.train(sample)
+        finally:
+            faiss.omp_set_num_threads(old)
+        return np.asarray(km.centroids, dtype=np.float32).reshape(C, E)
+
+    def _assign(self, centred: np.ndarray, n_threads: int) -> np.ndarray:
+        """Cluster of each (centred) key: argmax of k.c ("ip") or nearest centroid ("l2"); (S,) int32."""
+        S = centred.shape[0]
+        bias = None
+        if self.assign == "l2":
+            bias = (-0.5 * (self.centroids_.astype(np.float64) ** 2).sum(axis=1)).astype(centred.dtype)
+        assignment = np.empty(S, dtype=np.int32)
+        cent = self.centroids_.astype(centred.dtype, copy=False)
+
+        def work(a: int, b: int) -> None:
+            sc = centred[a:b] @ cent.T
+            if bias is not None:
+                sc += bias
+            assignment[a:b] = ck.row_argmax_serial(sc)
+
+        self._row_chunks(S, work, n_threads)
+        return assignment
+
+    def _row_chunks(self, n_rows: int, work: Callable[[int, int], None], n_threads: int) -> None:
+        """``work(a, b)`` over row chunks of about 2**24 score elements, on the worker threads.
+
+        Why not one big product: BLAS is pinned to one thread, so the (rows x C) scoring GEMM and its
+        serial argmax / top-p kernel run chunk-parallel on the workers (at S = 262,144, C ~ 900 this
+        halves the 0.27 s of one product); chunks also bound the score buffer.
+        """
+        C = self.centroids_.shape[0]
+        block = max(1, _BLOCK_BUDGET // (4 * C))
+        n_chunks = -(-n_rows // block)
+        per = max(1, -(-n_rows // max(n_chunks, 2 * n_threads)))
+        per = min(per, block)
+        chunks = [(a, min(n_rows, a + per)) for a in range(0, n_rows, per)]
+        run_jobs(lambda t: work(*chunks[t]), range(len(chunks)), n_threads)
+
+    def _split_large(self, centred: np.ndarray, assignment: np.ndarray, cap: float, target: float
+                     ) -> np.ndarray:
+        """Split every cluster of more than ``cap`` keys into ``ceil(size / target)`` parts.
+
+        Why: inner-product assignment favours centroids of large norm (the hull of the centroid set),
+        so a few clusters collect many keys (at S = 65,536 on clustered keys the largest held 9x the
+        mean), and a query's attention cost is the size of its routed clusters.  A member k-means
+        (Euclidean) splits such a cluster into compact parts; members go to their nearest part (a
+        global inner-product re-assignment would pull them back into one part).  Returns the new
+        assignment; ``centroids_`` gains the parts' centroids (replacing the split cluster's).
+        """
+        sizes = np.bincount(assignment, minlength=self.centroids_.shape[0])
+        big = np.flatnonzero(sizes > cap)
+        if big.size == 0:
+            return assignment
+        keep = np.setdiff1d(np.arange(sizes.size), big)
+        new_id = np.full(sizes.size, -1, dtype=np.int64)
+        new_id[keep] = np.arange(keep.size)
+        out = new_id[assignment].astype(np.int32)
+        cents, parents = [self.centroids_[keep]], [keep]
+        nxt = keep.size
+        # One stable sort gives every cluster's member rows (ascending), instead of an O(S) scan per
+        # split cluster (hundreds of them at S = 262,144).
+        order = np.argsort(assignment, kind="stable")
+        starts = np.concatenate(([0], np.cumsum(sizes)))
+        for c in big:
+            rows = order[starts[c]:starts[c + 1]]
+            members = centred[rows]
+            parts = int(min(np.ceil(sizes[c] / target), rows.size))
+            sub = self._kmeans(members, parts, min(rows.size, 64 * parts), seed_offset=1 + int(c))
+            sub = sub.astype(centred.dtype)
+            half_sq = 0.5 * (sub.astype(np.float64) ** 2).sum(axis=1)
+            out[rows] = nxt + ck.row_argmax(members @ sub.T - half_sq.astype(centred.dtype))  # nearest part
+            cents.append(sub)
+            parents.append(np.full(parts, c, dtype=np.int64))
+            nxt += parts
+        self.centroids_ = np.ascontiguousarray(np.concatenate(cents))
+        self.parent_ = np.concatenate(parents)
+        return out
+
+    # ---------------------------------------------------------------------------------------- helpers
+    def keys_as(self, dtype: np.dtype) -> np.ndarray:
+        """The centred keys in cluster order, (S, E) in ``dtype`` (cast once, then cached)."""
+        dtype = np.dtype(dtype)
+        kp = self._keys_cast.get(dtype)
+        if kp is None:
+            kp = self._keys_cast[dtype] = self.keys_perm_.astype(dtype)
+        return kp
+
+    def prefix_budget(self) -> int:
+        """Visible keys up to which a causal query is served exactly instead of routed:
+        ``ceil(n_probe_ * S / n_clusters_)``, the routed keys of an average query."""
+        self._check_built()
+        return int(np.ceil(self.n_probe_ * self.keys_.shape[0] / self.n_clusters_))
+
+    def prefix_rows(self, qpos: np.ndarray, kpos: np.ndarray, kpos_ascending: np.ndarray | None = None
+                    ) -> np.ndarray:
+        """Rows that see between 1 and :meth:`prefix_budget` keys: (n,) int64, ascending.
+
+        qpos (L,) / kpos (S,) int64 positions; ``kpos_ascending``: ``np.sort(kpos)`` when already known.
+        """
+        visible = np.searchsorted(np.sort(kpos) if kpos_ascending is None else kpos_ascending, qpos,
+                                  side="right")
+        return np.flatnonzero((visible > 0) & (visible <= self.prefix_budget()))
+
+    def _queries(self, queries: np.ndarray, check_finite: bool, dtype: np.dtype | None = None) -> np.ndarray:
+        self._check_built()
+        q = as_float_array(queries, "queries", min_ndim=2, check_finite=check_finite)
+        if q.ndim != 2:
+            raise ValueError(f"queries must be 2-D (L, E); got shape {q.shape}.")
+        if q.shape[1] != self.keys_.shape[1]:
+            raise ValueError(f"queries have E={q.shape[1]} features but the keys have {self.keys_.shape[1]}.")
+        return np.ascontiguousarray(q, dtype=self.keys_.dtype if dtype is None else dtype)
+
+    # ---------------------------------------------------------------------------------------- routing
+    def _route_rows(self, q: np.ndarray, n_threads: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids (L, p) int32 best first, scores q.c (L, p) in q's dtype); q (L, E) float32/float64
+        C-contiguous, validated.  Call inside :func:`~sparseattn.threads.worker_threads`."""
+        L = q.shape[0]
+        p = self.n_probe_
+        route = np.empty((L, p), dtype=np.int32)
+        scores = np.empty((L, p), dtype=q.dtype)
+        cent = self.centroids_.astype(q.dtype, copy=False)
+
+        def work(a: int, b: int) -> None:
+            route[a:b], scores[a:b] = ck.row_top_p_serial(q[a:b] @ cent.T, p)
+
+        self._row_chunks(L, work, n_threads)
+        return route, scores
+
+    def route(self, queries: np.ndarray, *, check_finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """The ``n_probe_`` clusters of largest ``q.c`` for each query.
+
+        Parameters
+        ----------
+        queries : float array, shape (L, E); computed in the keys' dtype.
+
+        Returns
+        -------
+        ids : (L, n_probe_) int32, best first (lower cluster id first on ties)
+        scores : (L, n_probe_) in the keys' dtype, ``q . centroids_[ids]`` (centred coordinates)
+        """
+        q = self._queries(queries, check_finite)
+        n = self.threads_
+        with worker_threads(n):
+            return self._route_rows(q, n)
+
+    # ------------------------------------------------------------------------------------ key sets
+    def routed_keys(self, route: np.ndarray, is_causal: bool, qpos: np.ndarray, kpos: np.ndarray
+                    ) -> SparsePattern:
+        """Every key of each query's routed clusters as an (L, S) pattern (causal: ``kpos <= qpos``).
+
+        route (L, p) int32 from :meth:`route`; qpos (L,), kpos (S,) int64.
+        """
+        indptr, indices = ck.routed_pattern(route, self.cluster_ptr_, self.perm_, bool(is_causal),
+                                            np.ascontiguousarray(qpos, dtype=np.int64),
+                                            np.ascontiguousarray(kpos, dtype=np.int64))
+        return SparsePattern(indptr, indices, self.keys_.shape[0], validate=False)
+
+    def search(self, queries: np.ndarray, k: int, *, is_causal: bool = False, query_positions: object = None,
+               key_positions: object = None, check_finite: bool = True) -> SparsePattern:
+        """Exact top-k by inner product among the keys of each query's routed clusters.
+
+        Like FAISS's ``search`` over the routed clusters, but the result is CSR (ids ascending per row),
+        since a row may hold fewer than k keys (small routed set, causal masking).
+
+        Parameters
+        ----------
+        queries : float array, shape (L, E); computed in the keys' dtype.
+        k : int >= 1
+        is_causal : bool
+            Only keys with ``key_positions[j] <= query_positions[i]`` are candidates.
+        query_positions, key_positions : int arrays (L,) and (S,), optional (default ``arange``)
+
+        Returns
+        -------
+        SparsePattern of shape (L, S), ``min(k, candidates)`` keys per row.
+        """
+        q = self._queries(queries, check_finite)
+        S = self.keys_.shape[0]
+        qpos = positions(query_positions, q.shape[0], "query_positions")
+        kpos = positions(key_positions, S, "key_positions")
+        n = self.threads_
+        with worker_threads(n):
+            route = self._route_rows(q, n)[0]
+            return self._search(q, route, min(int(k), S), bool(is_causal), qpos, kpos, n)
+
+    def _search(self, q: np.ndarray, route: np.ndarray, k: int, is_causal: bool, qpos: np.ndarray,
+                kpos: np.ndarray, n_threads: int) -> SparsePattern:
+        """The body of :meth:`search` on validated inputs (inside ``worker_threads``)."""
+        L, E = q.shape
+        p = self.n_probe_
+        Kp = self.keys_as(q.dtype)  # centred keys: same ranking as the raw keys per query
+        kptr = self.cluster_ptr_
+        kpos_p = kpos[self.perm_] if is_causal else None
+        block = max(1, _BLOCK_BUDGET // (p * (E + 2 * k)))
+        ptrs, idxs = [np.zeros(1, dtype=np.int64)], []
+        offset = 0
+        for q0 in range(0, L, block):
+            q1 = min(L, q0 + block)
+            qptr, src, slot = ck.group_pairs(route[q0:q1], self.n_clusters_)
+            rows = src // p + q0
+            n_pairs = rows.shape[0]
+            Qs = np.empty((n_pairs, E), dtype=q.dtype)
+            ck.gather_rows(q, rows, Qs)
+            cand_s = np.empty((n_pairs, k), dtype=q.dtype)
+            cand_i = np.full((n_pairs, k), -1, dtype=np.int32)  # pairs of empty clusters stay -1
+            qpos_s = qpos[rows] if is_causal else None
+
+            def work(c: int, Qs=Qs, cand_s=cand_s, cand_i=cand_i, qptr=qptr, qpos_s=qpos_s) -> None:
+                ka, kb = int(kptr[c]), int(kptr[c + 1])
+                Kc = Kp[ka:kb]
+                ids = self.perm_[ka:kb]
+                tile = max(_MIN_ROWS, _TILE // (kb - ka))
+                for a in range(int(qptr[c]), int(qptr[c + 1]), tile):
+                    b = min(int(qptr[c + 1]), a + tile)
+                    sc = Qs[a:b] @ Kc.T
+                    if is_causal:
+                        ck.causal_mask_block(sc, qpos_s[a:b], kpos_p[ka:kb])
+                    topk_core.rows_topk(sc, k, ids, cand_s[a:b], cand_i[a:b])
+
+            run_jobs(work, cluster_jobs(qptr, kptr), n_threads)
+            indptr, indices = topk_core.merge_topk(cand_s, cand_i, slot, p, k)
+            ptrs.append(indptr[1:] + offset)
+            idxs.append(indices)
+            offset += int(indptr[-1])
+        indices = np.concatenate(idxs) if idxs else np.zeros(0, dtype=np.int32)
+        return SparsePattern(np.concatenate(ptrs), indices, self.keys_.shape[0], validate=False)

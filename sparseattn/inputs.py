@@ -1,0 +1,163 @@
+"""Input handling shared by every public entry point: arrays, positions, dtypes, scale, broadcasting.
+
+Every user-facing function validates once, at the boundary, so the Numba kernels only ever see
+C-contiguous float arrays with consistent shapes.  Errors name the argument, say what was expected and
+what was received, and give a hint.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+_FLOAT_DTYPES = (np.float16, np.float32, np.float64)
+
+
+def as_float_array(x: object, name: str, *, min_ndim: int = 2, check_finite: bool = True) -> np.ndarray:
+    """Return ``x`` as a float16/32/64 ndarray, validating dtype, rank and finiteness.
+
+    Integer, boolean, complex and object inputs are rejected (a silent cast hides bugs such as passing
+    token ids instead of embeddings).
+    """
+    arr = np.asarray(x)
+    if arr.dtype.kind == "c":
+        raise TypeError(f"{name} must be a real floating array; got complex dtype {arr.dtype}. "
+                        f"Pass {name}.real or a float array.")
+    if arr.dtype.kind != "f" or arr.dtype.type not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must have dtype float16, float32 or float64; got {arr.dtype}. "
+                        f"Convert with {name}.astype(np.float32).")
+    if arr.ndim < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimensions (..., length, features); "
+                         f"got shape {arr.shape}.")
+    if check_finite and arr.size and not np.isfinite(arr).all():
+        bad = np.argwhere(~np.isfinite(arr))[0]
+        raise ValueError(f"{name} contains NaN or Inf (first at index {tuple(int(i) for i in bad)}). "
+                         f"Clean the input, or pass check_finite=False to skip this check.")
+    return arr
+
+
+def result_dtype(*arrays: np.ndarray) -> np.dtype:
+    """Computation dtype: float64 if any input is float64, else float32 (float16 is upcast)."""
+    if any(a.dtype == np.float64 for a in arrays):
+        return np.dtype(np.float64)
+    return np.dtype(np.float32)
+
+
+def check_positive_int(value: object, name: str, *, minimum: int = 1) -> int:
+    """Validate an integer parameter (bools rejected) and return it as ``int``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer >= {minimum}; got {value!r} ({type(value).__name__}).")
+    if int(value) < minimum:
+        raise ValueError(f"{name} must be >= {minimum}; got {int(value)}.")
+    return int(value)
+
+
+def check_scale(scale: object, head_dim: int) -> float:
+    """Resolve the score scale: ``None`` means ``1/sqrt(head_dim)``; otherwise a finite real number."""
+    if scale is None:
+        return 1.0 / float(np.sqrt(head_dim)) if head_dim > 0 else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None; got {scale!r} ({type(scale).__name__}).")
+    s = float(scale)
+    if not np.isfinite(s):
+        raise ValueError(f"scale must be finite; got {scale!r}.")
+    return s
+
+
+def overflow_message(dtype: np.dtype, scale: float) -> str:
+    """Error text for attention scores that overflow the computation dtype (finite inputs, +inf score)."""
+    return (f"attention scores overflow {np.dtype(dtype).name} (some q.k * scale = +inf with scale={scale:g}); "
+            f"pass float64 inputs or a smaller scale.")
+
+
+def check_lse(lse: np.ndarray, dtype: np.dtype, scale: float, *, nan_is_overflow: bool = True) -> None:
+    """Apply the library's empty-row and overflow policy to a computed log-sum-exp.
+
+    Policy, shared by the dense reference, the sparse kernel and selectors that attend by themselves:
+
+    * a row with no key (or only ``-inf`` scores) is legal: zeros and ``lse = -inf``, never an error;
+    * a row whose scores overflowed the computation dtype (finite inputs, some ``q . k * scale`` is
+      ``+inf``) is reported by the kernels as ``lse = +inf``, or ``NaN`` when the overflow produced
+      ``inf - inf`` inside a dot product; this function turns either into
+      ``ValueError(overflow_message(dtype, scale))``.
+
+    Parameters
+    ----------
+    lse : float array, any shape
+        Log-sum-exp per row, as returned by a kernel.
+    dtype : numpy dtype
+        The computation dtype (named in the error).
+    scale : float
+        The score scale in force (named in the error).
+    nan_is_overflow : bool
+        Treat NaN as overflow (default).  Pass False when the inputs were not checked for finiteness
+        (``check_finite=False``): a NaN there may come from a NaN input, which is not an overflow.
+
+    Raises
+    ------
+    ValueError
+        If ``lse`` holds ``+inf`` (or NaN when ``nan_is_overflow``).
+    """
+    arr = np.asarray(lse)
+    if not arr.size:
+        return
+    if np.isposinf(arr).any() or (nan_is_overflow and np.isnan(arr).any()):
+        raise ValueError(overflow_message(dtype, scale))
+
+
+def positions(arr: object, length: int, name: str) -> np.ndarray:
+    """Validate a 1-D integer position vector of the given length (None -> ``arange(length)``); int64."""
+    if arr is None:
+        return np.arange(length, dtype=np.int64)
+    pos = np.asarray(arr)
+    if pos.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array; got dtype {pos.dtype}.")
+    if pos.shape != (length,):
+        raise ValueError(f"{name} must have shape ({length},); got {pos.shape}.")
+    return np.ascontiguousarray(pos, dtype=np.int64)
+
+# ---------------------------------------------------------------------------- leading-dim broadcasting
+# Attention inputs share leading (batch, head) dimensions that broadcast like numpy's.  Rather than
+# materialising broadcast copies (K shared by 12 heads would be copied 12 times), we compute, for every
+# flattened group g, which slice of each operand it reads.  Grouped-query attention (fewer K/V heads than
+# query heads) is the same idea: query head h reads K/V head ``h // (Hq // Hkv)``.
+
+
+def group_maps(q_lead: tuple[int, ...], kv_lead: tuple[int, ...], *, enable_gqa: bool = False,
+               kv_name: str = "key") -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
+    """Broadcast leading shapes; return (lead, q_map, kv_map) with flat source indices per group.
+
+    ``q_map[g]`` indexes ``query.reshape(-1, L, E)`` and ``kv_map[g]`` indexes ``key.reshape(-1, S, E)``
+    for the g-th group of the broadcast leading shape ``lead`` (C order).
+    """
+    kv_eff = kv_lead
+    rep = 1
+    if enable_gqa:
+        if len(q_lead) < 1 or len(kv_lead) < 1:
+            raise ValueError("enable_gqa needs a heads dimension at position -3 in query and key/value.")
+        hq, hk = q_lead[-1], kv_lead[-1]
+        if hk == 0 or hq % hk != 0:
+            raise ValueError(f"enable_gqa: query heads ({hq}) must be a multiple of {kv_name} heads ({hk}).")
+        rep = hq // hk
+        kv_eff = kv_lead[:-1] + (hq,)
+    try:
+        lead = np.broadcast_shapes(q_lead, kv_eff)
+    except ValueError:
+        raise ValueError(f"leading dimensions of query {q_lead} and {kv_name} {kv_lead} do not broadcast"
+                         + ("" if enable_gqa else "; for fewer K/V heads than query heads pass enable_gqa=True")
+                         + ".") from None
+    n = int(np.prod(lead, dtype=np.int64))
+    q_ids = np.arange(int(np.prod(q_lead, dtype=np.int64))).reshape(q_lead) if q_lead else np.zeros((), np.int64)
+    q_map = np.broadcast_to(q_ids, lead).reshape(n).astype(np.int64)
+    kv_ids = np.arange(int(np.prod(kv_lead, dtype=np.int64))).reshape(kv_lead) if kv_lead else np.zeros((), np.int64)
+    if rep > 1:
+        kv_ids = np.repeat(kv_ids, rep, axis=-1)
+    kv_map = np.broadcast_to(kv_ids, lead).reshape(n).astype(np.int64)
+    return tuple(lead), q_map, kv_map
+
+
+def flat3(x: np.ndarray) -> np.ndarray:
+    """View (or copy if unavoidable) of x as (prod(lead), n, f)."""
+    # Explicit group count: reshape(-1, ...) is ambiguous when L or S is 0.
+    return x.reshape((int(np.prod(x.shape[:-2], dtype=np.int64)),) + x.shape[-2:])

@@ -1,0 +1,85 @@
+"""ClusterIndex on its own: parameters, built attributes (shapes, dtypes, invariants), routing and search."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparseattn.index import ClusterIndex
+
+
+@pytest.fixture
+def keys() -> np.ndarray:
+    rng = np.random.default_rng(11)
+    cent = rng.standard_normal((12, 8)) * 2
+    return (cent[rng.integers(0, 12, 600)] + 0.3 * rng.standard_normal((600, 8))).astype(np.float32)
+
+
+def test_params_round_trip_and_unbuilt_state():
+    index = ClusterIndex(n_clusters=6, n_probe=2, split=1.5, assign="l2")
+    params = index.get_params()
+    assert params["n_clusters"] == 6 and params["split"] == 1.5 and params["assign"] == "l2"
+    assert ClusterIndex(**params).get_params() == params
+    assert "n_probe=2" in repr(index)
+    assert not index.is_built
+    with pytest.raises(RuntimeError, match="not built"):
+        index.route(np.zeros((1, 8), np.float32))
+
+
+def test_parameter_errors():
+    with pytest.raises(ValueError, match=r"n_probe must be <= n_clusters; got n_probe=5 > n_clusters=4"):
+        ClusterIndex(n_clusters=4, n_probe=5)
+    with pytest.raises(ValueError, match="train_sample must be >= n_clusters"):
+        ClusterIndex(n_clusters=4, train_sample=3)
+    with pytest.raises(ValueError, match="assign must be one of"):
+        ClusterIndex(assign="cos")
+    with pytest.raises(ValueError, match="route_by must be one of"):
+        ClusterIndex(route_by="max")
+    with pytest.raises(ValueError, match="keys must be a 2-D float32 or float64 array"):
+        ClusterIndex().build(np.zeros((4, 3), dtype=np.int64))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_built_attributes(keys, dtype):
+    k = keys.astype(dtype)
+    index = ClusterIndex(n_clusters=10, n_probe=3).build(k)
+    S, E = k.shape
+    C = index.n_clusters_
+    assert index.keys_ is k or np.shares_memory(index.keys_, k)
+    assert index.centroids_.shape == (C, E) and index.centroids_.dtype == dtype
+    assert index.mean_.shape == (E,) and index.mean_.dtype == dtype
+    assert index.assignment_.shape == (S,) and index.assignment_.dtype == np.int32
+    assert index.perm_.dtype == np.int64 and np.array_equal(np.sort(index.perm_), np.arange(S))
+    assert index.cluster_ptr_.shape == (C + 1,) and index.cluster_ptr_[-1] == S
+    for c in range(C):
+        members = index.perm_[index.cluster_ptr_[c]:index.cluster_ptr_[c + 1]]
+        assert np.all(index.assignment_[members] == c) and np.all(np.diff(members) > 0)
+    kc = k.astype(np.float64) - index.mean_
+    np.testing.assert_allclose(index.keys_perm_, kc[index.perm_], atol=1e-5)
+    dist = np.linalg.norm(kc - index.centroids_[index.assignment_].astype(np.float64), axis=1)
+    radius = np.zeros(C)
+    np.maximum.at(radius, index.assignment_, dist)
+    assert index.radius_.dtype == np.float64
+    np.testing.assert_allclose(index.radius_, radius, rtol=1e-5, atol=1e-5)
+    assert index.keys_as(np.float64).dtype == np.float64
+    assert index.prefix_budget() == int(np.ceil(3 * S / C))
+
+
+def test_route_and_search(keys):
+    rng = np.random.default_rng(2)
+    q = keys[rng.integers(0, 600, 40)] + 0.1 * rng.standard_normal((40, 8)).astype(np.float32)
+    index = ClusterIndex(n_clusters=10, n_probe=3).build(keys)
+    ids, scores = index.route(q)
+    assert ids.shape == (40, 3) and ids.dtype == np.int32 and scores.dtype == np.float32
+    s = q.astype(np.float64) @ index.centroids_.T.astype(np.float64)
+    np.testing.assert_allclose(scores, np.take_along_axis(s, ids.astype(np.int64), axis=1), rtol=1e-5, atol=1e-5)
+    assert np.all(np.diff(scores, axis=1) <= 0)  # best first
+    # n_probe = n_clusters: search is the exact top-k over every key
+    full = ClusterIndex(n_clusters=10, n_probe=10).build(keys)
+    got = full.search(q, 7)
+    exact = np.argsort(-(q.astype(np.float64) @ keys.T.astype(np.float64)), axis=1)[:, :7]
+    assert np.mean([len(np.intersect1d(got.row(i), exact[i])) / 7 for i in range(40)]) > 0.99
+    # causal: only keys at or before the query's position
+    pat = full.search(q, 7, is_causal=True, query_positions=np.arange(40) * 10)
+    for i in range(40):
+        assert np.all(pat.row(i) <= 10 * i)
