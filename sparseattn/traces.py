@@ -418,14 +418,11 @@ def _reference_context(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.nda
 
     q, k, v: (B, H, T, D); mask: (B, T) of 0/1.  Returns (B, T, H*D).
     """
+    from .attention.dense import scaled_dot_product_attention
+
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
     d = q.shape[-1]
-    s = np.einsum("bhid,bhjd->bhij", q64, k64) / np.sqrt(d)
-    s = s + np.where(mask[:, None, None, :] > 0, 0.0, -np.inf)
-    s -= s.max(axis=-1, keepdims=True)
-    p = np.exp(s)
-    p /= p.sum(axis=-1, keepdims=True)
-    o = np.einsum("bhij,bhjd->bhid", p, v64)
+    o = scaled_dot_product_attention(q64, k64, v64, mask[:, None, None, :] > 0)  # True = may attend
     b, h, t, _ = o.shape
     return o.transpose(0, 2, 1, 3).reshape(b, t, h * d)
 

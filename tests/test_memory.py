@@ -61,7 +61,7 @@ def test_dense_attention_peak_is_a_few_tiles_not_l_by_s(qkv16k, is_causal):
     assert peak < 64 * MiB, peak / MiB  # observed 6.3 MiB (both causal and not)
     assert peak < full_scores / 16
     # Beyond the output (2 MiB) only per-worker tiles: q_block x k_block floats (1 MiB) a few times each.
-    tile = sa.dense.DEFAULT_Q_BLOCK * sa.dense.DEFAULT_K_BLOCK * 4
+    tile = sa.attention.dense.DEFAULT_Q_BLOCK * sa.attention.dense.DEFAULT_K_BLOCK * 4
     workers = max(1, sa.get_num_threads())
     assert peak - out.nbytes < 4 * tile * workers + 2 * MiB, peak / MiB
 

@@ -49,6 +49,7 @@ NON_DEFAULT: dict[str, dict[str, object]] = {
     "kdtree": {"eps": 0.5, "leafsize": 4, "pca_dim": 2, "candidates": 9, "center": False, "workers": 2},
     "lsh": {"family": "simhash", "n_bits": 6, "hashes_per_table": 1, "n_tables": 4, "n_probes": 1,
             "n_candidates": 16, "seed": 5, "center": False},
+    "pages": {"page_size": 8, "pages": 3, "block": 17},
     "random": {"n_random": 3, "seed": 7},
     "sinks": {"positions": "0;3"},
     "topk": {"block": 7},

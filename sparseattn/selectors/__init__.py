@@ -8,7 +8,7 @@
 Every selector module is imported here explicitly, which registers its selectors.
 """
 
-from . import angular_lsh, cluster, exact, faiss_ann, kdtree, lsh, union, window  # noqa: F401  (registration)
+from . import angular_lsh, cluster, exact, faiss_ann, kdtree, lsh, pages, union, window  # noqa: F401  (registration)
 from .base import IndexSelector, Selector, fill_small_rows
 from .params import Param, coerce_param
 from .registry import (

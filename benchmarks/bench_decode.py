@@ -1,0 +1,382 @@
+"""Decode-step benchmark of sparseattn.KVCache: per-step latency, append cost, index memory and accuracy.
+
+Run:  python benchmarks/bench_decode.py [--lengths 16384,65536,131072,262144,1048576] [--steps 64]
+                                        [--kinds clustered,gaussian] [--no-gqa] [--no-storage] [--no-real]
+
+Setup: H = 8 heads, E = 64, float32 unless stated.  For each key kind and cache length n, every kv head's
+keys come from ``sparseattn.data.synthetic("synthetic:n=<n + steps>,d=64,kind=<kind>,seed=<head>")``
+(``gaussian`` uses ``norm_profile=minilm``: Gaussian directions with the norms of a real MiniLM head), so
+keys are appended in order; the first n are one prefill ``append`` (timed: the amortised append cost
+includes the k-means of every segment), then each of ``--steps`` decode steps appends one token for every
+head and attends one query per head (the generator's queries).
+
+Per step, side by side in one loop (so machine load hits all alike; ratios are of medians):
+
+* each selector's ``attend`` (cluster, pages, window, exact top-64) on its cache;
+* our dense step (``attend(selector="dense")``: every key, the same Numba kernel);
+* torch's ``scaled_dot_product_attention`` on a ``(1, H, 1, E)`` query over the cache's keys/values
+  (``torch.set_num_threads`` = the machine's cores; the tensors share the cache's memory, no copy);
+* accuracy against exact attention over the whole cache (float32 scores, float64 softmax): output
+  relative error ``||o - o*|| / ||o*||``, softmax mass of the keys read (``exp(lse - lse*)``) and recall@64
+  (the share of the exact top-64 keys the step read).
+
+Extra cases: GQA (32 query heads over 8 kv heads) at 131,072; float16 / bfloat16 storage at 131,072; the
+streaming memory cap (``max_keys`` = n / 4) at 131,072; the real MiniLM store trace (``store65k``, 2 heads,
+E = 32) when ``~/.cache/sparseattn/traces/manifest.json`` exists.
+
+Writes benchmarks/results/decode.json, decode.md and decode_latency.png (log-log p50 latency vs n).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+TRACE_DIR = Path.home() / ".cache" / "sparseattn" / "traces"
+
+
+def log(*a: object) -> None:
+    print(time.strftime("%H:%M:%S"), *a, flush=True)
+
+
+def make_data(kind: str, n_total: int, hkv: int, rep: int, steps: int, e: int = 64):
+    """K (hkv, n_total, e), V, Q (hkv * rep, steps, e): per kv head one generator call."""
+    import sparseattn as sa
+
+    K = np.empty((hkv, n_total, e), np.float32)
+    V = np.empty((hkv, n_total, e), np.float32)
+    Q = np.empty((hkv * rep, steps, e), np.float32)
+    extra = ",norm_profile=minilm" if kind == "gaussian" else ""
+    for g in range(hkv):
+        q, k, v = sa.data.synthetic(f"synthetic:n={n_total},d={e},kind={kind},seed={g},"
+                                    f"n_queries={steps * rep}{extra}")
+        K[g], V[g] = k, v
+        Q[g * rep:(g + 1) * rep] = q.reshape(rep, steps, e)
+        del q, k, v
+    return K, V, Q
+
+
+def exact_step(cache, q: np.ndarray):
+    """Exact attention of (H, E) queries over every key of ``cache``: out (H, Ev), lse (H,), top-64 positions."""
+    H = q.shape[0]
+    rep = H // cache.num_kv_heads
+    n = cache._slots
+    out = np.empty((H, cache.value_dim))
+    lse = np.empty(H)
+    top = []
+    keep = None
+    if cache.max_keys is not None:
+        p = cache._pos[:, :n]
+        keep = (p < cache.sinks) | (p >= cache._lo_pos())
+    for h in range(H):
+        g = h // rep
+        Kg = cache._decode(cache._K[g, :n]) if cache.storage != "float32" else cache._K[g, :n]
+        Vg = cache._decode(cache._V[g, :n]) if cache.storage != "float32" else cache._V[g, :n]
+        s = (Kg @ q[h]).astype(np.float64) * cache.scale
+        if keep is not None:
+            s[~keep[g]] = -np.inf
+        m = s.max()
+        w = np.exp(s - m)
+        tot = w.sum()
+        out[h] = (w.astype(np.float32) @ Vg).astype(np.float64) / tot
+        lse[h] = m + np.log(tot)
+        t64 = np.argpartition(-s, 64)[:64] if s.size > 64 else np.arange(s.size)
+        top.append(cache._pos[g, t64].astype(np.int64))
+    return out, lse, top
+
+
+def torch_step(torch, kt, vt, q: np.ndarray, gqa: bool):
+    qt = torch.from_numpy(q)[None, :, None, :]
+    with torch.no_grad():
+        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=gqa)
+
+
+def summarize(ts: list[float]) -> dict:
+    a = np.asarray(ts) * 1e3
+    return {"p50_ms": float(np.median(a)), "p99_ms": float(np.percentile(a, 99)), "mean_ms": float(a.mean()),
+            "steps": int(a.size)}
+
+
+def run_phase(case: str, n: int, K, V, Q, steps: int, specs: list[tuple[str, dict, dict]], *,
+              with_torch: bool, with_dense: bool, ref_label: str | None = None) -> dict:
+    """Prefill each cache, then run ``steps`` decode steps side by side.
+
+    specs: (label, KVCache kwargs, attend kwargs); labels sharing kwargs share one cache (same key).
+    """
+    import torch
+
+    from sparseattn.cache import KVCache
+    from sparseattn.threads import single_threaded_blas
+
+    H = Q.shape[0]
+    hkv = K.shape[0]
+    E = K.shape[2]
+    caches: dict[str, KVCache] = {}
+    prefill: dict[str, dict] = {}
+    for label, ckw, _ in specs:
+        key = json.dumps(ckw, sort_keys=True, default=str)
+        if key in caches:
+            continue
+        c = KVCache(H, E, num_kv_heads=hkv, **ckw)
+        t0 = time.perf_counter()
+        c.append(K[:, :n], V[:, :n])
+        dt = time.perf_counter() - t0
+        caches[key] = c
+        st = c.stats
+        prefill[label] = {"append_s": dt, "append_us_per_token": 1e6 * dt / n,
+                          "cluster_s": st["cluster_seconds"], "segments": st["segments"],
+                          "kv_bytes": st["kv_nbytes"], "index_bytes": st["index_nbytes"],
+                          "index_over_kv": st["index_nbytes"] / st["kv_nbytes"]}
+        log(f"  {case} n={n} prefill {label}: {dt:.1f} s ({1e6 * dt / n:.1f} us/token, clustering "
+            f"{st['cluster_seconds']:.1f} s, {st['segments']} segments), index/KV = "
+            f"{st['index_nbytes'] / st['kv_nbytes']:.3%}")
+    cache_of = {label: caches[json.dumps(ckw, sort_keys=True, default=str)] for label, ckw, _ in specs}
+    main = cache_of[ref_label or specs[0][0]]
+    labels = [s[0] for s in specs]
+    times: dict[str, list[float]] = {lab: [] for lab in labels}
+    acc: dict[str, dict[str, list[float]]] = {lab: {"rel_err": [], "mass": [], "recall64": [], "read": []}
+                                              for lab in labels}
+    if with_dense:
+        times["dense (ours)"] = []
+    if with_torch:
+        times["torch sdpa"] = []
+    append_ts: list[float] = []
+    # warm-up (JIT, caches)
+    for label, _, akw in specs:
+        cache_of[label].attend(Q[:, :1], **akw)
+    for s in range(steps):
+        t0 = time.perf_counter()
+        for c in caches.values():
+            c.append(K[:, n + s:n + s + 1], V[:, n + s:n + s + 1])
+        append_ts.append((time.perf_counter() - t0) / len(caches))
+        q = np.ascontiguousarray(Q[:, s])
+        # timed calls first, back to back; the accuracy reference (BLAS) runs after them
+        outs = {}
+        for label, _, akw in specs:
+            c = cache_of[label]
+            t0 = time.perf_counter()
+            outs[label] = c.attend(q[:, None], return_lse=True, **akw)
+            times[label].append(time.perf_counter() - t0)
+            outs[label] += (c.stats["keys_read_per_query"],)
+        if with_dense:
+            t0 = time.perf_counter()
+            main.attend(q[:, None], selector="dense")
+            times["dense (ours)"].append(time.perf_counter() - t0)
+        if with_torch:
+            kt = torch.from_numpy(main._K[:, :main._slots])[None]
+            vt = torch.from_numpy(main._V[:, :main._slots])[None]
+            t0 = time.perf_counter()
+            torch_step(torch, kt, vt, q, H != hkv)
+            times["torch sdpa"].append(time.perf_counter() - t0)
+        with single_threaded_blas():
+            ref_out, ref_lse, ref_top = exact_step(main, q)
+        for label, _, akw in specs:
+            c = cache_of[label]
+            out, lse, read = outs[label]
+            out, lse = out[:, 0].astype(np.float64), lse[:, 0].astype(np.float64)
+            a = acc[label]
+            a["rel_err"].append(float(np.mean(np.linalg.norm(out - ref_out, axis=1)
+                                              / np.linalg.norm(ref_out, axis=1))))
+            a["mass"].append(float(np.mean(np.exp(np.minimum(lse - ref_lse, 0.0)))))
+            a["read"].append(read)
+            rec = []
+            for h in range(H):
+                sel = c.selected_slots(q[h], h, **akw)
+                g = h // (H // hkv)
+                rec.append(np.isin(ref_top[h], c._pos[g, sel]).mean())
+            a["recall64"].append(float(np.mean(rec)))
+    res = {"case": case, "n": n, "heads": H, "kv_heads": hkv, "dim": E, "steps": steps, "selectors": {}}
+    for label in times:
+        r = summarize(times[label])
+        r["step_ms"] = [round(1e3 * x, 4) for x in times[label]]
+        if label in acc:
+            a = acc[label]
+            r.update(rel_err=float(np.mean(a["rel_err"])), rel_err_p99=float(np.percentile(a["rel_err"], 99)),
+                     mass=float(np.mean(a["mass"])), recall64=float(np.mean(a["recall64"])),
+                     keys_read=float(np.mean(a["read"])), read_fraction=float(np.mean(a["read"])) / (n + steps))
+            r.update(prefill.get(label, {}))
+        res["selectors"][label] = r
+    res["decode_append_us_per_token"] = 1e6 * float(np.median(append_ts))
+    base = res["selectors"]
+    for r in base.values():
+        if "torch sdpa" in base:
+            r["speedup_vs_torch"] = base["torch sdpa"]["p50_ms"] / r["p50_ms"]
+        if "dense (ours)" in base:
+            r["speedup_vs_dense"] = base["dense (ours)"]["p50_ms"] / r["p50_ms"]
+    for label, r in base.items():
+        extra = (f" err {r['rel_err']:.2e} mass {r['mass']:.4f} recall {r['recall64']:.3f} read "
+                 f"{r['keys_read']:.0f}") if "rel_err" in r else ""
+        log(f"  {case} n={n} {label:>14}: p50 {r['p50_ms']:.3f} ms p99 {r['p99_ms']:.3f} ms"
+            f" x{r.get('speedup_vs_torch', float('nan')):.1f} vs torch{extra}")
+    del caches, cache_of, main
+    gc.collect()
+    return res
+
+
+SPARSE = [
+    ("cluster", {"selector": "cluster"}, {}),
+    ("topk-64", {"selector": "cluster"}, {"selector": "topk", "k": 64}),
+    ("window", {"selector": "cluster"}, {"selector": "window"}),
+]
+PAGES = [("pages", {"selector": "pages"}, {})]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", default="16384,65536,131072,262144,1048576")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--kinds", default="clustered,gaussian")
+    ap.add_argument("--no-gqa", action="store_true")
+    ap.add_argument("--no-storage", action="store_true")
+    ap.add_argument("--no-cap", action="store_true")
+    ap.add_argument("--no-real", action="store_true")
+    ap.add_argument("--topk-max", type=int, default=262144, help="largest n for the exact top-64 selector")
+    ap.add_argument("--out", default=str(HERE / "results" / "decode.json"))
+    ap.add_argument("--append", action="store_true", help="add to the results already in --out")
+    args = ap.parse_args(argv)
+
+    import numba
+    import torch
+
+    import sparseattn as sa  # first: sets OpenMP's passive wait policy before torch starts its pool
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    kinds = [k for k in args.kinds.split(",") if k]
+    steps = args.steps
+    results: list[dict] = []
+    if args.append and Path(args.out).is_file():
+        results = json.loads(Path(args.out).read_text())["results"]
+    meta = {"python": sys.version.split()[0], "numpy": np.__version__, "numba": numba.__version__,
+            "torch": torch.__version__, "sparseattn": sa.__version__, "cpu": platform.processor(),
+            "cores": os.cpu_count(), "numba_threads": numba.get_num_threads(),
+            "torch_threads": torch.get_num_threads(), "loadavg_start": os.getloadavg(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+    def save() -> None:
+        meta["loadavg_end"] = os.getloadavg()
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        write_report(Path(args.out), meta, results)
+
+    for kind in kinds:
+        for n in lengths:
+            log(f"{kind} n={n}: generating")
+            K, V, Q = make_data(kind, n + steps, 8, 1, steps)
+            specs = [s for s in SPARSE if not (s[0] == "topk-64" and n > args.topk_max)]
+            results.append(run_phase(kind, n, K, V, Q, steps, specs, with_torch=True, with_dense=True))
+            save()
+            results.append(run_phase(kind + "/pages", n, K, V, Q, steps, PAGES, with_torch=True,
+                                     with_dense=False))
+            save()
+            if kind == kinds[0] and n == 131072:
+                if not args.no_storage:
+                    specs = [("cluster f32", {"selector": "cluster"}, {}),
+                             ("cluster f16", {"selector": "cluster", "dtype": np.float16}, {}),
+                             ("cluster bf16", {"selector": "cluster", "dtype": "bfloat16"}, {})]
+                    results.append(run_phase(kind + "/storage", n, K, V, Q, steps, specs, with_torch=False,
+                                             with_dense=False))
+                    save()
+                if not args.no_cap:
+                    specs = [("cluster cap n/4", {"selector": "cluster", "max_keys": n // 4}, {}),
+                             ("cluster", {"selector": "cluster"}, {})]
+                    results.append(run_phase(kind + "/cap", n, K, V, Q, steps, specs, with_torch=False,
+                                             with_dense=False, ref_label="cluster"))
+                    save()
+            del K, V, Q
+            gc.collect()
+        if kind == kinds[0] and not args.no_gqa:
+            n = 131072
+            log(f"{kind} GQA 32/8 n={n}: generating")
+            K, V, Q = make_data(kind, n + steps, 8, 4, steps)
+            specs = [("cluster", {"selector": "cluster"}, {})]
+            results.append(run_phase(kind + "/gqa32x8", n, K, V, Q, steps, specs, with_torch=True,
+                                     with_dense=True))
+            save()
+            del K, V, Q
+            gc.collect()
+    if not args.no_real and (TRACE_DIR / "manifest.json").is_file():
+        t = sa.data.load("store65k", data_dir=TRACE_DIR, dtype=np.float32)
+        nk = t.k.shape[1]
+        n = nk - steps
+        rng = np.random.default_rng(0)
+        qi = rng.choice(t.q.shape[1], steps, replace=False)
+        K, V = np.ascontiguousarray(t.k), np.ascontiguousarray(t.v)
+        Q = np.ascontiguousarray(t.q[:, qi])
+        for seg in (4096,):
+            specs = [("cluster", {"selector": "cluster", "segment": seg}, {}),
+                     ("cluster probe64", {"selector": "cluster", "segment": seg, "n_probe": 64}, {}),
+                     ("topk-64", {"selector": "cluster", "segment": seg}, {"selector": "topk", "k": 64}),
+                     ("window", {"selector": "cluster", "segment": seg}, {"selector": "window"})]
+            results.append(run_phase("real-store65k", n, K, V, Q, steps, specs, with_torch=True,
+                                     with_dense=True))
+            save()
+            results.append(run_phase("real-store65k/pages", n, K, V, Q, steps, PAGES, with_torch=True,
+                                     with_dense=False))
+            save()
+    save()
+    return 0
+
+
+def write_report(path: Path, meta: dict, results: list[dict]) -> None:
+    lines = ["# Decode-step benchmark (sparseattn.KVCache)", "",
+             f"Run {meta['started']} on {meta['cores']} cores (load average {meta['loadavg_start'][0]:.1f} at "
+             f"start, {meta.get('loadavg_end', (0,))[0]:.1f} at end; the machine was shared), numba threads "
+             f"{meta['numba_threads']}, torch threads {meta['torch_threads']}.  Per-step latency of one decode "
+             f"step (all heads, one query each); accuracy per step against exact attention over the whole cache.",
+             "",
+             "| case | n | selector | p50 ms | p99 ms | x torch | x dense | keys read/head | rel. error | mass | "
+             "recall@64 | append us/token | index/KV |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for res in results:
+        for label, r in res["selectors"].items():
+            def f(key: str, fmt: str, r: dict = r) -> str:
+                return format(r[key], fmt) if key in r else ""
+            lines.append(f"| {res['case']} | {res['n']:,} | {label} | {f('p50_ms', '.3f')} | {f('p99_ms', '.3f')} | "
+                         f"{f('speedup_vs_torch', '.1f')} | {f('speedup_vs_dense', '.1f')} | {f('keys_read', ',.0f')} | "
+                         f"{f('rel_err', '.2e')} | {f('mass', '.4f')} | {f('recall64', '.3f')} | "
+                         f"{f('append_us_per_token', '.1f')} | {f('index_over_kv', '.2%')} |")
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        return
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for kind in sorted({r["case"] for r in results if "/" not in r["case"] and not r["case"].startswith("real")}):
+        series: dict[str, dict[int, float]] = {}
+        for res in results:
+            if res["case"] not in (kind, kind + "/pages"):
+                continue
+            for label, r in res["selectors"].items():
+                if res["case"].endswith("/pages") and label == "torch sdpa":
+                    continue
+                series.setdefault(label, {})[res["n"]] = r["p50_ms"]
+        for label, pts in series.items():
+            xs = sorted(pts)
+            ax.plot(xs, [pts[x] for x in xs], marker="o", label=f"{kind}: {label}",
+                    linestyle="--" if kind != "clustered" else "-")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("cache length (keys per head)")
+    ax.set_ylabel("decode step p50 (ms), 8 heads, E = 64")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path.parent / "decode_latency.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

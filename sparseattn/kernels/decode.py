@@ -1,0 +1,307 @@
+"""Decode-step kernel of :class:`sparseattn.KVCache`: route + gather + online softmax in one call.
+
+One row is one (query head, query token); rows are split over ``prange`` (a decode step of H heads is H
+rows).  Per row, over the cache of kv head ``h // rep``:
+
+1. the exact part: slots ``[0, n_sinks)`` (the attention sinks) and ``[ex_lo, n_slots)`` (the recent
+   window, plus for the cluster index the tail not yet clustered), every key scored;
+2. routing (``mode``):
+
+   * ``MODE_CLUSTER``: one score ``q . c`` per routing vector of the head (member means of the clusters
+     of every segment, stored as float16 bits), the ``n_probe`` largest kept by a min-heap, then each chosen cluster's contiguous
+     slot range ``[cptr[c], cptr[c + 1])`` scored;
+   * ``MODE_PAGES`` (Quest): per page of ``page_size`` slots starting at slot ``n_sinks``, the upper
+     bound ``sum_e max(q_e * min_e, q_e * max_e)`` of ``q . k`` over the page, the ``n_probe`` largest
+     pages scored;
+   * ``MODE_TOPK``: every slot scored, the ``n_probe`` largest kept (exact top-k), then attended;
+   * ``MODE_NONE``: no routed part (sinks + window, or everything when ``ex_lo = n_sinks``);
+
+3. one online softmax over all scored keys, processed in chunks of ``CHUNK``: chunk maximum, rescale of
+   the running sum when the maximum grows, a vectorised float32 exp, the weighted value sum.
+
+Key masks, by the int32 position of each slot (``pos``): a key is visible to a row at position ``qp``
+iff ``pos <= qp`` (causal), and it is either a sink (``pos < n_sinks``) or not evicted
+(``pos >= lo_pos``); routed keys must also satisfy ``pos < hi_pos`` so that a key of the exact window is
+never counted twice.  Storage is float32, float16, or bfloat16 (uint16 bit patterns, ``BF16 = True``);
+scores, exp and sums are float32.  A row with no visible key gets zeros and ``lse = -inf``; a score of
+``+inf`` from finite inputs sets ``lse = +inf`` (the caller raises the overflow error).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from ._intrinsics import exp_shifted_f32
+from ._options import FASTMATH, serial_and_parallel
+
+MODE_NONE = 0
+MODE_CLUSTER = 1
+MODE_PAGES = 2
+MODE_TOPK = 3
+
+CHUNK = 128  # keys scored before one softmax update (scratch per row: CHUNK floats)
+BF16 = False  # compile-time constant: True in the bfloat16 variants below
+
+
+@intrinsic
+def widen_f16(typingctx, x):
+    """float32 from a float32 (unchanged) or from float16 bits held in a uint16 (an LLVM ``fpext``)."""
+    if isinstance(x, types.Float) and x.bitwidth == 32:
+        def codegen(context, builder, signature, args):
+            return args[0]
+        return types.float32(x), codegen
+    if isinstance(x, types.Integer) and x.bitwidth == 16:
+        def codegen(context, builder, signature, args):
+            half = builder.bitcast(args[0], ir.HalfType())
+            return builder.fpext(half, ir.FloatType())
+        return types.float32(x), codegen
+    return None
+
+
+@intrinsic
+def widen_bf16(typingctx, x):
+    """float32 from a float32 (unchanged) or from bfloat16 bits held in a uint16 (shift + bitcast)."""
+    if isinstance(x, types.Float) and x.bitwidth == 32:
+        def codegen(context, builder, signature, args):
+            return args[0]
+        return types.float32(x), codegen
+    if isinstance(x, types.Integer) and x.bitwidth == 16:
+        def codegen(context, builder, signature, args):
+            wide = builder.zext(args[0], ir.IntType(32))
+            bits = builder.shl(wide, ir.Constant(ir.IntType(32), 16))
+            return builder.bitcast(bits, ir.FloatType())
+        return types.float32(x), codegen
+    return None
+
+
+@njit(cache=True, fastmath=FASTMATH, inline="always")
+def _heap_push(hs, hi, n, cap, s, idx):
+    """Keep the ``cap`` largest scores in a min-heap (hs, hi) of current size n; returns the new size."""
+    if n < cap:
+        j = n
+        hs[j] = s
+        hi[j] = idx
+        while j > 0:
+            parent = (j - 1) // 2
+            if hs[parent] <= hs[j]:
+                break
+            hs[parent], hs[j] = hs[j], hs[parent]
+            hi[parent], hi[j] = hi[j], hi[parent]
+            j = parent
+        return n + 1
+    if s <= hs[0]:
+        return n
+    hs[0] = s
+    hi[0] = idx
+    j = 0
+    while True:
+        left = 2 * j + 1
+        if left >= n:
+            break
+        c = left
+        if left + 1 < n and hs[left + 1] < hs[left]:
+            c = left + 1
+        if hs[j] <= hs[c]:
+            break
+        hs[c], hs[j] = hs[j], hs[c]
+        hi[c], hi[j] = hi[j], hi[c]
+        j = c
+    return n
+
+
+def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mode, n_probe,
+         cent, cptr, n_cent, pmin, pmax, page_size, scale, out, lse, nread):
+    """One row (query head h, token t) of the decode kernel; see the module docstring."""
+    T = q.shape[1]
+    E = q.shape[2]
+    Ev = V.shape[2]
+    width = max(n_probe, 1)
+    h = r // T
+    t = r - h * T
+    g = h // rep
+    qi = q[h, t]
+    qp = qpos[t]
+    Kg = K[g]
+    Vg = V[g]
+    pg = pos[g]
+    sc = np.empty(CHUNK, dtype=np.float32)
+    acc = np.zeros(max(Ev, 1), dtype=np.float32)
+    hs = np.empty(width, dtype=np.float32)
+    hb = np.empty(width, dtype=np.int64)
+    m_run = np.float32(-np.inf)
+    l_run = np.float32(0.0)
+    overflow = False
+    n_read = 0
+    # ranges to attend: the exact part (2 ranges), then the routed blocks
+    n_sel = 0
+    if mode == MODE_CLUSTER:
+        for c in range(n_cent[g]):
+            cv = cent[g, c]
+            s = np.float32(0.0)
+            for e in range(E):
+                s += qi[e] * widen_f16(cv[e])
+            n_sel = _heap_push(hs, hb, n_sel, n_probe, s, c)
+    elif mode == MODE_PAGES:
+        n_pages = (ex_lo - n_sinks + page_size - 1) // page_size
+        for b in range(n_pages):
+            first = n_sinks + b * page_size
+            last = min(first + page_size, ex_lo) - 1
+            if pos[g, first] > qp or pos[g, last] < lo_pos:
+                continue  # a page of future keys only, or of evicted keys only
+            mn = pmin[g, b]
+            mx = pmax[g, b]
+            s = np.float32(0.0)
+            for e in range(E):
+                a1 = qi[e] * widen_bf16(mn[e]) if BF16 else qi[e] * widen_f16(mn[e])
+                a2 = qi[e] * widen_bf16(mx[e]) if BF16 else qi[e] * widen_f16(mx[e])
+                s += a1 if a1 > a2 else a2
+            n_sel = _heap_push(hs, hb, n_sel, n_probe, s, b)
+    elif mode == MODE_TOPK:
+        for j in range(n_slots):
+            p = pg[j]
+            if p > qp or (p >= n_sinks and p < lo_pos):
+                continue
+            kj = Kg[j]
+            s = np.float32(0.0)
+            for e in range(E):
+                s += qi[e] * (widen_bf16(kj[e]) if BF16 else widen_f16(kj[e]))
+            n_sel = _heap_push(hs, hb, n_sel, n_probe, s, j)
+        # attend the chosen slots in ascending slot order (a deterministic sum order)
+        hb[:n_sel].sort()
+    n_ranges = 2 + n_sel
+    if mode == MODE_TOPK:
+        n_ranges = n_sel  # exact top-k: only the chosen keys
+    for rr in range(n_ranges):
+        lim = hi_pos
+        if mode == MODE_TOPK:
+            a = hb[rr]
+            b = a + 1
+        elif rr == 0:
+            a = 0
+            b = min(n_sinks, n_slots)
+            lim = 2147483647
+        elif rr == 1:
+            a = ex_lo
+            b = n_slots
+            lim = 2147483647
+        elif mode == MODE_CLUSTER:
+            c = hb[rr - 2]
+            a = cptr[g, c]
+            b = cptr[g, c + 1]
+        else:
+            a = n_sinks + hb[rr - 2] * page_size
+            b = min(a + page_size, ex_lo)
+        start = a
+        while start < b:
+            stop = min(start + CHUNK, b)
+            n = stop - start
+            # scores of the whole chunk (a plain loop that vectorises), then the position masks
+            for j in range(start, stop):
+                kj = Kg[j]
+                s = np.float32(0.0)
+                for e in range(E):
+                    s += qi[e] * (widen_bf16(kj[e]) if BF16 else widen_f16(kj[e]))
+                sc[j - start] = s * scale
+            cmax = np.float32(-np.inf)
+            cnt = 0
+            for u in range(n):
+                p = pg[start + u]
+                if p > qp or p >= lim or (p >= n_sinks and p < lo_pos):
+                    sc[u] = -np.inf
+                else:
+                    cnt += 1
+                    if sc[u] > cmax:
+                        cmax = sc[u]
+            first = start
+            start = stop
+            if cnt == 0:
+                continue
+            n_read += cnt
+            if cmax == np.inf:
+                overflow = True
+                break
+            if cmax > m_run:
+                if m_run > -np.inf:
+                    alpha = np.float32(np.exp(m_run - cmax))
+                    l_run *= alpha
+                    for e in range(Ev):
+                        acc[e] *= alpha
+                m_run = cmax
+            exp_shifted_f32(sc, n, m_run, sc)  # masked keys: exp(-inf) = 0
+            for u in range(n):
+                w = sc[u]
+                l_run += w
+                vj = Vg[first + u]
+                for e in range(Ev):
+                    acc[e] += w * (widen_bf16(vj[e]) if BF16 else widen_f16(vj[e]))
+        if overflow:
+            break
+    nread[r] = n_read
+    if overflow:
+        for e in range(Ev):
+            out[h, t, e] = np.nan
+        lse[h, t] = np.inf
+    elif l_run == 0.0:
+        for e in range(Ev):
+            out[h, t, e] = 0.0
+        lse[h, t] = -np.inf
+    else:
+        inv = np.float32(1.0) / l_run
+        for e in range(Ev):
+            out[h, t, e] = acc[e] * inv
+        lse[h, t] = m_run + np.log(l_run)
+
+
+def _clone(fn, suffix, constants):
+    """A copy of ``fn`` with some module globals replaced (compile-time constants) and its own name, so
+    that each copy gets its own on-disk cache entry."""
+    import types as pytypes
+
+    f = pytypes.FunctionType(fn.__code__, {**fn.__globals__, **constants}, fn.__name__ + suffix,
+                             fn.__defaults__, fn.__closure__)
+    f.__qualname__ = fn.__qualname__ + suffix
+    f.__module__ = fn.__module__
+    f.__doc__ = fn.__doc__
+    return f
+
+
+# The row body is its own compiled function: a prange loop over a large body compiled ~10x slower.
+_row_f32 = njit(cache=True, fastmath=FASTMATH)(_clone(_row, "_std", {"BF16": False}))
+_row_bf16 = njit(cache=True, fastmath=FASTMATH)(_clone(_row, "_bf16", {"BF16": True}))
+ROW = _row_f32
+
+
+def _decode_rows(q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mode, n_probe,
+                 cent, cptr, n_cent, pmin, pmax, page_size, scale, out, lse, nread):
+    for r in prange(q.shape[0] * q.shape[1]):
+        ROW(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mode, n_probe,
+            cent, cptr, n_cent, pmin, pmax, page_size, scale, out, lse, nread)
+
+
+decode_serial, decode_parallel = serial_and_parallel(_decode_rows)
+decode_serial_bf16, decode_parallel_bf16 = serial_and_parallel(
+    _decode_rows, constants={"ROW": _row_bf16}, suffix="_bf16")
+
+
+@njit(cache=True)
+def page_bounds(q, pmin, pmax):
+    """Quest bounds of queries over pages: ``out[i, b] = sum_e max(q[i, e] * min[b, e], q[i, e] * max[b, e])``.
+
+    q : (L, E); pmin, pmax : (P, E), element-wise min and max of each page's keys (same float dtype).
+    Returns (L, P) of that dtype; ``out[i, b] >= q_i . k`` for every key k of page b (up to rounding).
+    """
+    L = q.shape[0]
+    P = pmin.shape[0]
+    out = np.empty((L, P), dtype=q.dtype)
+    for i in range(L):
+        for b in range(P):
+            s = q.dtype.type(0.0)
+            for e in range(q.shape[1]):
+                a1 = q[i, e] * pmin[b, e]
+                a2 = q[i, e] * pmax[b, e]
+                s += a1 if a1 > a2 else a2
+            out[i, b] = s
+    return out

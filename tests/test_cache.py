@@ -1,0 +1,353 @@
+"""KVCache: equivalence with float64 dense attention when the selection is full, GQA, causality, segment
+boundaries, reduced-precision storage, the memory cap, bad input, empty cache, torch in/out."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparseattn.cache import KVCache, _bf16_bits, _bf16_to_f32
+
+H, HKV, E, EV = 4, 2, 16, 8
+SEG = 64  # small segments: several of them in a few hundred keys
+
+
+def _kv(n: int, seed: int = 0, hkv: int = HKV, e: int = E, ev: int = EV) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((hkv, n, e)).astype(np.float32),
+            rng.standard_normal((hkv, n, ev)).astype(np.float32))
+
+
+def _q(t: int, seed: int = 1, h: int = H, e: int = E) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((h, t, e)).astype(np.float32)
+
+
+def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, n: int, *, keep: np.ndarray | None = None,
+              scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """float64 attention of the T newest positions over keys [0, n) (causal), optionally only ``keep``."""
+    Hq, T, e = q.shape
+    rep = Hq // k.shape[0]
+    sc = 1 / np.sqrt(e) if scale is None else scale
+    out = np.zeros((Hq, T, v.shape[2]))
+    lse = np.full((Hq, T), -np.inf)
+    allowed = np.ones(n, bool) if keep is None else np.isin(np.arange(n), keep)
+    for h in range(Hq):
+        s = q[h].astype(np.float64) @ k[h // rep, :n].T.astype(np.float64) * sc
+        for t in range(T):
+            mask = allowed & (np.arange(n) <= n - T + t)
+            if not mask.any():
+                continue
+            row = np.where(mask, s[t], -np.inf)
+            m = row.max()
+            w = np.exp(row - m)
+            out[h, t] = w @ v[h // rep, :n] / w.sum()
+            lse[h, t] = m + np.log(w.sum())
+    return out, lse
+
+
+FULL = {
+    "cluster": dict(selector="cluster", segment=SEG, cluster_size=8, n_probe=10_000),
+    "pages": dict(selector="pages", segment=SEG, n_probe=10_000),
+    "topk": dict(selector="topk"),
+    "dense": dict(selector="dense"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FULL))
+@pytest.mark.parametrize("n", [1, 5, 70, 300])
+def test_full_selection_matches_float64_dense(name: str, n: int) -> None:
+    k, v = _kv(n)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, **FULL[name])
+    cache.append(k, v)
+    q = _q(3)
+    out, lse = cache.attend(q, k=10_000, return_lse=True)
+    ref, ref_lse = reference(q, k, v, n)
+    assert out.shape == (H, 3, EV) and out.dtype == np.float32
+    np.testing.assert_allclose(out, ref, atol=2e-5)
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=2e-5)
+    assert np.all(np.isneginf(lse[~fin])) and np.all(out[~fin] == 0)
+    assert len(cache) == n
+
+
+def test_cluster_segments_clustered_and_exact_part() -> None:
+    n = 5 * SEG + 100
+    k, v = _kv(n)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=2, window=16)
+    cache.append(k, v)
+    st_ = cache.stats
+    assert st_["segments"] == (n - 4 - 16) // SEG  # the tail keeps >= window keys unclustered
+    assert 16 <= st_["tail_keys"] < SEG // 2 + 16  # the open segment takes the rest
+    assert st_["open_segment_keys"] in (0, SEG // 2)
+    cache.attend(_q(1))
+    # sinks + tail exactly, plus at most 2 clusters per query
+    assert cache.stats["keys_read_per_query"] >= 4 + st_["tail_keys"]
+
+
+def test_window_selector_reads_sinks_and_window_only() -> None:
+    n = 300
+    k, v = _kv(n)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="window", sinks=4, window=32)
+    cache.append(k, v)
+    q = _q(1)
+    out = cache.attend(q)
+    keep = np.r_[np.arange(4), np.arange(n - 32, n)]
+    np.testing.assert_allclose(out, reference(q, k, v, n, keep=keep)[0], atol=2e-5)
+    assert cache.stats["keys_read_per_query"] == 36
+
+
+def test_topk_selector_is_exact_topk() -> None:
+    n = 200
+    k, v = _kv(n)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="topk")
+    cache.append(k, v)
+    q = _q(1)
+    out = cache.attend(q, k=10)
+    ref = np.zeros((H, 1, EV))
+    for h in range(H):
+        s = k[h // 2] @ q[h, 0]
+        top = np.argsort(-s)[:10]
+        ref[h] = reference(q[h:h + 1], k[h // 2:h // 2 + 1], v[h // 2:h // 2 + 1], n, keep=top)[0][0]
+    np.testing.assert_allclose(out, ref, atol=2e-5)
+
+
+def test_gqa_head_mapping() -> None:
+    n = 150
+    k, v = _kv(n, hkv=2)
+    cache = KVCache(8, E, num_kv_heads=2, value_dim=EV, selector="dense")
+    cache.append(k, v)
+    q = _q(2, h=8)
+    out = cache.attend(q)
+    np.testing.assert_allclose(out, reference(q, k, v, n)[0], atol=2e-5)  # head h reads kv head h // 4
+    assert not np.allclose(out[3], out[4])
+
+
+@pytest.mark.parametrize("name", ["cluster", "pages", "window", "topk"])
+def test_causal_multi_token_queries(name: str) -> None:
+    n, T = 400, 6
+    k, v = _kv(n)
+    k2, v2 = k.copy(), v.copy()
+    k2[:, n - 2:] += 5.0  # the last two positions differ
+    v2[:, n - 2:] -= 3.0
+    q = _q(T)
+    outs = []
+    for kk, vv in ((k, v), (k2, v2)):
+        cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=name, segment=SEG, cluster_size=8,
+                        n_probe=3, window=16)
+        cache.append(kk[:, :n - T], vv[:, :n - T])
+        cache.append(kk[:, n - T:], vv[:, n - T:])
+        outs.append(cache.attend(q, k=8))
+    np.testing.assert_array_equal(outs[0][:, :T - 2], outs[1][:, :T - 2])  # rows before the change
+    assert not np.allclose(outs[0][:, T - 1], outs[1][:, T - 1])
+
+
+@pytest.mark.parametrize("name", ["cluster", "pages"])
+def test_segment_boundaries_piecewise_equals_one_append(name: str) -> None:
+    n = 1 + (SEG - 1) + (3 * SEG + 5) + 40
+    k, v = _kv(n, seed=3)
+    kw = dict(num_kv_heads=HKV, value_dim=EV, selector=name, segment=SEG, cluster_size=8, n_probe=3,
+              window=8)
+    whole = KVCache(H, E, **kw)
+    whole.append(k, v)
+    pieces = KVCache(H, E, **kw)
+    a = 0
+    for size in (1, SEG - 1, 3 * SEG + 5, 1, 1, 38):
+        pieces.append(k[:, a:a + size], v[:, a:a + size])
+        a += size
+    assert a == n and len(pieces) == len(whole) == n
+    q = _q(2)
+    np.testing.assert_array_equal(whole.attend(q), pieces.attend(q))
+    assert whole.stats["segments"] == pieces.stats["segments"]
+
+
+@pytest.mark.parametrize("storage,tol", [(np.float16, 2e-3), ("bfloat16", 2e-2)])
+@pytest.mark.parametrize("name", ["cluster", "pages", "dense", "topk", "window"])
+def test_reduced_precision_storage(storage: object, tol: float, name: str) -> None:
+    n = 300
+    k, v = _kv(n)
+    kw = dict(num_kv_heads=HKV, value_dim=EV, selector=name, segment=SEG, cluster_size=8, n_probe=10_000)
+    lo = KVCache(H, E, dtype=storage, **kw)
+    lo.append(k, v)
+    q = _q(2)
+    out = lo.attend(q, k=10_000)
+    # exact on the rounded keys and values (float32 accumulation) ...
+    if storage == "bfloat16":
+        kr, vr = _bf16_to_f32(_bf16_bits(k)), _bf16_to_f32(_bf16_bits(v))
+    else:
+        kr, vr = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+    if name in ("cluster", "pages", "dense", "topk"):
+        np.testing.assert_allclose(out, reference(q, kr, vr, n)[0], atol=3e-5)
+    # ... and within the storage rounding of float32 storage
+    hi = KVCache(H, E, **kw)
+    hi.append(k, v)
+    assert np.abs(out - hi.attend(q, k=10_000)).max() < tol
+    assert lo.kv_nbytes * 2 == hi.kv_nbytes
+
+
+def test_bf16_rounding_is_nearest_even() -> None:
+    x = np.array([1.0, 1.00390625, 1.01171875, -2.5, 3.0e38, 1e-30], np.float32)
+    back = _bf16_to_f32(_bf16_bits(x))
+    assert back[0] == 1.0 and back[1] == 1.0 and back[2] == np.float32(1.015625)
+    assert back[3] == -2.5
+    assert np.all(np.abs(back - x) <= np.abs(x) * 2**-8)
+
+
+@pytest.mark.parametrize("name", ["cluster", "pages", "window", "dense"])
+def test_memory_cap_streaming(name: str) -> None:
+    n, cap = 1000, 200
+    k, v = _kv(n)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=name, segment=SEG, cluster_size=8,
+                    n_probe=10_000, max_keys=cap, sinks=4, window=16)
+    for a in range(0, n, 37):
+        cache.append(k[:, a:a + 37], v[:, a:a + 37])
+    keep = np.r_[np.arange(4), np.arange(n - (cap - 4), n)]
+    assert len(cache) == cap
+    assert cache.positions_appended == n
+    for g in range(HKV):
+        np.testing.assert_array_equal(cache.positions(g), keep)
+    # storage freed: at most cap + segment + window (+ sinks) slots held
+    assert cache.kv_nbytes <= (cap + 2 * SEG + 16 + 4) * HKV * (E + EV) * 4
+    q = _q(2)
+    out = cache.attend(q)
+    if name != "window":
+        np.testing.assert_allclose(out, reference(q, k, v, n, keep=keep)[0], atol=2e-5)
+    assert cache.stats["evicted_keys"] == n - cap
+
+
+def test_empty_cache_gives_zeros_and_neg_inf() -> None:
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV)
+    out, lse = cache.attend(_q(2), return_lse=True)
+    assert out.shape == (H, 2, EV) and np.all(out == 0) and np.all(np.isneginf(lse))
+    assert len(cache) == 0
+    # a query before the first key (T_q > len) also sees nothing
+    cache.append(*_kv(1))
+    out, lse = cache.attend(_q(2), return_lse=True)
+    assert np.all(np.isneginf(lse[:, 0])) and np.all(np.isfinite(lse[:, 1]))
+
+
+def test_single_token_query_2d() -> None:
+    k, v = _kv(50)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV)
+    cache.append(k, v)
+    q = _q(1)
+    out, lse = cache.attend(q[:, 0], return_lse=True)
+    assert out.shape == (H, EV) and lse.shape == (H,)
+    np.testing.assert_array_equal(out, cache.attend(q)[:, 0])
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda c, k, v: c.append(k[:1], v[:1]), "keys must have shape"),
+    (lambda c, k, v: c.append(k[..., :3], v), "keys must have shape"),
+    (lambda c, k, v: c.append(k, v[..., :3]), "values must have shape"),
+    (lambda c, k, v: c.append(k, v[:, :5]), "same number of tokens"),
+    (lambda c, k, v: c.append(k[:, :0], v[:, :0]), "T >= 1"),
+    (lambda c, k, v: c.append(np.where(k > 1, np.nan, k), v), "keys contains NaN"),
+    (lambda c, k, v: c.append(k, np.where(v > 1, np.inf, v)), "values contains NaN"),
+    (lambda c, k, v: c.attend(np.zeros((H + 1, 1, E), np.float32)), "queries must have shape"),
+    (lambda c, k, v: c.attend(np.zeros((H, 1, E + 1), np.float32)), "queries must have shape"),
+    (lambda c, k, v: c.attend(np.full((H, 1, E), np.nan, np.float32)), "queries contains NaN"),
+])
+def test_bad_input_names_the_argument(bad, match: str) -> None:
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV)
+    k, v = _kv(10)
+    with pytest.raises(ValueError, match=match):
+        bad(cache, k, v)
+    assert len(cache) == 0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_kv_heads=3), "multiple of num_kv_heads"),
+    (dict(selector="nope"), "selector must be one of"),
+    (dict(dtype=np.int8), "dtype must be"),
+    (dict(policy="h3o"), "policy must be one of"),
+    (dict(max_keys=10, window=64), "max_keys"),
+    (dict(segment=100, page_size=16), "multiple of page_size"),
+    (dict(scale=-1.0), "scale must be > 0"),
+])
+def test_bad_parameters(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        KVCache(H, E, **kwargs)
+
+
+def test_integer_inputs_rejected() -> None:
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV)
+    with pytest.raises(TypeError, match="keys must have dtype"):
+        cache.append(np.zeros((HKV, 2, E), np.int32), np.zeros((HKV, 2, EV), np.float32))
+
+
+def test_overflow_raises() -> None:
+    cache = KVCache(1, 4, selector="dense")
+    cache.append(np.full((1, 2, 4), 1e30, np.float32), np.ones((1, 2, 4), np.float32))
+    with pytest.raises(ValueError, match="overflow"):
+        cache.attend(np.full((1, 1, 4), 1e30, np.float32))
+
+
+def test_float16_range_overflow_on_append() -> None:
+    cache = KVCache(1, 4, dtype=np.float16)
+    with pytest.raises(ValueError, match="float16"):
+        cache.append(np.full((1, 2, 4), 1e6, np.float32), np.ones((1, 2, 4), np.float32))
+
+
+def test_torch_tensors_in_and_out() -> None:
+    torch = pytest.importorskip("torch")
+    k, v = _kv(120)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=10_000)
+    cache.append(torch.from_numpy(k), torch.from_numpy(v).to(torch.bfloat16))
+    q = _q(1)
+    out, lse = cache.attend(torch.from_numpy(q), return_lse=True)
+    assert isinstance(out, torch.Tensor) and isinstance(lse, torch.Tensor)
+    assert out.dtype == torch.float32 and tuple(out.shape) == (H, 1, EV)
+    vb = torch.from_numpy(v).to(torch.bfloat16).float().numpy()
+    np.testing.assert_allclose(out.numpy(), reference(q, k, vb, 120)[0], atol=2e-5)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        torch.from_numpy(q)[None], torch.from_numpy(k).repeat_interleave(2, 0)[None],
+        torch.from_numpy(vb).repeat_interleave(2, 0)[None])
+    np.testing.assert_allclose(out.numpy(), ref[0].numpy(), atol=2e-5)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 260), t=st.integers(1, 4), sinks=st.integers(0, 6), window=st.integers(0, 40),
+       chunk=st.integers(1, 97), name=st.sampled_from(["cluster", "pages", "dense"]))
+def test_full_selection_property(n: int, t: int, sinks: int, window: int, chunk: int, name: str) -> None:
+    k, v = _kv(n, seed=n)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=name, segment=32, cluster_size=4,
+                    n_probe=10_000, sinks=sinks, window=window)
+    for a in range(0, n, chunk):
+        cache.append(k[:, a:a + chunk], v[:, a:a + chunk])
+    q = _q(t, seed=t)
+    out = cache.attend(q)
+    np.testing.assert_allclose(out, reference(q, k, v, n)[0], atol=3e-5)
+
+
+@pytest.mark.parametrize("storage", [np.float32, "bfloat16"])
+def test_parallel_and_serial_kernels_agree(storage: object) -> None:
+    n = 5 * SEG + 30
+    k, v = _kv(n)
+    q = _q(3)
+    outs = []
+    for parallel in (False, True):
+        cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3,
+                        dtype=storage, parallel=parallel)
+        cache.append(k, v)
+        outs.append(cache.attend(q, return_lse=True))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+
+
+def test_selected_slots_match_keys_read() -> None:
+    n = 6 * SEG + 10
+    k, v = _kv(n)
+    for name in ("cluster", "pages", "window", "topk"):
+        cache = KVCache(H, E, num_kv_heads=1, value_dim=EV, selector=name, segment=SEG, cluster_size=8,
+                        n_probe=3)
+        cache.append(k[:1], v[:1])  # every query head reads kv head 0
+        q = _q(1)
+        cache.attend(q[:1].repeat(H, 0), k=20)
+        sel = cache.selected_slots(q[0, 0], 0, k=20)
+        assert sel.size == cache.stats["keys_read_max"]
+        # attention over exactly those keys reproduces the step
+        keep = cache._pos[0, sel]
+        ref = reference(q[:1], k[:1], v[:1], n, keep=keep)[0]
+        np.testing.assert_allclose(cache.attend(q[:1].repeat(H, 0), k=20)[0], ref[0], atol=2e-5)
