@@ -1,6 +1,6 @@
 """This tree against another git revision, side by side on the same machine in one run.
 
-Run:  python benchmarks/bench_side_by_side.py --base REV [--repeats 7] [--rounds 2] [--quick]
+Run:  python benchmarks/bench_side_by_side.py --base REV [--head REV] [--repeats 7] [--rounds 2] [--quick]
 
 Why: a refactor must not cost speed, and two runs of the same code on this VM differ by 10-20 %, so a
 before/after ratio is only honest when both sides are timed in one run, alternating.  The base
@@ -105,8 +105,8 @@ def _cases(quick: bool) -> list[dict]:
     return out
 
 
-def _worktree(rev: str, where: str) -> str:
-    path = os.path.join(where, "base")
+def _worktree(rev: str, where: str, name: str = "base") -> str:
+    path = os.path.join(where, name)
     subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-f", path, rev], check=True,
                    capture_output=True)
     return path
@@ -125,6 +125,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="git revision to compare against (e.g. a commit id)")
     ap.add_argument("--repeats", type=int, default=7, help="timed calls per worker process")
+    ap.add_argument("--head", default=None,
+                    help="git revision for the head side (default: this working tree, uncommitted changes included)")
     ap.add_argument("--rounds", type=int, default=2, help="worker processes per side (alternating)")
     ap.add_argument("--quick", action="store_true", help="only the n <= 16,384 cases")
     ap.add_argument("--out", default=None, help="output path without extension")
@@ -134,14 +136,15 @@ def main() -> int:
 
     rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", args.base], check=True,
                          capture_output=True, text=True).stdout.strip()
-    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], check=True,
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", args.head or "HEAD"], check=True,
                           capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "sparseattn"],
-                                capture_output=True, text=True).stdout.strip())
+    dirty = args.head is None and bool(subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--",
+                                                       "sparseattn"], capture_output=True, text=True).stdout.strip())
     out = args.out or os.path.join(HERE, "results", f"side-by-side-{rev}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         base_tree = _worktree(args.base, tmp)
+        head_tree = _worktree(args.head, tmp, "head") if args.head else ROOT
         try:
             for case in _cases(args.quick):
                 d = os.path.join(tmp, "inputs")
@@ -151,7 +154,7 @@ def main() -> int:
                     np.save(os.path.join(d, f"{name}.npy"), np.ascontiguousarray(arr, np.float32))
                 runs: dict[str, list[dict]] = {"base": [], "head": []}
                 for _ in range(args.rounds):
-                    for side, tree in (("base", base_tree), ("head", ROOT)):
+                    for side, tree in (("base", base_tree), ("head", head_tree)):
                         runs[side].append(_worker(tree, d, case, args.repeats))
                 row = {"case": case}
                 for side in ("base", "head"):
@@ -172,7 +175,8 @@ def main() -> int:
                       + (f"  base error: {b['error']}" if "error" in b else "")
                       + (f"  head error: {h['error']}" if "error" in h else ""), flush=True)
         finally:
-            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", base_tree], capture_output=True)
+            for tree in {base_tree, head_tree} - {ROOT}:
+                subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree], capture_output=True)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     meta = {"base": rev, "head": head, "head_has_uncommitted_changes": dirty, "repeats": args.repeats,
             "rounds": args.rounds, "cpu_count": os.cpu_count()}

@@ -8,6 +8,7 @@ what was received, and give a hint.
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -65,9 +66,16 @@ def check_scale(scale: object, head_dim: int) -> float:
     return s
 
 
+def check_bool(value: object, name: str) -> bool:
+    """Validate a flag (Python or numpy bool; ints are rejected) and return it as ``bool``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool; got {value!r}.")
+    return bool(value)
+
+
 def overflow_message(dtype: np.dtype, scale: float) -> str:
     """Error text for attention scores that overflow the computation dtype (finite inputs, +inf score)."""
-    return (f"attention scores overflow {np.dtype(dtype).name} (some q.k * scale = +inf with scale={scale:g}); "
+    return (f"attention scores overflow {np.dtype(dtype).name} (some q.k * scale is beyond its range with scale={scale:g}); "
             f"pass float64 inputs or a smaller scale.")
 
 
@@ -161,3 +169,73 @@ def flat3(x: np.ndarray) -> np.ndarray:
     """View (or copy if unavoidable) of x as (prod(lead), n, f)."""
     # Explicit group count: reshape(-1, ...) is ambiguous when L or S is 0.
     return x.reshape((int(np.prod(x.shape[:-2], dtype=np.int64)),) + x.shape[-2:])
+
+
+# ---------------------------------------------------------------------------------- attention inputs
+@dataclass
+class AttentionInputs:
+    """Validated query/key/value as (G, n, f) arrays, the group maps and the scale in force.
+
+    ``q3[q_map[g]]``, ``k3[kv_map[g]]`` and ``v3[kv_map[g]]`` are the operands of group g of the broadcast
+    leading shape ``lead``; ``cdt`` is the computation dtype, ``out_dtype`` the promoted input dtype.
+    """
+
+    q3: np.ndarray
+    k3: np.ndarray
+    v3: np.ndarray
+    lead: tuple[int, ...]
+    q_map: np.ndarray
+    kv_map: np.ndarray
+    scale: float
+    cdt: np.dtype
+    out_dtype: np.dtype
+    G: int = field(init=False)
+    L: int = field(init=False)
+    S: int = field(init=False)
+    E: int = field(init=False)
+    Ev: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.G = len(self.q_map)
+        self.L, self.E = self.q3.shape[1:]
+        self.S, self.Ev = self.v3.shape[1:]
+
+    def in_computation_dtype(self) -> AttentionInputs:
+        """The same inputs with q3, k3, v3 C-contiguous in ``cdt`` (what the Numba kernels read)."""
+        return replace(self, q3=np.ascontiguousarray(self.q3, dtype=self.cdt),
+                       k3=np.ascontiguousarray(self.k3, dtype=self.cdt),
+                       v3=np.ascontiguousarray(self.v3, dtype=self.cdt))
+
+    def finish(self, out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(G, L, Ev) / (G, L) results -> (..., L, Ev) in the output dtype / (..., L)."""
+        output = out.reshape(self.lead + (self.L, self.Ev)).astype(self.out_dtype, copy=False)
+        return output, lse.reshape(self.lead + (self.L,))
+
+
+def attention_inputs(query: object, key: object, value: object, scale: object, is_causal: object, *,
+                     enable_gqa: bool, check_finite: bool) -> AttentionInputs:
+    """Validate query (..., L, E), key (..., S, E), value (..., S, Ev), scale and is_causal once.
+
+    The shared boundary of the dense and sparse attention entry points: float arrays (:func:`as_float_array`),
+    agreeing shapes, a bool ``is_causal``, the resolved scale (:func:`check_scale`, and finite in the
+    computation dtype), broadcast leading dims (:func:`group_maps`).  The arrays keep their input dtype;
+    :meth:`AttentionInputs.in_computation_dtype` converts them.
+    """
+    q = as_float_array(query, "query", check_finite=check_finite)
+    k = as_float_array(key, "key", check_finite=check_finite)
+    v = as_float_array(value, "value", check_finite=check_finite)
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"query and key must have the same feature size E; got query {q.shape} and "
+                         f"key {k.shape}.")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"key and value must have the same length S; got key {k.shape} and value {v.shape}.")
+    if k.shape[:-2] != v.shape[:-2]:
+        raise ValueError(f"key and value must have the same leading dims; got {k.shape[:-2]} and {v.shape[:-2]}.")
+    check_bool(is_causal, "is_causal")
+    sc = check_scale(scale, q.shape[-1])
+    lead, q_map, kv_map = group_maps(q.shape[:-2], k.shape[:-2], enable_gqa=enable_gqa)
+    cdt = result_dtype(q, k, v)
+    if not np.isfinite(cdt.type(sc)):
+        raise ValueError(f"scale={sc:g} overflows the computation dtype {cdt.name}; pass float64 inputs.")
+    return AttentionInputs(flat3(q), flat3(k), flat3(v), lead, q_map, kv_map, sc, cdt,
+                           np.result_type(q.dtype, k.dtype, v.dtype))

@@ -128,13 +128,41 @@ def render_html(result: dict[str, Any], plots: list[str] | None = None) -> str:
             f"{imgs}</body></html>\n")
 
 
-def plot_compare(result: dict[str, Any], out_dir: str) -> list[str]:
-    """Pareto plot (mass recall vs speed-up over dense) and a stacked time bar chart; PNG paths."""
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend, or None when matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def pareto_axes(ax: Any, xlabel: str, ylabel: str) -> None:
+    """Axes of a recall vs speed-up plot: log speed-up axis, dashed line at speed-up 1, light grid."""
+    ax.axvline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+
+
+def save_figure(fig: Any, out_dir: str, filename: str) -> str:
+    """Lay out a figure, write it as ``out_dir/filename`` (110 dpi) and close it; return the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = os.path.join(out_dir, filename)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_compare(result: dict[str, Any], out_dir: str) -> list[str]:
+    """Pareto plot (mass recall vs speed-up over dense) and a stacked time bar chart; PNG paths."""
+    plt = pyplot()
+    if plt is None:
         return []
     ok = [r for r in result["results"] if "total_s" in r]
     if not ok:
@@ -147,16 +175,10 @@ def plot_compare(result: dict[str, Any], out_dir: str) -> list[str]:
         ax.scatter(x, y, s=40)
         label = "+".join(part.split(",")[0] for part in r["selector"].split("+"))[:40]
         ax.annotate(label, (x, y), fontsize=7, xytext=(4, 2), textcoords="offset points")
-    ax.axvline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xscale("log")
-    ax.set_xlabel("speed-up over exact attention (x SDPA if installed, else x our dense), end to end")
-    ax.set_ylabel("softmax mass recall (1 = exact)")
+    pareto_axes(ax, "speed-up over exact attention (x SDPA if installed, else x our dense), end to end",
+                "softmax mass recall (1 = exact)")
     ax.set_title(f"{result['data']}: accuracy vs speed (k={result['k']}, causal={result['is_causal']})", fontsize=9)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "compare_pareto.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save_figure(fig, out_dir, "compare_pareto.png"))
 
     fig, ax = plt.subplots(figsize=(7, 0.35 * len(ok) + 1.5))
     names = [r["selector"][:40] for r in ok]
@@ -170,10 +192,7 @@ def plot_compare(result: dict[str, Any], out_dir: str) -> list[str]:
     ax.axvline(result["dense"]["dense_s"], color="grey", ls=":", lw=1, label="our dense")
     ax.set_xlabel("seconds (median)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "compare_time.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save_figure(fig, out_dir, "compare_time.png"))
     return paths
 
 

@@ -173,11 +173,10 @@ def _workload_label(case: dict[str, Any]) -> tuple[str, str]:
 
 def plot_suite(json_path: str, out_dir: str) -> list[str]:
     """time vs n (log-log, dense included), mass recall vs speed-up (Pareto), recall vs k; from JSON."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    from .report import pareto_axes, pyplot, save_figure
+
+    plt = pyplot()
+    if plt is None:
         return []
     with open(json_path) as f:
         cases = [c for c in json.load(f)["cases"] if "results" in c]
@@ -206,10 +205,7 @@ def plot_suite(json_path: str, out_dir: str) -> list[str]:
         ax.set_title(f"time vs n, synthetic {kind}, d=64, k=64")
         ax.legend(fontsize=6)
         ax.grid(alpha=0.3, which="both")
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, f"time_vs_n_{kind}.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(save_figure(fig, out_dir, f"time_vs_n_{kind}.png"))
     # 2. Pareto: mass recall vs speed-up, every case.
     fig, ax = plt.subplots(figsize=(7, 5))
     for c in cases:
@@ -218,16 +214,9 @@ def plot_suite(json_path: str, out_dir: str) -> list[str]:
         if pts:
             label = c["data"].replace("synthetic:", "")[:30] + f" k={c['k']}" + (" causal" if c["is_causal"] else "")
             ax.scatter(*zip(*pts, strict=True), s=12, label=label)
-    ax.axvline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xscale("log")
-    ax.set_xlabel("speed-up over exact attention, end to end")
-    ax.set_ylabel("softmax mass recall")
+    pareto_axes(ax, "speed-up over exact attention, end to end", "softmax mass recall")
     ax.legend(fontsize=5, ncol=2)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "pareto.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save_figure(fig, out_dir, "pareto.png"))
     # 3. recall vs k on the store.
     ks = sorted((c for c in cases if c["data"] == "store" and not c["is_causal"]), key=lambda c: c["k"])
     if len({c["k"] for c in ks}) > 1:
@@ -246,10 +235,7 @@ def plot_suite(json_path: str, out_dir: str) -> list[str]:
         ax.set_title("store (16,384 real keys): recall vs k")
         ax.legend(fontsize=6)
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, "recall_vs_k.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(save_figure(fig, out_dir, "recall_vs_k.png"))
     return paths
 
 

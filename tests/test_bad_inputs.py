@@ -62,8 +62,8 @@ def sparse_selector(q, k, v, **kw):
     return sa.sparse_attention(q, k, v, kw.pop("pattern", "topk"), k=kw.pop("k", 3), **kw)
 
 
-FUNCS = [pytest.param(dense, id="dense"), pytest.param(sparse, id="sparse"),
-         pytest.param(sparse_selector, id="sparse-selector")]
+DENSE_AND_SPARSE = [pytest.param(dense, id="dense"), pytest.param(sparse, id="sparse")]
+FUNCS = [*DENSE_AND_SPARSE, pytest.param(sparse_selector, id="sparse-selector")]
 
 
 def test_spec_table_covers_every_selector():
@@ -122,25 +122,13 @@ def test_selector_check_finite_false_skips_the_check(rng):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("fn", DENSE_AND_SPARSE)
 @pytest.mark.parametrize("case", ["big-qk-f32", "big-qk-f64", "big-scale-f32"])
-def test_sparse_overflowing_logits_do_not_crash(case):
+def test_overflowing_logits_do_not_crash_nor_give_an_empty_row(fn, case):
     q, k, v, scale = _overflow_case(case)
     try:
-        out = sa.sparse_attention(q, k, v, SparsePattern.full(1, 2), scale=scale)
+        out = fn(q, k, v, scale=scale)  # sparse: SparsePattern.full(1, 2)
     except ValueError as exc:  # an explicit refusal would be acceptable too
-        assert "overflow" in str(exc)
-        return
-    np.testing.assert_allclose(out, _overflow_expected(case))
-
-
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-@pytest.mark.parametrize("case", ["big-qk-f32", "big-qk-f64", "big-scale-f32"])
-def test_dense_overflowing_logits_are_not_an_empty_row(case):
-    q, k, v, scale = _overflow_case(case)
-    try:
-        out = sa.scaled_dot_product_attention(q, k, v, scale=scale)
-    except ValueError as exc:
         assert "overflow" in str(exc)
         return
     np.testing.assert_allclose(out, _overflow_expected(case))
@@ -168,7 +156,7 @@ def _scaled_normal(seed, shapes, mag, dtype):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-@pytest.mark.parametrize("fn", [pytest.param(dense, id="dense"), pytest.param(sparse, id="sparse")])
+@pytest.mark.parametrize("fn", DENSE_AND_SPARSE)
 def test_overflowing_scores_always_raise_never_empty_rows(fn):
     # Finite float32 inputs of magnitude 1e20: every q.k overflows to +inf, -inf or NaN (inf - inf inside
     # the dot product).  Each seed must raise the overflow error; a row must never come back as an empty
@@ -283,7 +271,7 @@ def test_key_value_length_mismatch(qkv):
     with pytest.raises(ValueError, match=r"key and value must have the same length S; got key \(2, 7, 8\) and "
                                          r"value \(2, 6, 3\)"):
         dense(q, k, v[:, :6])
-    with pytest.raises(ValueError, match=r"key and value must agree on \(\.\.\., S\); got key \(2, 7, 8\) and "
+    with pytest.raises(ValueError, match=r"key and value must have the same length S; got key \(2, 7, 8\) and "
                                          r"value \(2, 6, 3\)"):
         sparse(q, k, v[:, :6])
     with pytest.raises(ValueError, match=r"key and value must have the same leading dims; got \(2,\) and \(1,\)"):
@@ -562,7 +550,18 @@ def test_unknown_parameter_lists_the_valid_ones(name):
     ("random:n_random=0", ValueError, r"^random: parameter n_random must be > 0; got 0\.$"),
     ("topk:block=0", ValueError, r"^topk: parameter block must be > 0; got 0\.$"),
     ("faiss-hnsw:M=1", ValueError, r"^faiss-hnsw: parameter M must be >= 2; got 1\.$"),
+    ("faiss-hnsw:efsearch=10", ValueError,
+     r"unknown parameter\(s\) \['efsearch'\] for selector 'faiss-hnsw'; valid: M, center, ef_construction, "
+     r"ef_search, hnsw_min_block"),
+    ("faiss-hnsw:center=2", TypeError, r"^faiss-hnsw: parameter center must be a bool \(true/false\); "
+                                       r"got 2\.$"),
+    ("faiss-hnsw:ef_construction=0", ValueError, r"^faiss-hnsw: parameter ef_construction must be > 0; "
+                                                 r"got 0\.$"),
+    ("faiss-ivf:nlist=0", ValueError, r"faiss-ivf: parameter nlist must be >= 1 \(or None"),
+    ("faiss-ivf:nprobe=x", TypeError, r"faiss-ivf: parameter nprobe must be an integer; got 'x'"),
     ("faiss-ivfpq:nbits=17", ValueError, r"^faiss-ivfpq: parameter nbits must lie in \[1, 16\]; got 17\.$"),
+    ("faiss-ivfpq:nbits=20", ValueError, r"parameter nbits must lie in \[1, 16\]; got 20"),
+    ("faiss-ivfpq:nprob=3", ValueError, r"valid: center, k_factor, m, nbits, nlist, nprobe"),
     ("faiss-flat:center=maybe", TypeError, r"^faiss-flat: parameter center must be a bool \(true/false\); "
                                            r"got 'maybe'\.$"),
     ("kdtree:eps=-1", ValueError, r"^kdtree: parameter eps must be >= 0; got -1\.0\.$"),

@@ -99,6 +99,19 @@ def hf_relative_position_bucket(relative_position, bidirectional=True, num_bucke
     return relative_buckets
 
 
+def check_dense_entrywise(bias: RelativeBias, rng, shape: tuple[int, int, int], high: int, want):
+    """bias.dense at random query / key positions in [0, high): float64 of ``shape`` (H, L, S), and each
+    entry [h, i, j] equal to the oracle ``want(h, kpos[j] - qpos[i])``.  Returns (qpos, kpos, dense)."""
+    _, L, S = shape
+    qpos = rng.integers(0, high, size=L)
+    kpos = rng.integers(0, high, size=S)
+    d = bias.dense(qpos, kpos)
+    assert d.shape == shape and d.dtype == np.float64
+    for h, i, j in np.ndindex(*shape):
+        assert d[h, i, j] == want(h, int(kpos[j]) - int(qpos[i])), (h, i, j)
+    return qpos, kpos, d
+
+
 def kernel_bias(bias: RelativeBias, h: int, i: int, j: int, qpos: np.ndarray, kpos: np.ndarray) -> float:
     kind, params, ints = bias.kernel_args()
     return bias_value(kind, 0, h, i, j, qpos, kpos, params, ints, np.zeros((1, 1, 1)), np.zeros(1, np.int64))
@@ -417,14 +430,8 @@ def test_alibi_slopes_match_paper_code(H):
 
 def test_alibi_dense_and_kernel_args(rng):
     bias = ALiBi(5)
-    qpos = rng.integers(0, 1000, size=7)
-    kpos = rng.integers(0, 1000, size=11)
-    d = bias.dense(qpos, kpos)
-    assert d.shape == (5, 7, 11) and d.dtype == np.float64
-    for h in range(5):
-        for i in range(7):
-            for j in range(11):
-                assert d[h, i, j] == -paper_get_slopes(5)[h] * abs(int(kpos[j]) - int(qpos[i]))
+    slopes = paper_get_slopes(5)
+    check_dense_entrywise(bias, rng, (5, 7, 11), 1000, lambda h, rel: -slopes[h] * abs(rel))
     kind, params, ints = bias.kernel_args()
     assert kind == BIAS_ALIBI == 1 and bias.kind == 1
     assert params.shape == (5, 1) and params.dtype == np.float64 and params.flags.c_contiguous
@@ -538,15 +545,8 @@ def test_t5_dense_and_kernel_args(rng):
     bias = T5RelativeBias(3, num_buckets=16, max_distance=40, seed=7)
     assert bias.table.shape == (3, 16) and bias.table.dtype == np.float64
     np.testing.assert_array_equal(bias.table, T5RelativeBias(3, num_buckets=16, max_distance=40, seed=7).table)
-    qpos = rng.integers(0, 200, size=8)
-    kpos = rng.integers(0, 200, size=13)
-    d = bias.dense(qpos, kpos)
-    assert d.shape == (3, 8, 13) and d.dtype == np.float64
-    for h in range(3):
-        for i in range(8):
-            for j in range(13):
-                rel = int(kpos[j]) - int(qpos[i])
-                assert d[h, i, j] == bias.table[h, t5_bucket(rel, True, 16, 40)]
+    qpos, kpos, d = check_dense_entrywise(bias, rng, (3, 8, 13), 200,
+                                          lambda h, rel: bias.table[h, t5_bucket(rel, True, 16, 40)])
     kind, params, ints = bias.kernel_args()
     assert kind == BIAS_T5 == 2 and bias.kind == 2
     assert params.shape == (3, 16) and params.dtype == np.float64 and params.flags.c_contiguous

@@ -344,22 +344,6 @@ def test_nlist_larger_than_keys(rng, cls):
         cls(nlist=500, m=2, nbits=4).build(keys) if cls is FaissIVFPQSelector else cls(nlist=500).build(keys)
 
 
-@pytest.mark.parametrize(("spec", "exc", "match"), [
-    ("faiss-hnsw:efsearch=10", ValueError,
-     r"unknown parameter\(s\) \['efsearch'\] for selector 'faiss-hnsw'; valid: M, center, ef_construction, "
-     r"ef_search, hnsw_min_block"),
-    ("faiss-ivfpq:nprob=3", ValueError, r"valid: center, k_factor, m, nbits, nlist, nprobe"),
-    ("faiss-ivf:nlist=0", ValueError, r"faiss-ivf: parameter nlist must be >= 1 \(or None"),
-    ("faiss-ivf:nprobe=x", TypeError, r"faiss-ivf: parameter nprobe must be an integer; got 'x'"),
-    ("faiss-hnsw:M=1", ValueError, r"faiss-hnsw: parameter M must be >= 2; got 1"),
-    ("faiss-ivfpq:nbits=20", ValueError, r"parameter nbits must lie in \[1, 16\]; got 20"),
-    ("faiss-flat:center=maybe", TypeError, r"parameter center must be a bool"),
-])
-def test_parameter_errors(spec, exc, match):
-    with pytest.raises(exc, match=match):
-        get_selector(spec)
-
-
 def test_set_params_build_params_need_a_rebuild():
     keys = np.random.default_rng(0).standard_normal((300, 8)).astype(np.float32)
     sel = FaissHNSWSelector(M=16).build(keys)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import assert_exact_topk, gaussian_qk, no_leak, random_causal_problem, recall
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sparseattn.pattern import SparsePattern
 from sparseattn.selectors import get_selector, spec_string
 from sparseattn.selectors.kdtree import KDTreeSelector
-from sparseattn.topk import exact_topk
 
 
 @pytest.fixture
@@ -23,67 +23,44 @@ def rng():
     return np.random.default_rng(77)
 
 
-def _data(rng, L, S, E, dtype=np.float32, mean=0.0):
-    q = rng.standard_normal((L, E)).astype(dtype)
-    k = (rng.standard_normal((S, E)) + mean).astype(dtype)
-    return q, k
-
-
 def _small_blocks(sel, block=16):
     sel.causal_block = block  # exercise the dyadic prefix blocks with few keys
     return sel
-
-
-def _assert_exact_topk(p, q, k, kk, rtol=1e-5, **kw):
-    """Tie-aware: per row, the sorted selected scores equal the exact top-k scores."""
-    _, ids = exact_topk(q, k, kk, **kw)
-    s = q.astype(np.float64) @ k.astype(np.float64).T
-    want_n = (ids >= 0).sum(axis=1)
-    np.testing.assert_array_equal(p.nnz_per_row, want_n)
-    for i in range(q.shape[0]):
-        got = np.sort(s[i, p.row(i)])[::-1]
-        want = np.sort(s[i, ids[i, :want_n[i]]])[::-1]
-        np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol, err_msg=f"row {i}")
-
-
-def _recall(p, q, k, kk, **kw):
-    ref = SparsePattern.from_padded(exact_topk(q, k, kk, **kw)[1], k.shape[0])
-    return (p.to_mask() & ref.to_mask()).sum() / ref.nnz
 
 
 # ---------------------------------------------------------------------------------------- exactness
 @pytest.mark.parametrize("E", [2, 5, 16])
 @pytest.mark.parametrize("kk", [1, 10, 64])
 def test_eps0_equals_exact_topk(rng, E, kk):
-    q, k = _data(rng, 120, 400, E, mean=3.0)  # shared mean: centring must not change the answer
+    q, k = gaussian_qk(rng, 120, 400, E, mean=3.0)  # shared mean: centring must not change the answer
     p = KDTreeSelector().build(k).query(q, kk)
-    _assert_exact_topk(p, q, k, kk)
+    assert_exact_topk(p, q, k, kk)
 
 
 @pytest.mark.parametrize("center", [True, False])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_eps0_causal_exact(rng, center, dtype):
-    q, k = _data(rng, 150, 150, 6, dtype=dtype, mean=1.0)
+    q, k = gaussian_qk(rng, 150, 150, 6, dtype=dtype, mean=1.0)
     sel = _small_blocks(KDTreeSelector(center=center).build(k))
     p = sel.query(q, 12, is_causal=True)
     assert not (p.to_mask() & ~np.tril(np.ones((150, 150), bool))).any()
-    _assert_exact_topk(p, q, k, 12, is_causal=True)
+    assert_exact_topk(p, q, k, 12, is_causal=True)
 
 
 def test_eps0_causal_custom_positions(rng):
     S, L = 300, 60
-    q, k = _data(rng, L, S, 4)
+    q, k = gaussian_qk(rng, L, S, 4)
     sel = _small_blocks(KDTreeSelector().build(k), 8)
     cases = [(np.arange(S - L, S), np.arange(S)),  # decode: L new queries after a cache
              (rng.integers(-5, 3 * S, L), np.cumsum(rng.integers(1, 5, S)))]  # gaps, early queries
     for qpos, kpos in cases:
         p = sel.query(q, 9, is_causal=True, query_positions=qpos, key_positions=kpos)
-        assert not (p.to_mask() & (kpos[None, :] > qpos[:, None])).any()
-        _assert_exact_topk(p, q, k, 9, is_causal=True, query_positions=qpos, key_positions=kpos)
+        assert no_leak(p, qpos, kpos)
+        assert_exact_topk(p, q, k, 9, is_causal=True, query_positions=qpos, key_positions=kpos)
 
 
 def test_k_larger_than_keys_returns_all_no_sentinels(rng):
-    q, k = _data(rng, 7, 5, 3)
+    q, k = gaussian_qk(rng, 7, 5, 3)
     sel = KDTreeSelector().build(k)
     assert sel.query(q, 20) == SparsePattern.from_mask(np.ones((7, 5), bool))
     causal = SparsePattern.from_mask(np.tril(np.ones((7, 5), bool)))
@@ -91,7 +68,7 @@ def test_k_larger_than_keys_returns_all_no_sentinels(rng):
 
 
 def test_search_normalises_ckdtree_sentinels_and_scores(rng):
-    q, k = _data(rng, 4, 6, 3, dtype=np.float64)
+    q, k = gaussian_qk(rng, 4, 6, 3, dtype=np.float64)
     sel = KDTreeSelector().build(k)
     scores, ids = sel._search(sel.index_, q, 9)  # k clipped to n: never the sentinel index n
     assert ids.shape == (4, 6) and ids.min() >= 0 and ids.max() < 6
@@ -109,9 +86,9 @@ def test_search_normalises_ckdtree_sentinels_and_scores(rng):
 
 # ------------------------------------------------------------------------------------------- approx
 def test_eps_positive_recall(rng):
-    q, k = _data(rng, 300, 3000, 6)
+    q, k = gaussian_qk(rng, 300, 3000, 6)
     p = KDTreeSelector(eps=0.5).build(k).query(q, 20)
-    r = _recall(p, q, k, 20)
+    r = recall(p, q, k, 20)
     assert r >= 0.9, r  # observed 0.9975 (eps bounds the distance, not the rank)
     p.validate()
 
@@ -123,8 +100,8 @@ def test_pca_recall_and_candidates(rng):
     basis = np.linalg.qr(rng.standard_normal((E, 8)))[0].T
     k = (2.0 * rng.standard_normal((S, 8)) @ basis + rng.standard_normal((S, E))).astype(np.float32)
     q = (2.0 * rng.standard_normal((L, 8)) @ basis + rng.standard_normal((L, E))).astype(np.float32)
-    r_small = _recall(KDTreeSelector(pca_dim=8, candidates=20).build(k).query(q, 20), q, k, 20)
-    r_big = _recall(KDTreeSelector(pca_dim=8, candidates=200).build(k).query(q, 20), q, k, 20)
+    r_small = recall(KDTreeSelector(pca_dim=8, candidates=20).build(k).query(q, 20), q, k, 20)
+    r_big = recall(KDTreeSelector(pca_dim=8, candidates=200).build(k).query(q, 20), q, k, 20)
     assert r_big >= 0.95, r_big  # observed 0.9955
     assert r_small >= 0.55, r_small  # observed 0.6685 (no slack beyond k: PCA ranking errors stay)
     assert r_big > r_small
@@ -133,25 +110,26 @@ def test_pca_recall_and_candidates(rng):
     p = sel.query(q, 10, is_causal=True)
     assert not (p.to_mask() & ~np.tril(np.ones((L, L), bool))).any()
     np.testing.assert_array_equal(p.nnz_per_row, np.minimum(10, np.arange(1, L + 1)))
-    r_causal = _recall(p, q, k[:L], 10, is_causal=True)
+    r_causal = recall(p, q, k[:L], 10, is_causal=True)
     assert r_causal >= 0.95, r_causal  # observed 0.9995
 
 
 # ------------------------------------------------------------------------------------------- errors
-def test_param_errors(rng):
-    with pytest.raises(ValueError, match="kdtree: parameter eps must be >= 0; got -0.1"):
-        KDTreeSelector(eps=-0.1)
-    with pytest.raises(ValueError, match="kdtree: parameter leafsize must be > 0; got 0"):
-        KDTreeSelector(leafsize=0)
-    with pytest.raises(ValueError, match="kdtree: parameter pca_dim must be > 0; got 0"):
-        KDTreeSelector(pca_dim=0)
-    with pytest.raises(ValueError, match="kdtree: parameter candidates must be > 0; got -4"):
-        KDTreeSelector(candidates=-4)
-    with pytest.raises(ValueError, match=r"parameter workers must be -1 \(all cores\) or >= 1; got 0"):
-        KDTreeSelector(workers=0)
-    with pytest.raises(TypeError, match="kdtree: parameter eps must be a number; got 'x'"):
-        KDTreeSelector(eps="x")
-    _, k = _data(rng, 1, 10, 4)
+@pytest.mark.parametrize(("params", "exc", "match"), [
+    ({"eps": -0.1}, ValueError, "kdtree: parameter eps must be >= 0; got -0.1"),
+    ({"leafsize": 0}, ValueError, "kdtree: parameter leafsize must be > 0; got 0"),
+    ({"pca_dim": 0}, ValueError, "kdtree: parameter pca_dim must be > 0; got 0"),
+    ({"candidates": -4}, ValueError, "kdtree: parameter candidates must be > 0; got -4"),
+    ({"workers": 0}, ValueError, r"parameter workers must be -1 \(all cores\) or >= 1; got 0"),
+    ({"eps": "x"}, TypeError, "kdtree: parameter eps must be a number; got 'x'"),
+])
+def test_param_errors(params, exc, match):
+    with pytest.raises(exc, match=match):
+        KDTreeSelector(**params)
+
+
+def test_errors_that_depend_on_the_data(rng):
+    _, k = gaussian_qk(rng, 1, 10, 4)
     with pytest.raises(ValueError, match=r"cannot run here: pca_dim=4 must be < E=4 \(the key dimension\)"):
         KDTreeSelector(pca_dim=4).build(k)
     with pytest.raises(ValueError, match="causal search with an index needs key_positions sorted ascending"):
@@ -166,13 +144,13 @@ def test_spec_round_trip():
 
 
 def test_set_params_query_time_keeps_the_trees(rng):
-    q, k = _data(rng, 20, 300, 3)
+    q, k = gaussian_qk(rng, 20, 300, 3)
     assert KDTreeSelector.query_params == ("eps", "candidates", "workers")
     sel = KDTreeSelector(eps=4.0, pca_dim=2, candidates=8).build(k)
     tree = sel.index_.tree
     p = sel.set_params(eps=0.0, candidates=300).query(q, 5)
     assert sel.index_.tree is tree  # no rebuild
-    _assert_exact_topk(p, q, k, 5)  # every key is a candidate: exact after the re-rank
+    assert_exact_topk(p, q, k, 5)  # every key is a candidate: exact after the re-rank
     sel.set_params(pca_dim=1)
     with pytest.raises(RuntimeError, match=r"build-time parameter\(s\) pca_dim changed by set_params\(\)"):
         sel.query(q, 5)
@@ -185,18 +163,14 @@ def test_set_params_query_time_keeps_the_trees(rng):
        eps=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 2**32 - 1), decode=st.booleans(),
        gaps=st.booleans())
 def test_property_valid_and_causal(L, S, kk, is_causal, eps, seed, decode, gaps):
-    r = np.random.default_rng(seed)
-    q = r.standard_normal((L, 3)).astype(np.float32)
-    k = r.standard_normal((S, 3)).astype(np.float32)
-    qpos = np.arange(S - L, S) if decode else r.integers(-2, S + 2, L)
-    kpos = np.sort(r.integers(0, S + 2, S)) if gaps else np.arange(S)  # gaps: sorted, with repeats
+    q, k, qpos, kpos = random_causal_problem(seed, L, S, decode, gaps)  # gaps: sorted, with repeats
     sel = _small_blocks(KDTreeSelector(eps=eps).build(k), 4)
     p = sel.query(q, kk, is_causal=is_causal, query_positions=qpos, key_positions=kpos)
     assert p.shape == (L, S)
     p.validate()
     allowed = (kpos[None, :] <= qpos[:, None]).sum(axis=1) if is_causal else np.full(L, S)
     if is_causal:
-        assert not (p.to_mask() & (kpos[None, :] > qpos[:, None])).any()
+        assert no_leak(p, qpos, kpos)
     np.testing.assert_array_equal(p.nnz_per_row, np.minimum(kk, allowed))
     if eps == 0.0 and L:
-        _assert_exact_topk(p, q, k, kk, is_causal=is_causal, query_positions=qpos, key_positions=kpos)
+        assert_exact_topk(p, q, k, kk, is_causal=is_causal, query_positions=qpos, key_positions=kpos)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import assert_exact_topk, gaussian_qk, no_leak, random_causal_problem, recall
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,18 +20,11 @@ from sparseattn.selectors import get_selector, spec_string
 from sparseattn.selectors.angular_lsh import AngularLSHSelector
 from sparseattn.selectors.base import fill_small_rows as _fill_small_rows
 from sparseattn.selectors.lsh import LSHSelector
-from sparseattn.topk import exact_topk
 
 
 @pytest.fixture
 def rng():
     return np.random.default_rng(2024)
-
-
-def _gaussian(rng, L, S, E, dtype=np.float32, mean=0.0):
-    q = rng.standard_normal((L, E)).astype(dtype)
-    k = (rng.standard_normal((S, E)) + mean).astype(dtype)
-    return q, k
 
 
 def _clustered(rng, L, S, E, n_clusters=32, spread=0.3, mean=0.0):
@@ -39,23 +33,6 @@ def _clustered(rng, L, S, E, n_clusters=32, spread=0.3, mean=0.0):
     k = centres[rng.integers(0, n_clusters, S)] + spread * rng.standard_normal((S, E)) + mean
     q = centres[rng.integers(0, n_clusters, L)] + spread * rng.standard_normal((L, E))
     return q.astype(np.float32), k.astype(np.float32)
-
-
-def _recall(p, q, k, kk, **kw):
-    ref = SparsePattern.from_padded(exact_topk(q, k, kk, **kw)[1], k.shape[0])
-    return (p.to_mask() & ref.to_mask()).sum() / ref.nnz
-
-
-def _assert_exact_topk(p, q, k, kk, rtol=1e-5, **kw):
-    """Tie-aware: per row, the sorted selected scores equal the exact top-k scores."""
-    _, ids = exact_topk(q, k, kk, **kw)
-    s = q.astype(np.float64) @ k.astype(np.float64).T
-    want_n = (ids >= 0).sum(axis=1)
-    np.testing.assert_array_equal(p.nnz_per_row, want_n)
-    for i in range(q.shape[0]):
-        got = np.sort(s[i, p.row(i)])[::-1]
-        want = np.sort(s[i, ids[i, :want_n[i]]])[::-1]
-        np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol, err_msg=f"row {i}")
 
 
 def _assert_topk_of_rows(p, cand, q, k, kk, rtol=1e-5):
@@ -67,10 +44,6 @@ def _assert_topk_of_rows(p, cand, q, k, kk, rtol=1e-5):
         want = np.sort(s[i, c])[::-1][:kk]
         got = np.sort(s[i, p.row(i)])[::-1]
         np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol, err_msg=f"row {i}")
-
-
-def _no_leak(p, qpos, kpos):
-    return not (p.to_mask() & (kpos[None, :] > qpos[:, None])).any()
 
 
 # =============================================================================== datasketch ``lsh``
@@ -148,10 +121,10 @@ def test_probe_sequences(rng, family, n_bits):
 
 # ---------------------------------------------------------------------------------------- quality
 def test_exhaustive_when_candidates_cover_all_keys(rng):
-    q, k = _gaussian(rng, 60, 300, 8, mean=2.0)
+    q, k = gaussian_qk(rng, 60, 300, 8, mean=2.0)
     sel = LSHSelector(n_candidates=300).build(k)
     assert sel.index_.lsh is None  # no LSH needed: every key is a candidate
-    _assert_exact_topk(sel.query(q, 10), q, k, 10)
+    assert_exact_topk(sel.query(q, 10), q, k, 10)
 
 
 def test_recall_clustered_and_exact_top_of_candidates(rng):
@@ -159,7 +132,7 @@ def test_recall_clustered_and_exact_top_of_candidates(rng):
     sel = LSHSelector(n_candidates=256).build(k)
     assert sel.index_.lsh is not None
     p = sel.query(q, 16)
-    r = _recall(p, q, k, 16)
+    r = recall(p, q, k, 16)
     assert r >= 0.9, r  # observed 1.0
     # The selection is the exact top-16 of the candidates the probes found.
     cand = SparsePattern.from_padded(sel._lsh_candidates(sel.index_.lsh, q, sel.centered_, 256), 4000)
@@ -168,19 +141,19 @@ def test_recall_clustered_and_exact_top_of_candidates(rng):
 
 
 def test_recall_grows_with_candidates_and_probes(rng):
-    q, k = _gaussian(rng, 150, 4096, 32)
-    rec_c = [_recall(LSHSelector(n_candidates=c).build(k).query(q, 16), q, k, 16) for c in (64, 256, 1024)]
+    q, k = gaussian_qk(rng, 150, 4096, 32)
+    rec_c = [recall(LSHSelector(n_candidates=c).build(k).query(q, 16), q, k, 16) for c in (64, 256, 1024)]
     # (with 64 candidates, the overflowing first probe already returns a few hundred keys, all scored)
     assert rec_c[0] < rec_c[1] < rec_c[2], rec_c  # observed [0.575, 0.676, 0.874]
     assert rec_c[2] >= 0.75, rec_c
-    rec_p = [_recall(LSHSelector(n_tables=8, n_probes=t, n_candidates=4000).build(k).query(q, 16), q, k, 16)
+    rec_p = [recall(LSHSelector(n_tables=8, n_probes=t, n_candidates=4000).build(k).query(q, 16), q, k, 16)
              for t in (0, 2, 8)]
     assert rec_p[0] < rec_p[1] < rec_p[2], rec_p  # observed [0.200, 0.408, 0.689]
     assert rec_p[2] >= 0.55, rec_p
 
 
 def test_reproducible_by_seed(rng):
-    q, k = _gaussian(rng, 50, 1500, 16)
+    q, k = gaussian_qk(rng, 50, 1500, 16)
     a = LSHSelector(seed=7, n_candidates=200).build(k).query(q, 8)
     b = LSHSelector(seed=7, n_candidates=200).build(k).query(q, 8)
     c = LSHSelector(seed=8, n_candidates=200).build(k).query(q, 8)
@@ -197,13 +170,13 @@ def test_causal_no_leak_and_recall(rng, dtype):
     p = sel.query(q, 8, is_causal=True)
     assert not (p.to_mask() & ~np.tril(np.ones((400, 400), bool))).any()
     assert p.nnz_per_row.min() >= 1
-    r = _recall(p, q, k, 8, is_causal=True)
+    r = recall(p, q, k, 8, is_causal=True)
     assert r >= 0.85, r  # observed 0.969 (float32 and float64)
     assert any(idx.lsh is not None for idx in sel._blocks.values())  # some blocks went through datasketch
 
 
 def test_small_and_degenerate_inputs(rng):
-    q, k = _gaussian(rng, 3, 5, 4)
+    q, k = gaussian_qk(rng, 3, 5, 4)
     sel = LSHSelector().build(k)
     assert sel.query(q, 10) == SparsePattern.from_mask(np.ones((3, 5), bool))  # k > S: every key
     assert sel.query(q[:0], 4).shape == (0, 5)
@@ -296,7 +269,7 @@ def test_buckets_match_numpy_oracle(rng):
 @pytest.mark.parametrize("chunk_size", [0, 1, 4, 16])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_candidates_match_window_oracle(rng, order, chunk_size, is_causal):
-    q, k = _gaussian(rng, 40, 90, 6, mean=1.5)
+    q, k = gaussian_qk(rng, 40, 90, 6, mean=1.5)
     kw = dict(n_buckets=4, n_hashes=2, n_rounds=3, chunk_size=chunk_size, order=order, seed=5)
     sel = AngularLSHSelector(rerank=False, **kw).build(k)
     qpos = np.arange(40) * 2  # queries interleaved with the keys
@@ -328,42 +301,42 @@ def test_shared_qk_query_sees_itself(rng):
 
 
 def test_window_covering_all_keys_is_exact(rng):
-    q, k = _gaussian(rng, 30, 50, 5, mean=1.0)
+    q, k = gaussian_qk(rng, 30, 50, 5, mean=1.0)
     for order in ("norm", "position"):
         sel = AngularLSHSelector(chunk_size=64, n_rounds=1, order=order).build(k)  # the window holds every key
-        _assert_exact_topk(sel.query(q, 7), q, k, 7)
-        _assert_exact_topk(sel.query(q, 7, is_causal=True), q, k, 7, is_causal=True)
+        assert_exact_topk(sel.query(q, 7), q, k, 7)
+        assert_exact_topk(sel.query(q, 7, is_causal=True), q, k, 7, is_causal=True)
         assert sel.query(q, 100) == SparsePattern.from_mask(np.ones((30, 50), bool))
 
 
 def test_angular_recall_clustered(rng):
     q, k = _clustered(rng, 300, 4000, 32, mean=2.0)
-    r_norm = _recall(AngularLSHSelector().build(k).query(q, 16), q, k, 16)
+    r_norm = recall(AngularLSHSelector().build(k).query(q, 16), q, k, 16)
     assert r_norm >= 0.9, r_norm  # observed 0.998
-    r_reformer = _recall(AngularLSHSelector(order="position", n_hashes=4).build(k).query(q, 16), q, k, 16)
+    r_reformer = recall(AngularLSHSelector(order="position", n_hashes=4).build(k).query(q, 16), q, k, 16)
     assert r_reformer >= 0.85, r_reformer  # observed 0.974
     bucket = AngularLSHSelector(chunk_size=0, n_buckets=32, n_hashes=1, n_rounds=4).build(k).query(q, 16)
-    r_bucket = _recall(bucket, q, k, 16)
+    r_bucket = recall(bucket, q, k, 16)
     assert r_bucket >= 0.85, r_bucket  # observed 0.962
 
 
 def test_angular_recall_grows_with_rounds(rng):
-    q, k = _gaussian(rng, 300, 4096, 32)
-    rec = [_recall(AngularLSHSelector(n_rounds=r).build(k).query(q, 16), q, k, 16) for r in (1, 4, 16, 48)]
+    q, k = gaussian_qk(rng, 300, 4096, 32)
+    rec = [recall(AngularLSHSelector(n_rounds=r).build(k).query(q, 16), q, k, 16) for r in (1, 4, 16, 48)]
     # (48 rounds x 64-key windows reach most of the 4096 keys: a trend test, not a quality claim)
     assert rec[0] < rec[1] < rec[2] < rec[3], rec  # observed [0.079, 0.274, 0.722, 0.973]
     assert rec[2] >= 0.6 and rec[3] >= 0.85, rec
 
 
 def test_angular_reproducible_by_seed(rng):
-    q, k = _gaussian(rng, 60, 700, 12)
+    q, k = gaussian_qk(rng, 60, 700, 12)
     a = AngularLSHSelector(seed=1).build(k).query(q, 8)
     assert a == AngularLSHSelector(seed=1).build(k).query(q, 8)
     assert a != AngularLSHSelector(seed=2).build(k).query(q, 8)
 
 
 def test_angular_float64_and_empty(rng):
-    q, k = _gaussian(rng, 20, 200, 6, dtype=np.float64)
+    q, k = gaussian_qk(rng, 20, 200, 6, dtype=np.float64)
     sel = AngularLSHSelector(chunk_size=8).build(k)
     p = sel.query(q, 4)
     assert p.shape == (20, 200) and p.nnz_per_row.max() == 4
@@ -396,7 +369,7 @@ def test_angular_param_errors():
 
 # ================================================================================== shared kernels
 def test_rerank_topk_unique_matches_oracle(rng):
-    q, k = _gaussian(rng, 25, 60, 5)
+    q, k = gaussian_qk(rng, 25, 60, 5)
     cand = np.full((25, 30), -1, dtype=np.int64)
     for i in range(25):
         m = rng.integers(0, 31)
@@ -420,18 +393,14 @@ def test_rerank_topk_unique_matches_oracle(rng):
        chunk=st.sampled_from([0, 1, 3, 8]), rerank=st.booleans(), seed=st.integers(0, 2**32 - 1),
        decode=st.booleans(), order=st.sampled_from(["norm", "position"]))
 def test_property_angular_valid_and_causal(L, S, kk, is_causal, chunk, rerank, seed, decode, order):
-    r = np.random.default_rng(seed)
-    q = r.standard_normal((L, 3)).astype(np.float32)
-    k = r.standard_normal((S, 3)).astype(np.float32)
-    qpos = np.arange(S - L, S) if decode else r.integers(-2, S + 2, L)
-    kpos = np.sort(r.integers(0, S + 2, S))
+    q, k, qpos, kpos = random_causal_problem(seed, L, S, decode)
     sel = AngularLSHSelector(n_buckets=4, n_hashes=2, n_rounds=2, chunk_size=chunk, rerank=rerank,
                              order=order, seed=seed % 1000).build(k)
     p = sel.query(q, kk, is_causal=is_causal, query_positions=qpos, key_positions=kpos)
     assert p.shape == (L, S)
     p.validate()
     if is_causal:
-        assert _no_leak(p, qpos, kpos)
+        assert no_leak(p, qpos, kpos)
     if rerank:
         assert p.nnz_per_row.max(initial=0) <= kk
     # Candidates are computed with the causal filter inside: the causal pattern is the causal
@@ -451,11 +420,7 @@ def test_property_angular_valid_and_causal(L, S, kk, is_causal, chunk, rerank, s
 @given(L=st.integers(0, 10), S=st.integers(1, 70), kk=st.integers(1, 6), is_causal=st.booleans(),
        seed=st.integers(0, 2**32 - 1), decode=st.booleans())
 def test_property_lsh_valid_and_causal(L, S, kk, is_causal, seed, decode):
-    r = np.random.default_rng(seed)
-    q = r.standard_normal((L, 3)).astype(np.float32)
-    k = r.standard_normal((S, 3)).astype(np.float32)
-    qpos = np.arange(S - L, S) if decode else r.integers(-2, S + 2, L)
-    kpos = np.sort(r.integers(0, S + 2, S))
+    q, k, qpos, kpos = random_causal_problem(seed, L, S, decode)
     sel = LSHSelector(n_bits=2, hashes_per_table=1, n_tables=4, n_probes=1, n_candidates=8).build(k)
     sel.causal_block = 4
     p = sel.query(q, kk, is_causal=is_causal, query_positions=qpos, key_positions=kpos)
@@ -463,4 +428,4 @@ def test_property_lsh_valid_and_causal(L, S, kk, is_causal, seed, decode):
     p.validate()
     assert p.nnz_per_row.max(initial=0) <= kk
     if is_causal:
-        assert _no_leak(p, qpos, kpos)
+        assert no_leak(p, qpos, kpos)

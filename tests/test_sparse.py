@@ -445,9 +445,9 @@ def test_pattern_errors(rng):
 def test_shape_errors(rng):
     q, k, v = qkv(rng, (), (), 4, 5, 3, 2, np.float64)
     p = SparsePattern.full(4, 5)
-    with pytest.raises(ValueError, match=r"query and key must have the same feature size E; got \(4, 2\) and \(5, 3\)"):
+    with pytest.raises(ValueError, match=r"query and key must have the same feature size E; got query \(4, 2\) and key \(5, 3\)"):
         sparse_attention(q[:, :2], k, v, p)
-    with pytest.raises(ValueError, match=r"key and value must agree on \(\.\.\., S\); got key \(5, 3\) and value \(4, 2\)"):
+    with pytest.raises(ValueError, match=r"key and value must have the same length S; got key \(5, 3\) and value \(4, 2\)"):
         sparse_attention(q, k, v[:4], p)
     with pytest.raises(TypeError, match=r"query must have dtype float16, float32 or float64; got int64"):
         sparse_attention(q.astype(np.int64), k, v, p)

@@ -31,17 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ..inputs import (
-    as_float_array,
-    check_lse,
-    check_positive_int,
-    check_scale,
-    flat3,
-    group_maps,
-    overflow_message,
-    positions,
-    result_dtype,
-)
+from ..inputs import attention_inputs, check_lse, check_positive_int, overflow_message, positions
 from ..threads import get_num_threads, single_threaded_blas
 
 DEFAULT_Q_BLOCK = 256
@@ -138,30 +128,12 @@ def scaled_dot_product_attention(
     >>> float(out[0, 0].round(6))  # weights softmax([1, 0]) = [0.731059, 0.268941]
     1.537883
     """
-    q = as_float_array(query, "query", check_finite=check_finite)
-    k = as_float_array(key, "key", check_finite=check_finite)
-    v = as_float_array(value, "value", check_finite=check_finite)
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"query and key must have the same feature size E; got query {q.shape} and "
-                         f"key {k.shape}.")
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"key and value must have the same length S; got key {k.shape} and value {v.shape}.")
-    if k.shape[:-2] != v.shape[:-2]:
-        raise ValueError(f"key and value must have the same leading dims; got {k.shape[:-2]} and {v.shape[:-2]}.")
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal must be a bool; got {is_causal!r}.")
+    inp = attention_inputs(query, key, value, scale, is_causal, enable_gqa=enable_gqa, check_finite=check_finite)
     _check_dropout(dropout_p)
     q_block = check_positive_int(q_block, "q_block")
     k_block = check_positive_int(k_block, "k_block")
-    L, E = q.shape[-2:]
-    S, Ev = v.shape[-2:]
-    sc = check_scale(scale, E)
-    lead, q_map, kv_map = group_maps(q.shape[:-2], k.shape[:-2], enable_gqa=enable_gqa)
+    G, L, S, lead, sc, cdt = inp.G, inp.L, inp.S, inp.lead, inp.scale, inp.cdt
     mask = _check_mask(attn_mask, lead, L, S)
-    cdt = result_dtype(q, k, v)
-    if not np.isfinite(cdt.type(sc)):
-        raise ValueError(f"scale={sc:g} overflows the computation dtype {cdt.name}; pass float64 inputs.")
-    out_dtype = np.result_type(q.dtype, k.dtype, v.dtype)
     qpos = kpos = None
     if bias is not None:
         n_heads = lead[-1] if lead else 1
@@ -171,10 +143,9 @@ def scaled_dot_product_attention(
         qpos = positions(query_positions, L, "query_positions")
         kpos = positions(key_positions, S, "key_positions")
 
-    G = len(q_map)
-    out = np.zeros((G, L, Ev), dtype=cdt)
+    out = np.zeros((G, L, inp.Ev), dtype=cdt)
     lse = np.full((G, L), -np.inf, dtype=cdt)
-    q3, k3, v3 = flat3(q), flat3(k), flat3(v)
+    q3, k3, v3, q_map, kv_map = inp.q3, inp.k3, inp.v3, inp.q_map, inp.kv_map
     if G and L and S:
         tasks = [(g, r0) for g in range(G) for r0 in range(0, L, q_block)]
         n_workers = min(get_num_threads(), len(tasks))
@@ -193,10 +164,8 @@ def scaled_dot_product_attention(
             with single_threaded_blas(), ThreadPoolExecutor(n_workers) as pool:
                 list(pool.map(run, tasks))
     check_lse(lse, cdt, sc, nan_is_overflow=check_finite)
-    result = out.reshape(lead + (L, Ev)).astype(out_dtype, copy=False)
-    if return_lse:
-        return result, lse.reshape(lead + (L,))
-    return result
+    result, lse = inp.finish(out, lse)
+    return (result, lse) if return_lse else result
 
 
 def _check_dropout(dropout_p: object) -> None:
@@ -209,11 +178,17 @@ def _check_dropout(dropout_p: object) -> None:
 
 
 def _attend_block(qg, kg, vg, mask_g, g, lead, r0, r1, is_causal, scale, cdt, k_block, bias, qpos, kpos,
-                  out_g, lse_g) -> None:
-    """Rows [r0, r1) of one group: online softmax over key tiles, written into out_g / lse_g."""
+                  out_g, lse_g, probe: bool = False) -> None:
+    """Rows [r0, r1) of one group: online softmax over key tiles, written into out_g / lse_g.
+
+    ``probe``: queries scaled by 2**-140 so no product overflows; only which rows have an allowed key
+    (finite lse) is read from such a pass.
+    """
     S = kg.shape[0]
     b = r1 - r0
     qb = np.asarray(qg[r0:r1], dtype=cdt) * cdt.type(scale)
+    if probe:
+        qb *= cdt.type(2.0**-140)
     # Top-left causal: rows < r1 never see keys >= r1, so those tiles are skipped outright.
     k_end = min(S, r1) if is_causal else S
     m = np.full(b, -np.inf, dtype=cdt)
@@ -258,3 +233,12 @@ def _attend_block(qg, kg, vg, mask_g, g, lead, r0, r1, is_causal, scale, cdt, k_
     if nan_rows.any():
         out_g[r0:r1][nan_rows] = np.nan
         lse_g[r0:r1][nan_rows] = np.nan
+    if not probe and np.isneginf(m).any():
+        # Rows without a finite score: masked out entirely (an empty row), or every allowed product q.k
+        # overflowed to -inf (finite inputs: an overflow, not an empty row).  A probe pass with scaled
+        # queries tells them apart (rare: only blocks holding such rows pay for it).
+        p_out, p_lse = np.empty_like(out_g), np.empty_like(lse_g)
+        _attend_block(qg, kg, vg, mask_g, g, lead, r0, r1, is_causal, scale, cdt, k_block, bias, qpos, kpos,
+                      p_out, p_lse, probe=True)
+        if np.isfinite(p_lse[r0:r1][np.isneginf(m)]).any():
+            raise ValueError(overflow_message(cdt, scale))

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..index.cluster import ClusterIndex, cluster_jobs
-from ..inputs import as_float_array, check_scale, overflow_message, positions, result_dtype
+from ..inputs import as_float_array, check_bool, check_lse, check_scale, positions, result_dtype
 from ..kernels import cluster as ck
 from ..kernels.merge import merge_partials
 from ..threads import run_jobs, worker_threads
@@ -106,9 +106,7 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
         raise ValueError(f"queries must have shape (L, E={E}); got {q_in.shape}.")
     if v_in.ndim != 2 or v_in.shape[0] != S:
         raise ValueError(f"values must have shape (S={S}, Ev), one row per key; got {v_in.shape}.")
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal must be a bool; got {is_causal!r}.")
-    is_causal = bool(is_causal)
+    is_causal = check_bool(is_causal, "is_causal")
     sc = check_scale(scale, E)
     dtype = result_dtype(q_in, index.keys_, v_in)
     q = np.ascontiguousarray(q_in, dtype=dtype)
@@ -142,8 +140,7 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
         stats["refined_pairs"] = refined[0]
     # Finite inputs whose q.k overflows the dtype leave +inf (or inf - inf = NaN) in lse: an error, as in
     # sparse_attention, never a silent garbage row.  NaN from NaN inputs (check_finite=False) passes.
-    if np.isposinf(lse).any() or (check_finite and np.isnan(lse).any()):
-        raise ValueError(overflow_message(dtype, sc))
+    check_lse(lse, dtype, sc, nan_is_overflow=check_finite)
     return out, lse
 
 

@@ -1,9 +1,10 @@
 """Sparse attention: attention of each query over the keys a pattern (or a selector) gives it.
 
-Data path: Q/K/V validated once (:func:`_validate`) -> patterns, given (:func:`_explicit_patterns`) or
-built per (batch, head) group by a selector (:func:`_run_selector`) -> the fused Numba kernel
-(:func:`_run_kernel`: scores, stable softmax, weighted sum) -> output and log-sum-exp.  A selector that
-declares ``attends`` (cluster routing in block mode) computes attention itself and no pattern is made.
+Data path: Q/K/V validated once (:func:`sparseattn.inputs.attention_inputs`) -> patterns, given
+(:func:`_explicit_patterns`) or built per (batch, head) group by a selector (:func:`_run_selector`) -> the
+fused Numba kernel (:func:`_run_kernel`: scores, stable softmax, weighted sum) -> output and log-sum-exp.
+A selector that declares ``attends`` (cluster routing in block mode) computes attention itself and no
+pattern is made.
 
 Two entry points share that path: :func:`sparse_attention` returns the output (and the lse with
 ``return_lse=True``); :func:`sparse_attention_result` also returns the patterns used and the time spent in
@@ -23,14 +24,14 @@ from typing import Any
 import numpy as np
 
 from ..inputs import (
+    AttentionInputs,
     as_float_array,
+    attention_inputs,
     check_lse,
     check_positive_int,
-    check_scale,
     flat3,
     group_maps,
     positions,
-    result_dtype,
 )
 from ..kernels import fused
 from ..kernels.bias import BIAS_DENSE, no_bias_args
@@ -70,63 +71,12 @@ class SparseAttentionResult:
     selector: str | None = None
 
 
-@dataclass
-class _Inputs:
-    """Validated inputs: (G, n, f) arrays in the computation dtype plus the group maps."""
-
-    q3: np.ndarray
-    k3: np.ndarray
-    v3: np.ndarray
-    lead: tuple[int, ...]
-    q_map: np.ndarray
-    kv_map: np.ndarray
-    scale: float
-    cdt: np.dtype
-    out_dtype: np.dtype
-
-    @property
-    def G(self) -> int:
-        return len(self.q_map)
-
-    @property
-    def L(self) -> int:
-        return self.q3.shape[1]
-
-    @property
-    def S(self) -> int:
-        return self.k3.shape[1]
-
-    @property
-    def E(self) -> int:
-        return self.q3.shape[2]
-
-    @property
-    def Ev(self) -> int:
-        return self.v3.shape[2]
-
-    def finish(self, out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(G, L, Ev) / (G, L) kernel results -> (..., L, Ev) in the output dtype / (..., L)."""
-        output = out.reshape(self.lead + (self.L, self.Ev)).astype(self.out_dtype, copy=False)
-        return output, lse.reshape(self.lead + (self.L,))
-
-
 # ------------------------------------------------------------------------------------ public API
-def sparse_attention(
-    query: np.ndarray,
-    key: np.ndarray,
-    value: np.ndarray,
-    pattern: PatternArg,
-    *,
-    k: int = 64,
-    is_causal: bool = False,
-    scale: float | None = None,
-    bias: Any = None,
-    query_positions: np.ndarray | None = None,
-    key_positions: np.ndarray | None = None,
-    enable_gqa: bool = False,
-    return_lse: bool = False,
-    check_finite: bool = True,
-) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+def sparse_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, pattern: PatternArg, *,
+                     k: int = 64, is_causal: bool = False, scale: float | None = None, bias: Any = None,
+                     query_positions: np.ndarray | None = None, key_positions: np.ndarray | None = None,
+                     enable_gqa: bool = False, return_lse: bool = False, check_finite: bool = True,
+                     ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Attention of each query over the keys selected for it.
 
     Parameters
@@ -202,7 +152,8 @@ def sparse_attention_result(
     Parameters are those of :func:`sparse_attention` (without ``return_lse``: the lse is always there).
     Used by the benchmark harness and by callers that want to inspect the selected keys.
     """
-    inp = _validate(query, key, value, scale, is_causal, enable_gqa, check_finite)
+    inp = attention_inputs(query, key, value, scale, is_causal, enable_gqa=enable_gqa,
+                           check_finite=check_finite).in_computation_dtype()
     timings = {"build": 0.0, "select": 0.0, "kernel": 0.0}
     if isinstance(pattern, (SparsePattern, list, tuple)):
         patterns = _explicit_patterns(pattern, inp, is_causal, query_positions, key_positions)
@@ -223,29 +174,7 @@ def sparse_attention_result(
 
 
 # --------------------------------------------------------------------------------------- helpers
-def _validate(query: Any, key: Any, value: Any, scale: Any, is_causal: Any, enable_gqa: bool,
-              check_finite: bool) -> _Inputs:
-    """Check Q/K/V, scale and flags once; return them as C-contiguous (G, n, f) computation arrays."""
-    q = as_float_array(query, "query", check_finite=check_finite)
-    kk = as_float_array(key, "key", check_finite=check_finite)
-    v = as_float_array(value, "value", check_finite=check_finite)
-    if q.shape[-1] != kk.shape[-1]:
-        raise ValueError(f"query and key must have the same feature size E; got {q.shape} and {kk.shape}.")
-    if kk.shape[-2] != v.shape[-2] or kk.shape[:-2] != v.shape[:-2]:
-        raise ValueError(f"key and value must agree on (..., S); got key {kk.shape} and value {v.shape}.")
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal must be a bool; got {is_causal!r}.")
-    sc = check_scale(scale, q.shape[-1])
-    lead, q_map, kv_map = group_maps(q.shape[:-2], kk.shape[:-2], enable_gqa=enable_gqa)
-    cdt = result_dtype(q, kk, v)
-    if not np.isfinite(cdt.type(sc)):
-        raise ValueError(f"scale={sc:g} overflows the computation dtype {cdt.name}; pass float64 inputs.")
-    return _Inputs(np.ascontiguousarray(flat3(q), dtype=cdt), np.ascontiguousarray(flat3(kk), dtype=cdt),
-                   np.ascontiguousarray(flat3(v), dtype=cdt), tuple(lead), q_map, kv_map, sc, cdt,
-                   np.result_type(q.dtype, kk.dtype, v.dtype))
-
-
-def _explicit_patterns(pattern: SparsePattern | Sequence[SparsePattern], inp: _Inputs, is_causal: bool,
+def _explicit_patterns(pattern: SparsePattern | Sequence[SparsePattern], inp: AttentionInputs, is_causal: bool,
                        query_positions: Any, key_positions: Any) -> list[SparsePattern]:
     """Check a given pattern (or one per group) against (L, S); filter it causally when asked.
 
@@ -270,7 +199,7 @@ def _explicit_patterns(pattern: SparsePattern | Sequence[SparsePattern], inp: _I
     return patterns
 
 
-def _resolve_selector(pattern: Any, inp: _Inputs, is_causal: bool, bias: Any) -> tuple[Any, str]:
+def _resolve_selector(pattern: Any, inp: AttentionInputs, is_causal: bool, bias: Any) -> tuple[Any, str]:
     """A Selector (or spec string) -> (template selector, spec string), refused when it cannot run here.
 
     The one place where a selector's declared capabilities are checked: ``not_supported_reasons``
@@ -290,7 +219,7 @@ def _resolve_selector(pattern: Any, inp: _Inputs, is_causal: bool, bias: Any) ->
     return template, spec
 
 
-def _run_selector(pattern: Any, inp: _Inputs, k: int, is_causal: bool, bias: Any, query_positions: Any,
+def _run_selector(pattern: Any, inp: AttentionInputs, k: int, is_causal: bool, bias: Any, query_positions: Any,
                   key_positions: Any, timings: dict[str, float]
                   ) -> tuple[str, list[SparsePattern], tuple[np.ndarray, np.ndarray] | None]:
     """Build the selector once per distinct K/V group and query it (or let it attend) for every group.
@@ -330,7 +259,7 @@ def _run_selector(pattern: Any, inp: _Inputs, k: int, is_causal: bool, bias: Any
     return spec, patterns, ((out, lse) if attends else None)
 
 
-def _bias_args(bias: Any, inp: _Inputs, query_positions: Any, key_positions: Any) -> tuple:
+def _bias_args(bias: Any, inp: AttentionInputs, query_positions: Any, key_positions: Any) -> tuple:
     """The kernel's bias arguments: none, a relative-position bias object, or a dense (..., L, S) array."""
     G, L, S, lead, cdt = inp.G, inp.L, inp.S, inp.lead, inp.cdt
     if bias is None:
@@ -357,7 +286,7 @@ def _bias_args(bias: Any, inp: _Inputs, query_positions: Any, key_positions: Any
     return (BIAS_DENSE, np.zeros((1, 1)), np.zeros(3, np.int64), qpos, kpos, dense, bmap, 1)
 
 
-def _run_kernel(inp: _Inputs, patterns: list[SparsePattern], bias_args: tuple, *, with_bias: bool
+def _run_kernel(inp: AttentionInputs, patterns: list[SparsePattern], bias_args: tuple, *, with_bias: bool
                 ) -> tuple[np.ndarray, np.ndarray]:
     """The fused kernel over all groups: (G, L, Ev) output and (G, L) lse in the computation dtype."""
     G, L, cdt = inp.G, inp.L, inp.cdt

@@ -36,6 +36,7 @@ from numba import njit, prange
 
 from ._intrinsics import _LOG2E, pow2_f32
 from ._options import FASTMATH, serial_and_parallel
+from .pattern_ops import emit, two_pass_csr
 
 _LOG2E_F64 = 1.0 / math.log(2.0)
 _CHUNK = 8  # columns per chunk in the first passes below (a compile-time constant, so it vectorises)
@@ -586,7 +587,28 @@ def exact_pairs(bad, Qs, kp, vp, kptr, pair_cluster, is_causal, qpos_s, kpos_p, 
         pm[t] = m
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, inline="always")
+def _routed_row(i, args, out, w, write):
+    """Row i of :func:`routed_pattern` (a row emitter of :func:`~.pattern_ops.two_pass_csr`)."""
+    route, kptr, perm, is_causal, qpos, kpos = args
+    w0 = w
+    for t in range(route.shape[1]):
+        cl = route[i, t]
+        if not (write or is_causal):  # counting every key of the cluster
+            w += kptr[cl + 1] - kptr[cl]
+            continue
+        for q in range(kptr[cl], kptr[cl + 1]):
+            j = perm[q]
+            if not is_causal or kpos[j] <= qpos[i]:
+                w = emit(out, w, write, j)
+    if write:
+        out[w0:w].sort()
+    return w
+
+
+_routed_rows = two_pass_csr(_routed_row, "routed_pattern")[1]
+
+
 def routed_pattern(route, kptr, perm, is_causal, qpos, kpos):
     """CSR of every key in each query's routed clusters (causal: only ``kpos[j] <= qpos[i]``).
 
@@ -594,32 +616,4 @@ def routed_pattern(route, kptr, perm, is_causal, qpos, kpos):
     perm (S,) int64 original key id at each cluster-ordered position; qpos (L,), kpos (S,) int64
     (original key order).  Returns indptr (L+1,) int64 and indices int32, sorted per row.
     """
-    L, p = route.shape
-    counts = np.zeros(L, dtype=np.int64)
-    for i in prange(L):
-        c = 0
-        for t in range(p):
-            cl = route[i, t]
-            if is_causal:
-                for q in range(kptr[cl], kptr[cl + 1]):
-                    if kpos[perm[q]] <= qpos[i]:
-                        c += 1
-            else:
-                c += kptr[cl + 1] - kptr[cl]
-        counts[i] = c
-    indptr = np.zeros(L + 1, dtype=np.int64)
-    for i in range(L):
-        indptr[i + 1] = indptr[i] + counts[i]
-    indices = np.empty(indptr[L], dtype=np.int32)
-    for i in prange(L):
-        a = indptr[i]
-        w = a
-        for t in range(p):
-            cl = route[i, t]
-            for q in range(kptr[cl], kptr[cl + 1]):
-                j = perm[q]
-                if not is_causal or kpos[j] <= qpos[i]:
-                    indices[w] = j
-                    w += 1
-        indices[a:w].sort()
-    return indptr, indices
+    return _routed_rows(route.shape[0], (route, kptr, perm, is_causal, qpos, kpos))

@@ -36,6 +36,7 @@ from numba.extending import intrinsic
 
 from ._intrinsics import exp_shifted_f32
 from ._options import FASTMATH, serial_and_parallel
+from .topk import heap_offer
 
 MODE_NONE = 0
 MODE_CLUSTER = 1
@@ -77,41 +78,6 @@ def widen_bf16(typingctx, x):
     return None
 
 
-@njit(cache=True, fastmath=FASTMATH, inline="always")
-def _heap_push(hs, hi, n, cap, s, idx):
-    """Keep the ``cap`` largest scores in a min-heap (hs, hi) of current size n; returns the new size."""
-    if n < cap:
-        j = n
-        hs[j] = s
-        hi[j] = idx
-        while j > 0:
-            parent = (j - 1) // 2
-            if hs[parent] <= hs[j]:
-                break
-            hs[parent], hs[j] = hs[j], hs[parent]
-            hi[parent], hi[j] = hi[j], hi[parent]
-            j = parent
-        return n + 1
-    if s <= hs[0]:
-        return n
-    hs[0] = s
-    hi[0] = idx
-    j = 0
-    while True:
-        left = 2 * j + 1
-        if left >= n:
-            break
-        c = left
-        if left + 1 < n and hs[left + 1] < hs[left]:
-            c = left + 1
-        if hs[j] <= hs[c]:
-            break
-        hs[c], hs[j] = hs[j], hs[c]
-        hi[c], hi[j] = hi[j], hi[c]
-        j = c
-    return n
-
-
 def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mode, n_probe,
          cent, cptr, n_cent, pmin, pmax, page_size, scale, out, lse, nread):
     """One row (query head h, token t) of the decode kernel; see the module docstring."""
@@ -143,7 +109,7 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mo
             s = np.float32(0.0)
             for e in range(E):
                 s += qi[e] * widen_f16(cv[e])
-            n_sel = _heap_push(hs, hb, n_sel, n_probe, s, c)
+            n_sel = heap_offer(hs, hb, n_sel, n_probe, s, c)
     elif mode == MODE_PAGES:
         n_pages = (ex_lo - n_sinks + page_size - 1) // page_size
         for b in range(n_pages):
@@ -158,7 +124,7 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mo
                 a1 = qi[e] * widen_bf16(mn[e]) if BF16 else qi[e] * widen_f16(mn[e])
                 a2 = qi[e] * widen_bf16(mx[e]) if BF16 else qi[e] * widen_f16(mx[e])
                 s += a1 if a1 > a2 else a2
-            n_sel = _heap_push(hs, hb, n_sel, n_probe, s, b)
+            n_sel = heap_offer(hs, hb, n_sel, n_probe, s, b)
     elif mode == MODE_TOPK:
         for j in range(n_slots):
             p = pg[j]
@@ -168,7 +134,7 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mo
             s = np.float32(0.0)
             for e in range(E):
                 s += qi[e] * (widen_bf16(kj[e]) if BF16 else widen_f16(kj[e]))
-            n_sel = _heap_push(hs, hb, n_sel, n_probe, s, j)
+            n_sel = heap_offer(hs, hb, n_sel, n_probe, s, j)
         # attend the chosen slots in ascending slot order (a deterministic sum order)
         hb[:n_sel].sort()
     n_ranges = 2 + n_sel

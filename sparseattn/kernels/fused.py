@@ -93,6 +93,21 @@ def _fused_rows(q, k, v, q_map, kv_map, indptr, indices, shared, scale, max_nnz,
                     out[g, i, e] = np.nan
                 lse[g, i] = np.inf if m == np.inf else np.nan
                 continue
+            if n > 0 and m == -np.inf:
+                # Every score is -inf.  A -inf bias forbids a pair (an empty row), but a product q.k that
+                # overflowed to -inf hides which key dominates: recheck the raw products (a rare path).
+                for p in range(a, b):
+                    kj = kg[indices[p]]
+                    s = zero[0]
+                    for e in range(E):
+                        s += qi[e] * kj[e]
+                    if s * scale == -np.inf:
+                        m = np.inf
+                if m == np.inf:  # overflow: flagged, the caller raises
+                    for e in range(Ev):
+                        out[g, i, e] = np.nan
+                    lse[g, i] = np.inf
+                    continue
             if n == 0 or m == -np.inf:
                 for e in range(Ev):
                     out[g, i, e] = 0.0

@@ -29,6 +29,32 @@ from .topk import ORDER_BEST, heap_finish, pad_row, rerank_ids
 # ------------------------------------------------------------------------------------------ hash codes
 
 
+@njit(cache=True, inline="always")
+def _simhash_code(proj, i, base, n_bits):
+    """Sign bits of ``proj[i, base : base + n_bits]`` packed into an integer (bit b: ``> 0``)."""
+    code = 0
+    for b in range(n_bits):
+        if proj[i, base + b] > 0:
+            code |= 1 << b
+    return code
+
+
+@njit(cache=True, inline="always")
+def _crosspolytope_code(proj, i, base, n_dirs):
+    """(id, value) of the first maximum over ``[x, -x]``, ``x = proj[i, base : base + n_dirs]``."""
+    best = 0
+    best_val = proj[i, base]
+    for a in range(n_dirs):
+        x = proj[i, base + a]
+        if x > best_val:
+            best_val = x
+            best = a
+        if -x > best_val:
+            best_val = -x
+            best = n_dirs + a
+    return best, best_val
+
+
 @njit(parallel=True, cache=True)
 def simhash_values(proj, n_values, n_bits):
     """Pack sign bits into hash values.
@@ -40,12 +66,7 @@ def simhash_values(proj, n_values, n_bits):
     out = np.empty((N, n_values), dtype=np.uint32)
     for i in prange(N):
         for v in range(n_values):
-            code = 0
-            base = v * n_bits
-            for b in range(n_bits):
-                if proj[i, base + b] > 0:
-                    code |= 1 << b
-            out[i, v] = code
+            out[i, v] = _simhash_code(proj, i, v * n_bits, n_bits)
     return out
 
 
@@ -60,18 +81,7 @@ def crosspolytope_values(proj, n_values, n_dirs):
     out = np.empty((N, n_values), dtype=np.uint32)
     for i in prange(N):
         for v in range(n_values):
-            base = v * n_dirs
-            best = 0
-            best_val = proj[i, base]
-            for a in range(n_dirs):
-                x = proj[i, base + a]
-                if x > best_val:
-                    best_val = x
-                    best = a
-                if -x > best_val:
-                    best_val = -x
-                    best = n_dirs + a
-            out[i, v] = best
+            out[i, v] = _crosspolytope_code(proj, i, v * n_dirs, n_dirs)[0]
     return out
 
 
@@ -93,6 +103,13 @@ def _insert_cheapest(costs, tab_pos, alts, n_kept, cost, pos, alt):
     return n_kept + 1 if n_kept < cap else cap
 
 
+@njit(cache=True)
+def _probe_scratch(n_probes):
+    """Scratch of :func:`_insert_cheapest` for ``n_probes`` probes: (costs, tab_pos, alts)."""
+    cap = max(n_probes, 1)
+    return np.empty(cap, dtype=np.float64), np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64)
+
+
 @njit(parallel=True, cache=True)
 def simhash_probes(proj, n_tables, per_table, n_bits, n_probes):
     """Multi-probe sequences for SimHash tables (single-bit perturbations, Lv et al. 2007).
@@ -108,23 +125,12 @@ def simhash_probes(proj, n_tables, per_table, n_bits, n_probes):
     H = n_tables * per_table
     out = np.empty((N, n_probes + 1, H), dtype=np.uint32)
     for i in prange(N):
-        costs = np.empty(max(n_probes, 1), dtype=np.float64)
-        tab_pos = np.empty(max(n_probes, 1), dtype=np.int64)
-        alts = np.empty(max(n_probes, 1), dtype=np.int64)
         for v in range(H):
-            code = 0
-            base = v * n_bits
-            for b in range(n_bits):
-                if proj[i, base + b] > 0:
-                    code |= 1 << b
-            for t in range(n_probes + 1):
-                out[i, t, v] = code
-        if n_probes == 0:
-            continue
-        for tb in range(n_tables):
+            out[i, :, v] = _simhash_code(proj, i, v * n_bits, n_bits)
+        costs, tab_pos, alts = _probe_scratch(n_probes)
+        for tb in range(n_tables if n_probes > 0 else 0):  # n_probes == 0: the own codes only
             n_kept = 0
-            for p in range(per_table):
-                v = tb * per_table + p
+            for v in range(tb * per_table, (tb + 1) * per_table):
                 for b in range(n_bits):
                     n_kept = _insert_cheapest(costs, tab_pos, alts, n_kept,
                                               abs(np.float64(proj[i, v * n_bits + b])), v, b)
@@ -150,31 +156,14 @@ def crosspolytope_probes(proj, n_tables, per_table, n_dirs, n_probes):
     M = 2 * n_dirs
     out = np.empty((N, n_probes + 1, H), dtype=np.uint32)
     for i in prange(N):
-        costs = np.empty(max(n_probes, 1), dtype=np.float64)
-        tab_pos = np.empty(max(n_probes, 1), dtype=np.int64)
-        alts = np.empty(max(n_probes, 1), dtype=np.int64)
         best_val = np.empty(H, dtype=np.float64)
         for v in range(H):
-            base = v * n_dirs
-            best = 0
-            bv = np.float64(proj[i, base])
-            for a in range(n_dirs):
-                x = np.float64(proj[i, base + a])
-                if x > bv:
-                    bv = x
-                    best = a
-                if -x > bv:
-                    bv = -x
-                    best = n_dirs + a
-            best_val[v] = bv
-            for t in range(n_probes + 1):
-                out[i, t, v] = best
-        if n_probes == 0:
-            continue
-        for tb in range(n_tables):
+            best, best_val[v] = _crosspolytope_code(proj, i, v * n_dirs, n_dirs)
+            out[i, :, v] = best
+        costs, tab_pos, alts = _probe_scratch(n_probes)
+        for tb in range(n_tables if n_probes > 0 else 0):
             n_kept = 0
-            for p in range(per_table):
-                v = tb * per_table + p
+            for v in range(tb * per_table, (tb + 1) * per_table):
                 base = v * n_dirs
                 for a in range(M):
                     if a == out[i, 0, v]:
@@ -205,18 +194,7 @@ def crosspolytope_buckets(proj, n_rounds, n_hashes, n_dirs):
         for r in range(n_rounds):
             bucket = 0
             for h in range(n_hashes):
-                base = (r * n_hashes + h) * n_dirs
-                best = 0
-                bv = proj[i, base]
-                for a in range(n_dirs):
-                    x = proj[i, base + a]
-                    if x > bv:
-                        bv = x
-                        best = a
-                    if -x > bv:
-                        bv = -x
-                        best = n_dirs + a
-                bucket = bucket * M + best
+                bucket = bucket * M + _crosspolytope_code(proj, i, (r * n_hashes + h) * n_dirs, n_dirs)[0]
             out[r, i] = bucket
     return out
 
@@ -326,18 +304,22 @@ def _max_capacity(r0, r1, slots, lo, hi, S, chunk, forward):
 _ROW_BLOCK = 256  # rows sharing one stamp array (S int64) in the gathering kernels
 
 
+@njit(cache=True)
+def _block_scratch(blk, slots, lo, hi, S, chunk, forward):
+    """Rows [r0, r1) of gathering block ``blk``, with their stamp array and candidate buffer."""
+    r0 = blk * _ROW_BLOCK
+    r1 = min(r0 + _ROW_BLOCK, slots.shape[1])
+    buf = np.empty(_max_capacity(r0, r1, slots, lo, hi, S, chunk, forward), dtype=np.int64)
+    return r0, r1, np.zeros(S, dtype=np.int64), buf
+
+
 @njit(parallel=True, cache=True)
 def window_counts(slots, lo, hi, sorted_ids, chunk, forward, causal, qpos, kpos):
     """Number of distinct (causal-allowed) candidates per query: (L,) int64."""
     L = slots.shape[1]
-    S = sorted_ids.shape[1]
     counts = np.zeros(L, dtype=np.int64)
-    n_blocks = (L + _ROW_BLOCK - 1) // _ROW_BLOCK
-    for blk in prange(n_blocks):
-        r0 = blk * _ROW_BLOCK
-        r1 = min(r0 + _ROW_BLOCK, L)
-        stamp = np.zeros(S, dtype=np.int64)
-        buf = np.empty(_max_capacity(r0, r1, slots, lo, hi, S, chunk, forward), dtype=np.int64)
+    for blk in prange((L + _ROW_BLOCK - 1) // _ROW_BLOCK):
+        r0, r1, stamp, buf = _block_scratch(blk, slots, lo, hi, sorted_ids.shape[1], chunk, forward)
         for i in range(r0, r1):
             counts[i] = _gather_row(i, slots, lo, hi, sorted_ids, chunk, forward, causal, qpos, kpos, stamp, buf)
     return counts
@@ -347,20 +329,12 @@ def window_counts(slots, lo, hi, sorted_ids, chunk, forward, causal, qpos, kpos)
 def window_fill(slots, lo, hi, sorted_ids, chunk, forward, causal, qpos, kpos, indptr):
     """CSR indices (int32, sorted unique per row) of all candidates; indptr from :func:`window_counts`."""
     L = slots.shape[1]
-    S = sorted_ids.shape[1]
     out = np.empty(indptr[L], dtype=np.int32)
-    n_blocks = (L + _ROW_BLOCK - 1) // _ROW_BLOCK
-    for blk in prange(n_blocks):
-        r0 = blk * _ROW_BLOCK
-        r1 = min(r0 + _ROW_BLOCK, L)
-        stamp = np.zeros(S, dtype=np.int64)
-        buf = np.empty(_max_capacity(r0, r1, slots, lo, hi, S, chunk, forward), dtype=np.int64)
+    for blk in prange((L + _ROW_BLOCK - 1) // _ROW_BLOCK):
+        r0, r1, stamp, buf = _block_scratch(blk, slots, lo, hi, sorted_ids.shape[1], chunk, forward)
         for i in range(r0, r1):
             m = _gather_row(i, slots, lo, hi, sorted_ids, chunk, forward, causal, qpos, kpos, stamp, buf)
-            row = np.sort(buf[:m])
-            w = indptr[i]
-            for p in range(m):
-                out[w + p] = row[p]
+            out[indptr[i]:indptr[i] + m] = np.sort(buf[:m])
     return out
 
 
@@ -372,14 +346,9 @@ def window_topk(q, keys, slots, lo, hi, sorted_ids, chunk, forward, causal, qpos
     smaller id; NaN scores never selected).
     """
     L = slots.shape[1]
-    S = sorted_ids.shape[1]
     out = np.empty((L, k), dtype=np.int64)
-    n_blocks = (L + _ROW_BLOCK - 1) // _ROW_BLOCK
-    for blk in prange(n_blocks):
-        r0 = blk * _ROW_BLOCK
-        r1 = min(r0 + _ROW_BLOCK, L)
-        stamp = np.zeros(S, dtype=np.int64)
-        buf = np.empty(_max_capacity(r0, r1, slots, lo, hi, S, chunk, forward), dtype=np.int64)
+    for blk in prange((L + _ROW_BLOCK - 1) // _ROW_BLOCK):
+        r0, r1, stamp, buf = _block_scratch(blk, slots, lo, hi, sorted_ids.shape[1], chunk, forward)
         hs = np.empty(k, dtype=q.dtype)
         for i in range(r0, r1):
             m = _gather_row(i, slots, lo, hi, sorted_ids, chunk, forward, causal, qpos, kpos, stamp, buf)

@@ -14,7 +14,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import _options  # noqa: F401  (sets up the cache directory before compiling)
-from .pattern_ops import indptr_from_counts
+from .pattern_ops import csr_alloc, emit, two_pass_csr
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -22,7 +22,25 @@ _MIX2 = np.uint64(0x94D049BB133111EB)
 
 
 # ------------------------------------------------------------------------------------------ window
-@njit(cache=True, parallel=True)
+@njit(cache=True, inline="always")
+def _window_row(i, args, out, w, write):
+    """Row i of :func:`window_by_position` (a row emitter of :func:`~.pattern_ops.two_pass_csr`)."""
+    query_positions, sorted_pos, order, lo_off, hi_off, dilation = args
+    qp = query_positions[i]
+    a = np.searchsorted(sorted_pos, qp - lo_off, side="left")
+    b = np.searchsorted(sorted_pos, qp + hi_off, side="right")
+    w0 = w
+    for p in range(a, b):
+        if (sorted_pos[p] - qp) % dilation == 0:
+            w = emit(out, w, write, order[p])
+    if write and w > w0 + 1:
+        out[w0:w].sort()
+    return w
+
+
+_window_rows = two_pass_csr(_window_row, "window_by_position")[1]
+
+
 def window_by_position(query_positions, sorted_pos, order, lo_off, hi_off, dilation):
     """Row i selects every key j with ``qp - lo_off <= pos[j] <= qp + hi_off`` and
     ``(pos[j] - qp) % dilation == 0``, where ``qp = query_positions[i]``.
@@ -30,33 +48,8 @@ def window_by_position(query_positions, sorted_pos, order, lo_off, hi_off, dilat
     ``sorted_pos`` (S,) int64 ascending, ``order`` (S,) int64 key ids in that order.  Cost per row:
     two binary searches plus the keys inside the position range.
     """
-    n_rows = query_positions.shape[0]
-    lo = np.empty(n_rows, dtype=np.int64)
-    hi = np.empty(n_rows, dtype=np.int64)
-    counts = np.zeros(n_rows, dtype=np.int64)
-    for i in prange(n_rows):
-        qp = query_positions[i]
-        a = np.searchsorted(sorted_pos, qp - lo_off, side="left")
-        b = np.searchsorted(sorted_pos, qp + hi_off, side="right")
-        lo[i] = a
-        hi[i] = b
-        c = 0
-        for p in range(a, b):
-            if (sorted_pos[p] - qp) % dilation == 0:
-                c += 1
-        counts[i] = c
-    indptr = indptr_from_counts(counts)
-    indices = np.empty(indptr[n_rows], dtype=np.int32)
-    for i in prange(n_rows):
-        qp = query_positions[i]
-        w = indptr[i]
-        for p in range(lo[i], hi[i]):
-            if (sorted_pos[p] - qp) % dilation == 0:
-                indices[w] = order[p]
-                w += 1
-        if w > indptr[i] + 1:
-            indices[indptr[i]:w] = np.sort(indices[indptr[i]:w])
-    return indptr, indices
+    args = (query_positions, sorted_pos, order, lo_off, hi_off, dilation)
+    return _window_rows(query_positions.shape[0], args)
 
 
 # ------------------------------------------------------------------------------------------ random
@@ -98,10 +91,7 @@ def random_rows(allowed, order, n_sample, seed, query_positions):
     ``(seed, query_positions[i])``, so results do not depend on thread scheduling.
     """
     n_rows = allowed.shape[0]
-    indptr = np.zeros(n_rows + 1, dtype=np.int64)
-    for i in range(n_rows):
-        indptr[i + 1] = indptr[i] + min(n_sample, allowed[i])
-    indices = np.empty(indptr[n_rows], dtype=np.int32)
+    indptr, indices = csr_alloc(np.minimum(allowed, n_sample))
     size = 4
     bits = 2
     while size < 2 * n_sample:

@@ -30,6 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._options import FASTMATH
+from .pattern_ops import csr_alloc
 
 __all__ = ["ORDER_BEST", "ORDER_ID", "ORDER_NONE", "block_topk", "heap_finish", "heap_offer", "merge_topk",
            "pad_row", "rerank_ids", "rerank_topk", "rows_topk"]
@@ -83,12 +84,11 @@ def _push(hs, hi, n, v, j):
     c = n
     while c > 0:
         parent = (c - 1) // 2
-        if _worse(v, j, hs[parent], hi[parent]):
-            hs[c] = hs[parent]
-            hi[c] = hi[parent]
-            c = parent
-        else:
+        if not _worse(v, j, hs[parent], hi[parent]):
             break
+        hs[c] = hs[parent]
+        hi[c] = hi[parent]
+        c = parent
     hs[c] = v
     hi[c] = j
     return n + 1
@@ -300,12 +300,7 @@ def merge_topk(cand_s, cand_i, slot, p, k):
         heap_finish(hs, hi, n, ORDER_ID)
         _store(hs, hi, n, top_s, top_i, i)
         counts[i] = n
-    indptr = np.zeros(L + 1, dtype=np.int64)
-    for i in range(L):
-        indptr[i + 1] = indptr[i] + counts[i]
-    indices = np.empty(indptr[L], dtype=np.int32)
+    indptr, indices = csr_alloc(counts)
     for i in prange(L):
-        a = indptr[i]
-        for t in range(counts[i]):
-            indices[a + t] = top_i[i, t]
+        indices[indptr[i]:indptr[i + 1]] = top_i[i, :counts[i]]
     return indptr, indices

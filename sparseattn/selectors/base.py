@@ -28,12 +28,13 @@ from all pieces are re-ranked exactly.
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
-from ..inputs import as_float_array, check_positive_int, positions
+from ..inputs import as_float_array, check_bool, check_positive_int, positions
 from ..kernels.topk import ORDER_NONE, block_topk, rerank_topk
 from ..pattern import SparsePattern
 from .params import Param, coerce_param, in_unit_interval, non_negative, positive
@@ -77,6 +78,9 @@ class Selector(ABC):
     #: Top-k style selectors promise every allowed key when a row has at most k of them (k >= S, or the
     #: first rows of a causal sequence); structural selectors (window, sinks, random) opt out.
     fills_small_rows: ClassVar[bool] = True
+    #: (module, install hint) of the optional package the backend imports, checked by
+    #: :meth:`unavailable_reason`; None when it needs nothing beyond numpy and numba.
+    requires: ClassVar[tuple[str, str] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -176,6 +180,13 @@ class Selector(ABC):
     @classmethod
     def unavailable_reason(cls) -> str | None:
         """None when the backend can be imported, else why not (e.g. a missing optional package)."""
+        if cls.requires is None:
+            return None
+        module, hint = cls.requires
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:  # pragma: no cover - the packages named by selectors are dependencies
+            return f"{module} is not importable ({exc}); {hint}."
         return None
 
     def not_supported_reasons(self, *, n_keys: int | None = None, dim: int | None = None,
@@ -315,8 +326,7 @@ class Selector(ABC):
         if q.shape[1] != self.keys_.shape[1]:
             raise ValueError(f"queries have E={q.shape[1]} features but the keys have {self.keys_.shape[1]}.")
         k = check_positive_int(k, "k")
-        if not isinstance(is_causal, (bool, np.bool_)):
-            raise TypeError(f"is_causal must be a bool; got {is_causal!r}.")
+        check_bool(is_causal, "is_causal")
         q = np.ascontiguousarray(q, dtype=self.keys_.dtype)
         L, S = q.shape[0], self.keys_.shape[0]
         qpos = positions(query_positions, L, "query_positions")

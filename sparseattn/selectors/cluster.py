@@ -77,14 +77,35 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
     return check
 
 
-def _forward(name: str, doc: str) -> property:
-    """A read-only property returning ``self.index_.<name>``."""
-    def get(self: ClusterSelector) -> Any:
-        return getattr(self.index_, name)
-    return property(get, doc=doc)
+# Attributes of the built ClusterIndex that ClusterSelector exposes as read-only properties, with their docs.
+_INDEX_ATTRIBUTES = {
+    "n_clusters_": "Clusters in force after splitting.",
+    "n_probe_": "Clusters each query is routed to.",
+    "centroids_": "(C, E) routing vectors in centred coordinates.",
+    "kmeans_centroids_": "(C, E) centroids that assigned the keys.",
+    "coarse_centroids_": "(C0, E) centroids of the first k-means.",
+    "parent_": "(C,) int64 coarse cluster of each final cluster.",
+    "mean_": "(E,) mean key (zeros when center=False).",
+    "assignment_": "(S,) int32 cluster of each key.",
+    "perm_": "(S,) int64 key ids in cluster order.",
+    "cluster_ptr_": "(C + 1,) int64 cluster -> range of perm_.",
+    "radius_": "(C,) float64 largest member distance to the routing vector.",
+    "keys_perm_": "(S, E) centred keys in cluster order.",
+}
+
+
+def _forward_index_attributes(cls: type[ClusterSelector]) -> type[ClusterSelector]:
+    """Class decorator adding a property ``name`` returning ``self.index_.<name>`` per _INDEX_ATTRIBUTES."""
+    def forward(name: str, doc: str) -> property:
+        return property(lambda self: getattr(self.index_, name), doc=doc)
+
+    for name, doc in _INDEX_ATTRIBUTES.items():
+        setattr(cls, name, forward(name, doc))
+    return cls
 
 
 @register
+@_forward_index_attributes
 class ClusterSelector(Selector):
     """K-means cluster routing with exact attention (or exact top-k) inside the routed clusters.
 
@@ -181,6 +202,7 @@ class ClusterSelector(Selector):
 
     name = "cluster"
     metric = "inner_product"
+    requires = ("faiss", "install faiss-cpu")
     guarantee = ("k-means clusters of the (centred) keys, each query routed to its n_probe clusters of "
                  "largest q.c. mode=topk: exact top-k by inner product among the routed clusters' keys. "
                  "mode=block: attend() is exact softmax attention restricted to all keys of the routed "
@@ -216,14 +238,6 @@ class ClusterSelector(Selector):
     def _make_index(self) -> ClusterIndex:
         return ClusterIndex(**{p: self._params[p] for p in _INDEX_PARAMS})
 
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        try:
-            import faiss  # noqa: F401
-        except ImportError as exc:  # pragma: no cover - faiss is a dependency
-            return f"faiss is not importable ({exc}); install faiss-cpu."
-        return None
-
     def not_supported_reasons(self, *, n_keys: int | None = None, dim: int | None = None,
                               is_causal: bool = False, bias: bool = False) -> list[str]:
         reasons = super().not_supported_reasons(n_keys=n_keys, dim=dim, is_causal=is_causal, bias=bias)
@@ -255,20 +269,6 @@ class ClusterSelector(Selector):
         """Worker threads in use: the ``n_threads`` parameter, or Numba's current thread count."""
         t = self._params["n_threads"]
         return int(t) if t is not None else int(numba.get_num_threads())
-
-    # ---------------------------------------------------------------------------- index attributes
-    n_clusters_ = _forward("n_clusters_", "Clusters in force after splitting.")
-    n_probe_ = _forward("n_probe_", "Clusters each query is routed to.")
-    centroids_ = _forward("centroids_", "(C, E) routing vectors in centred coordinates.")
-    kmeans_centroids_ = _forward("kmeans_centroids_", "(C, E) centroids that assigned the keys.")
-    coarse_centroids_ = _forward("coarse_centroids_", "(C0, E) centroids of the first k-means.")
-    parent_ = _forward("parent_", "(C,) int64 coarse cluster of each final cluster.")
-    mean_ = _forward("mean_", "(E,) mean key (zeros when center=False).")
-    assignment_ = _forward("assignment_", "(S,) int32 cluster of each key.")
-    perm_ = _forward("perm_", "(S,) int64 key ids in cluster order.")
-    cluster_ptr_ = _forward("cluster_ptr_", "(C + 1,) int64 cluster -> range of perm_.")
-    radius_ = _forward("radius_", "(C,) float64 largest member distance to the routing vector.")
-    keys_perm_ = _forward("keys_perm_", "(S, E) centred keys in cluster order.")
 
     # ----------------------------------------------------------------------------------------- work
     def _build(self, keys: np.ndarray) -> None:
@@ -311,35 +311,10 @@ class ClusterSelector(Selector):
                check_finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Exact softmax attention of each query over every key of its routed clusters.
 
-        Works in either mode (``mode`` only changes what :meth:`query` returns and ``attends``); the
-        computation is :func:`sparseattn.attention.routed.routed_attention` over ``index_``, with this
-        selector's ``exact_prefix`` and ``n_threads``.
-
-        Parameters
-        ----------
-        queries : float array, shape (L, E)
-        values : float array, shape (S, Ev)
-            One value row per key given to ``build``, in the original key order.
-        scale : float, optional
-            Score scale (default ``1/sqrt(E)``).  Routing ranks clusters by ``q . c`` whatever the scale.
-        is_causal : bool
-            Key j is visible to query i only when ``key_positions[j] <= query_positions[i]``.
-        query_positions, key_positions : int arrays of shape (L,) and (S,), optional
-            Default ``arange`` (top-left alignment, like SDPA).
-        check_finite : bool, default True
-            Reject NaN / Inf in queries and values.
-
-        Returns
-        -------
-        output : (L, Ev) array, float64 if any of queries, keys, values is float64, else float32.
-            Zeros for a query whose routed clusters hold no allowed key.
-        lse : (L,) array, same dtype: log-sum-exp of the scaled scores over the routed keys
-            (``-inf`` for no key).  ``exp(lse - lse_full)`` is the softmax mass the routing kept.
-
-        Raises
-        ------
-        ValueError
-            If some score ``q . k * scale`` overflows the computation dtype (pass float64 or a smaller scale).
+        Works in either mode (``mode`` only changes what :meth:`query` returns and ``attends``).  This is
+        :func:`sparseattn.attention.routed.routed_attention` over ``index_`` with this selector's
+        ``exact_prefix`` and ``n_threads``: the parameters, results (``output`` (L, Ev), ``lse`` (L,)) and
+        errors are those documented there; ``last_refined_pairs_`` records its ``refined_pairs``.
         """
         self._require_built("attend")
         stats: dict[str, int] = {}

@@ -69,14 +69,6 @@ def _faiss() -> Any:
     return faiss
 
 
-def _faiss_unavailable() -> str | None:
-    try:
-        import faiss  # noqa: F401
-    except ImportError as exc:
-        return f"faiss is not importable ({exc}); install it with `pip install faiss-cpu`."
-    return None
-
-
 # --------------------------------------------------------------------------------------------- threads
 def get_faiss_threads() -> int:
     """The number of OpenMP threads FAISS will use (``faiss.omp_get_max_threads()``)."""
@@ -146,10 +138,8 @@ class _FaissSelector(IndexSelector):
     """Shared FAISS plumbing: float32 conversion, search parameters, exact small blocks, ``add``."""
 
     supports_add: ClassVar[bool] = True
-
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        return _faiss_unavailable()
+    metric = "inner_product (faiss.METRIC_INNER_PRODUCT)"
+    requires = ("faiss", "install it with `pip install faiss-cpu`")
 
     # ---------------------------------------------------------------------------------- build
     def _build(self, keys: np.ndarray) -> None:
@@ -236,7 +226,6 @@ class FaissFlatSelector(_FaissSelector):
     """
 
     name = "faiss-flat"
-    metric = "inner_product (faiss.METRIC_INNER_PRODUCT)"
     guarantee = ("exact maximum-inner-product top-k (causal: over each query's allowed prefix): FAISS "
                  "scores every key in float32 and the k winners are re-scored exactly, so a selection "
                  "can differ from the exact one only between keys whose scores tie within float32 "
@@ -277,7 +266,6 @@ class FaissHNSWSelector(_FaissSelector):
     """
 
     name = "faiss-hnsw"
-    metric = "inner_product (faiss.METRIC_INNER_PRODUCT)"
     guarantee = ("approximate: the keys returned are the exact top-k, by exactly computed inner product, "
                  "of the candidates an HNSW graph walk (ef = max(ef_search, k)) finds; no recall bound. "
                  "Causal: never a future key; a query whose allowed prefix holds fewer than hnsw_min_block "
@@ -308,6 +296,13 @@ class FaissHNSWSelector(_FaissSelector):
 # ----------------------------------------------------------------------------------------------- ivf
 def _nlist_check(v: Any) -> str | None:
     return None if v is None or v >= 1 else "must be >= 1 (or None for about 4*sqrt(S))"
+
+
+# Parameters shared by the inverted-file selectors (first in their params_spec).
+_IVF_PARAMS = {
+    "nlist": Param(int, None, "inverted lists (None: about 4*sqrt(S), >= 39 keys per list)", _nlist_check),
+    "nprobe": Param(int, 8, "lists scanned per query", positive, when="query"),
+}
 
 
 class _IVFBase(_FaissSelector):
@@ -381,15 +376,12 @@ class FaissIVFFlatSelector(_IVFBase):
     """
 
     name = "faiss-ivf"
-    metric = "inner_product (faiss.METRIC_INNER_PRODUCT)"
     guarantee = ("approximate: the exact top-k, by exactly computed inner product, of the keys in the "
                  "nprobe inverted lists whose centroids score highest for the query; no recall bound. "
                  "Causal: never a future key; a query whose allowed prefix holds fewer than 31 * S / nlist "
                  "keys (S, nlist as built) gets the exact top-k of that prefix (up to float32 near-ties).")
     params_spec = {
-        "nlist": Param(int, None, "inverted lists (None: about 4*sqrt(S), >= 39 keys per list)",
-                       _nlist_check),
-        "nprobe": Param(int, 8, "lists scanned per query", positive, when="query"),
+        **_IVF_PARAMS,
         "center": _CENTER,
     }
 
@@ -420,16 +412,13 @@ class FaissIVFPQSelector(_IVFBase):
     """
 
     name = "faiss-ivfpq"
-    metric = "inner_product (faiss.METRIC_INNER_PRODUCT)"
     guarantee = ("approximate: the exact top-k, by exactly computed inner product, of the k_factor*k keys "
                  "with the best PQ-approximated scores among the nprobe best-scoring inverted lists; no "
                  "recall bound. Causal: never a future key; a query whose allowed prefix holds fewer than "
                  "max(31 * S / nlist, 39 * 2**nbits) keys gets the exact top-k of that prefix (up to float32 "
                  "near-ties).")
     params_spec = {
-        "nlist": Param(int, None, "inverted lists (None: about 4*sqrt(S), >= 39 keys per list)",
-                       _nlist_check),
-        "nprobe": Param(int, 8, "lists scanned per query", positive, when="query"),
+        **_IVF_PARAMS,
         "m": Param(int, 8, "PQ sub-quantizers (must divide E)", positive),
         "nbits": Param(int, 8, "bits per PQ code",
                        lambda v: None if 1 <= v <= 16 else "must lie in [1, 16]"),

@@ -138,6 +138,7 @@ class LSHSelector(IndexSelector):
 
     name = "lsh"
     metric = "inner_product"
+    requires = ("datasketch", "install it with `pip install datasketch`")
     guarantee = ("approximate: the keys returned are the exact top-k, by exactly computed inner product, of "
                  "every key returned by the multi-probe LSH lookups issued (angular hashes of the centred keys; "
                  "probing stops once n_candidates distinct keys are found), up to float rounding ties; no recall bound. Causal: never a "
@@ -170,14 +171,6 @@ class LSHSelector(IndexSelector):
                              f"hashes_per_table={self._params['hashes_per_table']}); got "
                              f"n_probes={self._params['n_probes']}. Use more bits or fewer probes.")
         self._W: dict[tuple[int, str], np.ndarray] = {}
-
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        try:
-            import datasketch  # noqa: F401
-        except ImportError as exc:  # pragma: no cover - datasketch is a dependency
-            return f"datasketch is not importable ({exc}); install it with `pip install datasketch`."
-        return None
 
     # ------------------------------------------------------------------------------------- hashing
     @property

@@ -37,9 +37,19 @@ def _sorted_positions(kpos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(kpos[order]), order
 
 
+class _PositionalSelector(Selector):
+    """Base of the structural selectors: keys chosen by position only, so nothing to build."""
+
+    fills_small_rows = False  # positional: k is not its budget (see each selector's docstring)
+    metric = "position"
+
+    def _build(self, keys: np.ndarray) -> None:
+        pass
+
+
 # -------------------------------------------------------------------------------------------- window
 @register
-class WindowSelector(Selector):
+class WindowSelector(_PositionalSelector):
     """Sliding window in position space.
 
     With ``w = width`` (or ``k`` when ``width`` is None) and dilation ``d``, query i at position
@@ -62,18 +72,13 @@ class WindowSelector(Selector):
     [1, 2, 3]
     """
 
-    fills_small_rows = False  # positional: k is not its budget (see the docstring)
     name = "window"
-    metric = "position"
     guarantee = ("exact: query at position p selects exactly the keys at positions p + t*dilation for t in "
                  "the window (causal: the width positions ending at p; bidirectional: centred on p)")
     params_spec = {
         "width": Param(int, None, "keys per window (None: use the query budget k)", positive, when="query"),
         "dilation": Param(int, 1, "stride between window positions", positive, when="query"),
     }
-
-    def _build(self, keys: np.ndarray) -> None:
-        pass
 
     def window_offsets(self, k: int, is_causal: bool) -> tuple[int, int]:
         """(before, after): the window covers ``t in [-before, after]`` steps of ``dilation``."""
@@ -137,7 +142,7 @@ def _parse_positions(value: Any) -> str | None:
 
 
 @register
-class SinksSelector(Selector):
+class SinksSelector(_PositionalSelector):
     """Attention sinks: every query attends to a fixed set of keys.
 
     Either the ``g`` keys with the smallest positions (ties: lower id first; with the default
@@ -148,9 +153,7 @@ class SinksSelector(Selector):
     position is dropped from that row.
     """
 
-    fills_small_rows = False  # positional: k is not its budget (see the docstring)
     name = "sinks"
-    metric = "position"
     guarantee = ("exact: every query selects exactly the sink keys (the g lowest key positions, or the keys "
                  "at the given positions) that are not after it")
     params_spec = {
@@ -184,9 +187,6 @@ class SinksSelector(Selector):
         text = self._params["positions"]
         return None if text is None else np.array([int(x) for x in text.split(";")], dtype=np.int64)
 
-    def _build(self, keys: np.ndarray) -> None:
-        pass
-
     def sink_ids(self, kpos: np.ndarray) -> np.ndarray:
         """Sorted int32 ids of the sink keys for these key positions."""
         explicit = self.sink_positions
@@ -206,7 +206,7 @@ class SinksSelector(Selector):
 
 # -------------------------------------------------------------------------------------------- random
 @register
-class RandomSelector(Selector):
+class RandomSelector(_PositionalSelector):
     """BigBird-style random keys: each query gets ``n_random`` distinct keys drawn uniformly.
 
     The draw is among the keys the query may see -- all S keys, or with ``is_causal=True`` those with
@@ -219,7 +219,6 @@ class RandomSelector(Selector):
     Built in Numba (Floyd's algorithm, SplitMix64): O(n_random) per query.
     """
 
-    fills_small_rows = False  # positional: k is not its budget (see the docstring)
     name = "random"
     metric = "none (uniform sample)"
     guarantee = ("exact sampling: each query gets min(n_random, allowed) distinct keys, every such subset of "
@@ -229,9 +228,6 @@ class RandomSelector(Selector):
                           when="query"),
         "seed": Param(int, 0, "random seed (any integer)", when="query"),
     }
-
-    def _build(self, keys: np.ndarray) -> None:
-        pass
 
     def _query(self, q, k, is_causal, qpos, kpos) -> SparsePattern:
         S = kpos.shape[0]
