@@ -258,20 +258,98 @@ def rerank_topk(q, keys, cand, k, unique):
 
 
 @njit(cache=True, nogil=True)
+def _count_ge(vals, n, t):
+    c = 0
+    for j in range(n):
+        c += vals[j] >= t
+    return c
+
+
+@njit(cache=True, nogil=True)
+def _kth_threshold(vals, n, k):
+    """A value t with ``#(vals[:n] > t) < k <= #(vals[:n] >= t)`` (1 <= k < n; no NaN or -inf).
+
+    Bisection on the value with a branch-free (SIMD) count per step: on rows of a few hundred scores this
+    is several times faster than a heap or ``np.partition`` (the per-cluster rows of ``mode=topk``).
+    Compiled without fastmath so the midpoint ``0.5*lo + 0.5*hi`` cannot overflow and adjacent floats
+    end the search.
+    """
+    lo = np.inf
+    hi = -np.inf
+    n_inf = 0
+    for j in range(n):
+        v = vals[j]
+        if v == np.inf:
+            n_inf += 1
+            continue
+        if v < lo:
+            lo = v
+        if v > hi:
+            hi = v
+    if n_inf >= k:  # +inf scores: the bisection below runs over the finite ones only
+        return vals.dtype.type(np.inf)
+    if _count_ge(vals, n, hi) >= k:
+        return hi
+    for _ in range(4096):  # invariant: #(>= lo) > k and #(>= hi) < k; lo, hi finite
+        mid = 0.5 * lo + 0.5 * hi
+        if not (lo < mid and mid < hi):
+            break  # adjacent floats: the values in [lo, hi) all equal lo
+        c = _count_ge(vals, n, mid)
+        if c == k:
+            return mid
+        if c > k:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@njit(cache=True, nogil=True)
 def rows_topk(S, k, key_ids, out_s, out_i):
     """Top-k entries of each row of a score block; serial and ``nogil`` (for worker threads).
 
     S (R, n) scores (NaN / ``-inf`` never selected); key_ids (n,) int64 id of each column (ties broken
     by the smaller id); writes out_s (R, k) scores and out_i (R, k) int32 ids, unordered, padded with
-    ``-inf`` / -1.
+    ``-inf`` / -1.  Selection: the k-th largest value by bisection, then the values above it, then the
+    ties at it by smallest id (the same result as the heap of :func:`block_topk`).
     """
-    R = S.shape[0]
+    R, n = S.shape
     kk = min(k, out_s.shape[1])
-    hs = np.empty(max(kk, 1), dtype=out_s.dtype)  # scratch heap, reused row after row
-    hi = np.empty(max(kk, 1), dtype=out_i.dtype)
+    vals = np.empty(n, dtype=S.dtype)
+    ids = np.empty(n, dtype=np.int64)
     for r in range(R):
-        n = _row_topk(S, r, kk, False, 0, key_ids, key_ids, hs, hi, 0)
-        _store(hs, hi, n, out_s, out_i, r)
+        m = 0
+        for c in range(n):
+            s = S[r, c]
+            if s > -np.inf:  # drops NaN and -inf
+                vals[m] = s
+                ids[m] = key_ids[c]
+                m += 1
+        cnt = 0
+        if m <= kk:
+            for j in range(m):
+                out_s[r, j] = vals[j]
+                out_i[r, j] = ids[j]
+            cnt = m
+        else:
+            thr = _kth_threshold(vals, m, kk)
+            for j in range(m):
+                if vals[j] > thr and cnt < kk:  # (cnt < kk always holds: bounds kept explicit)
+                    out_s[r, cnt] = vals[j]
+                    out_i[r, cnt] = ids[j]
+                    cnt += 1
+            while cnt < kk:  # ties at the threshold: smallest id first (rarely more than one pass)
+                best = -1
+                for j in range(m):
+                    if vals[j] == thr and (best < 0 or ids[j] < ids[best]):
+                        best = j
+                out_s[r, cnt] = vals[best]
+                out_i[r, cnt] = ids[best]
+                vals[best] = -np.inf  # taken
+                cnt += 1
+        for t2 in range(cnt, out_s.shape[1]):
+            out_s[r, t2] = -np.inf
+            out_i[r, t2] = -1
 
 
 @njit(parallel=True, cache=True)
