@@ -18,7 +18,7 @@ from sparseattn.selectors import get_selector, parse_spec, selector_classes, spe
 # One small spec per registered selector (IVF-PQ with m=2 so that it divides E=8; LSH with a small
 # candidate cap so that datasketch's MinHashLSH is used at these sizes).
 SPEC = {
-    "window": "window:width=3", "sinks": "sinks:g=2", "random": "random", "topk": "topk",
+    "window": "window:width=3", "sinks": "sinks:g=2", "random": "random", "topk": "topk", "pages": "pages",
     "faiss-flat": "faiss-flat", "faiss-hnsw": "faiss-hnsw:M=8", "faiss-ivf": "faiss-ivf:nprobe=2",
     "faiss-ivfpq": "faiss-ivfpq:m=2,nbits=2", "kdtree": "kdtree", "lsh": "lsh:n_candidates=8,n_tables=4",
     "angular-lsh": "angular-lsh:n_rounds=2,chunk_size=2", "cluster": "cluster",

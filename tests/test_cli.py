@@ -52,7 +52,7 @@ def test_compare_rejects_bad_format(capsys):
 
 
 def test_no_import_cycle_between_report_suite_and_cli():
-    # report renders, suite runs suites, cli holds the argparse handlers: none imports back.
+    # report renders, suite runs suites, cli holds the argparse handlers: no import goes both ways.
     import ast
     import pathlib
 
@@ -68,5 +68,5 @@ def test_no_import_cycle_between_report_suite_and_cli():
                 deps |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
         graph[name] = deps & {"bench", "report", "suite", "cli"}
     assert "cli" not in graph["report"] | graph["suite"] | graph["bench"]
-    assert "suite" not in graph["report"] and "report" not in graph["suite"]
+    assert "suite" not in graph["report"]  # suite may use report's plot helpers; never the reverse
     assert not graph["bench"]
