@@ -30,6 +30,7 @@ SPECS = {
     "sinks": ["sinks:g=2", "sinks:positions=0;3"],
     "random": ["random", "random:n_random=3,seed=5"],
     "topk": ["topk", "topk:block=4"],
+    "pages": ["pages", "pages:page_size=2,pages=3"],
     "faiss-flat": ["faiss-flat", "faiss-flat:center=false"],
     "faiss-hnsw": ["faiss-hnsw:M=4,ef_search=8", "faiss-hnsw"],
     "faiss-ivf": ["faiss-ivf:nprobe=1", "faiss-ivf:nlist=2,nprobe=1"],
