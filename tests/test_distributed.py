@@ -56,12 +56,19 @@ def _warm_kernels() -> None:
 @pytest.fixture(scope="module")
 def cluster():
     _warm_kernels()
+    # Dask's nanny writes its pre-spawn variables (OMP_NUM_THREADS=1, OPENBLAS_NUM_THREADS=1, ...) into this
+    # process's environment; later tests' subprocesses would inherit single-threaded BLAS.  Put it back.
+    env = dict(os.environ)
     cl = distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None,
                                   silence_logs=logging.CRITICAL)
     client = distributed.Client(cl)
-    yield cl, client
-    client.close()
-    cl.close()
+    try:
+        yield cl, client
+    finally:
+        client.close()
+        cl.close()
+        os.environ.clear()
+        os.environ.update(env)
 
 
 @pytest.fixture(scope="module")
