@@ -305,13 +305,44 @@ def _kth_threshold(vals, n, k):
 
 
 @njit(cache=True, nogil=True)
+def _select(vals, ids, m, kk, out_s, out_i, r):
+    """Write the top-kk of ``vals[:m]`` (ties: smallest id) into row r of out_s/out_i; returns the count.
+
+    The k-th largest value by bisection, then the values above it, then the ties at it by smallest id
+    (the same result as the heap of :func:`block_topk`).  ``vals`` is scratch: taken ties are
+    overwritten.
+    """
+    if m <= kk:
+        for j in range(m):
+            out_s[r, j] = vals[j]
+            out_i[r, j] = ids[j]
+        return m
+    cnt = 0
+    thr = _kth_threshold(vals, m, kk)
+    for j in range(m):
+        if vals[j] > thr and cnt < kk:  # (cnt < kk always holds: bounds kept explicit)
+            out_s[r, cnt] = vals[j]
+            out_i[r, cnt] = ids[j]
+            cnt += 1
+    while cnt < kk:  # ties at the threshold: smallest id first (rarely more than one pass)
+        best = -1
+        for j in range(m):
+            if vals[j] == thr and (best < 0 or ids[j] < ids[best]):
+                best = j
+        out_s[r, cnt] = vals[best]
+        out_i[r, cnt] = ids[best]
+        vals[best] = -np.inf  # taken
+        cnt += 1
+    return cnt
+
+
+@njit(cache=True, nogil=True)
 def rows_topk(S, k, key_ids, out_s, out_i):
     """Top-k entries of each row of a score block; serial and ``nogil`` (for worker threads).
 
     S (R, n) scores (NaN / ``-inf`` never selected); key_ids (n,) int64 id of each column (ties broken
     by the smaller id); writes out_s (R, k) scores and out_i (R, k) int32 ids, unordered, padded with
-    ``-inf`` / -1.  Selection: the k-th largest value by bisection, then the values above it, then the
-    ties at it by smallest id (the same result as the heap of :func:`block_topk`).
+    ``-inf`` / -1.  Selection by bisection on the k-th value (:func:`_select`).
     """
     R, n = S.shape
     kk = min(k, out_s.shape[1])
@@ -325,28 +356,7 @@ def rows_topk(S, k, key_ids, out_s, out_i):
                 vals[m] = s
                 ids[m] = key_ids[c]
                 m += 1
-        cnt = 0
-        if m <= kk:
-            for j in range(m):
-                out_s[r, j] = vals[j]
-                out_i[r, j] = ids[j]
-            cnt = m
-        else:
-            thr = _kth_threshold(vals, m, kk)
-            for j in range(m):
-                if vals[j] > thr and cnt < kk:  # (cnt < kk always holds: bounds kept explicit)
-                    out_s[r, cnt] = vals[j]
-                    out_i[r, cnt] = ids[j]
-                    cnt += 1
-            while cnt < kk:  # ties at the threshold: smallest id first (rarely more than one pass)
-                best = -1
-                for j in range(m):
-                    if vals[j] == thr and (best < 0 or ids[j] < ids[best]):
-                        best = j
-                out_s[r, cnt] = vals[best]
-                out_i[r, cnt] = ids[best]
-                vals[best] = -np.inf  # taken
-                cnt += 1
+        cnt = _select(vals, ids, m, kk, out_s, out_i, r)
         for t2 in range(cnt, out_s.shape[1]):
             out_s[r, t2] = -np.inf
             out_i[r, t2] = -1
@@ -356,29 +366,31 @@ def rows_topk(S, k, key_ids, out_s, out_i):
 def merge_topk(cand_s, cand_i, slot, p, k):
     """Per query, the top-k of its p candidate lists, as canonical CSR (ids sorted ascending).
 
-    cand_s (n_pairs, k) float, cand_i (n_pairs, k) int32 (-1 = none); slot (L*p,) int64: query i's lists
+    cand_s (n_pairs, w) float, cand_i (n_pairs, w) int32 (-1 = none); slot (L*p,) int64: query i's lists
     are rows ``slot[i*p : (i+1)*p]``.  Ids must be unique across a query's lists (no deduplication).
-    Returns indptr (L+1,) int64 and indices (nnz,) int32.
+    Returns indptr (L+1,) int64 and indices (nnz,) int32.  Selection by bisection (:func:`_select`).
     """
     L = slot.shape[0] // p if p > 0 else 0
     w = cand_i.shape[1]
-    top_s = np.empty((L, k), dtype=cand_s.dtype)
-    top_i = np.empty((L, k), dtype=np.int32)
+    kk = max(k, 1)
+    top_s = np.empty((L, kk), dtype=cand_s.dtype)
+    top_i = np.empty((L, kk), dtype=np.int32)
     counts = np.zeros(L, dtype=np.int64)
     for i in prange(L):
-        hs = np.empty(max(k, 1), dtype=cand_s.dtype)  # per-row scratch heap
-        hi = np.empty(max(k, 1), dtype=np.int32)
-        n = 0
+        vals = np.empty(max(p * w, 1), dtype=cand_s.dtype)
+        ids = np.empty(max(p * w, 1), dtype=np.int32)
+        m = 0
         for t in range(p):
             s = slot[i * p + t]
             for c in range(w):
                 j = cand_i[s, c]
-                if j >= 0:
-                    n = heap_offer(hs, hi, n, k, cand_s[s, c], j)
-        heap_finish(hs, hi, n, ORDER_ID)
-        _store(hs, hi, n, top_s, top_i, i)
-        counts[i] = n
+                if j >= 0 and cand_s[s, c] > -np.inf:
+                    vals[m] = cand_s[s, c]
+                    ids[m] = j
+                    m += 1
+        counts[i] = _select(vals, ids, m, k, top_s, top_i, i) if k > 0 else 0
     indptr, indices = csr_alloc(counts)
     for i in prange(L):
-        indices[indptr[i]:indptr[i + 1]] = top_i[i, :counts[i]]
+        row = np.sort(top_i[i, :counts[i]])
+        indices[indptr[i]:indptr[i + 1]] = row
     return indptr, indices
