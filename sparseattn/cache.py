@@ -25,6 +25,15 @@ min and max, updated on append; the ``n_probe`` pages of largest bound ``sum_e m
 are attended), ``"window"`` (sinks + recent window only), ``"topk"`` (exact top-k over the whole cache:
 the accuracy reference, reads everything) and ``"dense"`` (every key: exact attention).
 
+Estimation zone (``selector="cluster"``, ``estimate=N``): the ``N`` clusters ranked right after the
+``n_probe`` routed ones are not read but *estimated* from statistics kept per cluster when it is made
+(key count ``n_c``, member mean key ``μ_c`` = its routing vector, member mean value ``v̄_c``): the cluster
+enters the online softmax as one pseudo-key of score ``scale·q·μ_c + log n_c`` and value ``v̄_c``, i.e.
+``n_c·exp(scale·q·μ_c)`` stands for ``Σ_j exp(scale·q·k_j)``.  By Jensen's inequality this is at most
+the true sum (exp of the mean under-estimates the mean of exp), so the estimate is biased low, least for
+tight clusters.  Clusters holding a key the row may not see (a later position, or an evicted one) are
+never estimated.  Clusters beyond ``n_probe + N`` are ignored, as before.
+
 Memory cap: ``max_keys`` with ``policy="streaming"`` keeps the ``sinks`` first positions and the newest
 ``max_keys - sinks`` (StreamingLLM); older keys are masked at once and their storage is freed a segment at
 a time, so the bytes held stay below ``max_keys + segment + window`` keys.
@@ -178,6 +187,9 @@ class KVCache:
         never clustered again.  ``open_step = segment`` turns the open segment off.
     n_probe : int, optional
         Clusters (``"cluster"``, default 32) or pages (``"pages"``, default 128) attended per query.
+    estimate : int, default 0
+        ``"cluster"`` only: clusters per query estimated from their statistics after the ``n_probe``
+        routed ones (see the module docstring); 0 = off.
     cluster_size : int, default 64
         Mean keys per cluster: each segment gets ``segment // cluster_size`` clusters.
     page_size : int, default 16
@@ -206,7 +218,7 @@ class KVCache:
                  value_dim: int | None = None, selector: str = "cluster", dtype: object = np.float32,
                  sinks: int = 4, window: int = 64, max_keys: int | None = None, policy: str = "streaming",
                  segment: int = 4096, open_step: int | None = None, n_probe: int | None = None,
-                 cluster_size: int = 64,
+                 estimate: int = 0, cluster_size: int = 64,
                  page_size: int = 16, scale: float | None = None, seed: int = 0,
                  parallel: bool | None = None) -> None:
         self.num_heads = check_positive_int(num_heads, "num_heads")
@@ -238,6 +250,10 @@ class KVCache:
         if self.max_keys is not None and self.max_keys < self.sinks + max(self.window, 1):
             raise ValueError(f"max_keys ({self.max_keys}) must be >= sinks + window "
                              f"({self.sinks} + {self.window}); raise max_keys or lower window.")
+        self.estimate = check_positive_int(estimate, "estimate", minimum=0)
+        if self.estimate and selector != "cluster":
+            raise ValueError(f"estimate applies to selector='cluster' only; got selector={selector!r} with "
+                             f"estimate={self.estimate}. Pass estimate=0.")
         default_probe = {"cluster": 32, "pages": 128}.get(selector, 0)
         self.n_probe = default_probe if n_probe is None else check_positive_int(n_probe, "n_probe")
         self.scale = check_scale(scale, self.head_dim)
@@ -259,12 +275,15 @@ class KVCache:
         self._cent = np.zeros((hk, 0, E), np.uint16)  # routing vectors, float16 bit patterns
         self._cptr = np.zeros((hk, 1), np.int64)
         self._n_cent = np.zeros(hk, np.int64)
+        self._cvmean = np.zeros((hk, 0, Ev), np.float32)  # per cluster: mean value (estimation zone)
+        self._cminpos = np.zeros((hk, 0), np.int32)  # per cluster: smallest and largest key position
+        self._cmaxpos = np.zeros((hk, 0), np.int32)
         self._pmin = np.zeros((hk, 0, E), self._sdtype)
         self._pmax = np.zeros((hk, 0, E), self._sdtype)
         self._stats: dict[str, Any] = {
             "appends": 0, "append_seconds": 0.0, "cluster_seconds": 0.0, "segments_clustered": 0,
             "attends": 0, "attend_seconds": 0.0, "kernel_seconds": 0.0, "keys_read_per_query": 0.0,
-            "keys_read_max": 0, "evicted_keys": 0,
+            "keys_read_max": 0, "evicted_keys": 0, "clusters_estimated_per_query": 0.0,
         }
 
     # ------------------------------------------------------------------------------------- metadata
@@ -295,7 +314,7 @@ class KVCache:
         hk = self.num_kv_heads
         total = self._slots * hk * 4  # int32 position per slot
         if self.selector == "cluster":
-            total += int(self._n_cent.sum()) * (self.head_dim * 2 + 8)
+            total += int(self._n_cent.sum()) * (self.head_dim * 2 + 8 + 8 + 4 * self.value_dim)
         if self.selector == "pages":
             total += 2 * self._n_pages() * hk * self.head_dim * self._sdtype.itemsize
         return total
@@ -541,8 +560,14 @@ class KVCache:
             self._K[g, a:b] = self._K[g, a:b][order]
             self._V[g, a:b] = self._V[g, a:b][order]
             self._pos[g, a:b] = self._pos[g, a:b][order]
+            vsum = np.add.reduceat(self._decode(self._V[g, a:b]).astype(np.float64), starts, axis=0)
+            seg_pos = self._pos[g, a:b]
             nc = int(self._n_cent[g])
             self._grow_centroids(nc + means.shape[0])
+            m = means.shape[0]
+            self._cvmean[g, nc:nc + m] = (vsum / counts[live, None]).astype(np.float32)
+            self._cminpos[g, nc:nc + m] = np.minimum.reduceat(seg_pos, starts)
+            self._cmaxpos[g, nc:nc + m] = np.maximum.reduceat(seg_pos, starts)
             self._cent[g, nc:nc + means.shape[0]] = means.astype(np.float16).view(np.uint16)
             self._cptr[g, nc + 1:nc + 1 + means.shape[0]] = a + np.cumsum(counts[live])
             self._cptr[g, nc] = a
@@ -561,6 +586,13 @@ class KVCache:
         cptr = np.zeros((hk, cap + 1), np.int64)
         cptr[:, :self._cptr.shape[1]] = self._cptr
         self._cent, self._cptr = cent, cptr
+        cvm = np.zeros((hk, cap, self.value_dim), np.float32)
+        cvm[:, :self._cvmean.shape[1]] = self._cvmean
+        cmin = np.zeros((hk, cap), np.int32)
+        cmin[:, :self._cminpos.shape[1]] = self._cminpos
+        cmax = np.zeros((hk, cap), np.int32)
+        cmax[:, :self._cmaxpos.shape[1]] = self._cmaxpos
+        self._cvmean, self._cminpos, self._cmaxpos = cvm, cmin, cmax
 
     def _evict(self) -> None:
         """Free storage of keys older than the cap (whole segments, or page-aligned runs)."""
@@ -587,6 +619,9 @@ class KVCache:
             for g in range(self.num_kv_heads):
                 c, total = int(n_cent[g]), int(self._n_cent[g])
                 self._cent[g, :total - c] = self._cent[g, c:total]
+                self._cvmean[g, :total - c] = self._cvmean[g, c:total]
+                self._cminpos[g, :total - c] = self._cminpos[g, c:total]
+                self._cmaxpos[g, :total - c] = self._cmaxpos[g, c:total]
                 self._cptr[g, :total - c + 1] = self._cptr[g, c:total + 1] - n_slots
                 self._n_cent[g] = total - c
             self._segments = [(a - n_slots, f - n_cent) for a, f in self._segments[drop:]]
@@ -713,12 +748,13 @@ class KVCache:
         q = np.ascontiguousarray(q, dtype=np.float32)
         T = q.shape[1]
         qpos = np.arange(self._n - T, self._n, dtype=np.int64)
-        out, lse, nread = self._run(q, qpos, k, selector or self.selector)
+        out, lse, nread, nest = self._run(q, qpos, k, selector or self.selector)
         if np.isposinf(lse).any():
             raise ValueError(overflow_message(np.float32, self.scale))
         self._stats["attends"] += 1
         self._stats["keys_read_per_query"] = float(nread.mean())
         self._stats["keys_read_max"] = int(nread.max())
+        self._stats["clusters_estimated_per_query"] = float(nest.mean())
         if squeeze:
             out, lse = out[:, 0], lse[:, 0]
         if torch_in:
@@ -729,13 +765,15 @@ class KVCache:
         return (out, lse) if return_lse else out
 
     def _run(self, q: np.ndarray, qpos: np.ndarray, k: int, sel: str
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         from .kernels import decode as kd
 
         H, T = q.shape[0], q.shape[1]
         out = np.empty((H, T, self.value_dim), np.float32)
         lse = np.empty((H, T), np.float32)
         nread = np.empty(H * T, np.int64)
+        nest = np.zeros(H * T, np.int64)
+        n_est = self.estimate if sel == "cluster" else 0
         s0 = min(self.sinks, self._slots)
         n_slots = self._slots
         hi = _INT32_MAX
@@ -772,7 +810,7 @@ class KVCache:
             K, V, pmin, pmax = (a.view(np.uint16) for a in (K, V, pmin, pmax))
         fn(q, qpos, rep, K, V, self._pos, s0, ex_lo, n_slots, self._lo_pos(), hi, mode,
            n_probe, self._cent, self._cptr, self._n_cent, pmin, pmax, self.page_size,
-           np.float32(self.scale), out, lse, nread)
+           np.float32(self.scale), n_est, self._cvmean, self._cminpos, self._cmaxpos, out, lse, nread, nest)
         self._stats["kernel_seconds"] += time.perf_counter() - t1
-        return out, lse, nread
+        return out, lse, nread, nest
 

@@ -9,7 +9,9 @@ rows).  Per row, over the cache of kv head ``h // rep``:
 
    * ``MODE_CLUSTER``: one score ``q . c`` per routing vector of the head (member means of the clusters
      of every segment, stored as float16 bits), the ``n_probe`` largest kept by a min-heap, then each chosen cluster's contiguous
-     slot range ``[cptr[c], cptr[c + 1])`` scored;
+     slot range ``[cptr[c], cptr[c + 1])`` scored; with ``n_est > 0`` the next ``n_est`` clusters are
+     estimated: one pseudo-key each, score ``scale * q . c + log(count)`` and value ``cvmean[g, c]``,
+     skipped when the cluster holds a key the row may not see (``cmaxpos > qp``, or evicted);
    * ``MODE_PAGES`` (Quest): per page of ``page_size`` slots starting at slot ``n_sinks``, the upper
      bound ``sum_e max(q_e * min_e, q_e * max_e)`` of ``q . k`` over the page, the ``n_probe`` largest
      pages scored;
@@ -36,7 +38,7 @@ from numba.extending import intrinsic
 
 from ._intrinsics import exp_shifted_f32
 from ._options import FASTMATH, serial_and_parallel
-from .topk import heap_offer
+from .topk import ORDER_BEST, heap_finish, heap_offer
 
 MODE_NONE = 0
 MODE_CLUSTER = 1
@@ -79,12 +81,13 @@ def widen_bf16(typingctx, x):
 
 
 def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mode, n_probe,
-         cent, cptr, n_cent, pmin, pmax, page_size, scale, out, lse, nread):
+         cent, cptr, n_cent, pmin, pmax, page_size, scale, n_est, cvmean, cminpos, cmaxpos, out, lse, nread,
+         nest):
     """One row (query head h, token t) of the decode kernel; see the module docstring."""
     T = q.shape[1]
     E = q.shape[2]
     Ev = V.shape[2]
-    width = max(n_probe, 1)
+    width = max(n_probe + (n_est if mode == MODE_CLUSTER else 0), 1)
     h = r // T
     t = r - h * T
     g = h // rep
@@ -109,7 +112,7 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mo
             s = np.float32(0.0)
             for e in range(E):
                 s += qi[e] * widen_f16(cv[e])
-            n_sel = heap_offer(hs, hb, n_sel, n_probe, s, c)
+            n_sel = heap_offer(hs, hb, n_sel, width, s, c)
     elif mode == MODE_PAGES:
         n_pages = (ex_lo - n_sinks + page_size - 1) // page_size
         for b in range(n_pages):
@@ -137,6 +140,11 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mo
             n_sel = heap_offer(hs, hb, n_sel, n_probe, s, j)
         # attend the chosen slots in ascending slot order (a deterministic sum order)
         hb[:n_sel].sort()
+    n_zone = 0  # estimation zone: hb[n_probe:n_sel] after ordering best first
+    if mode == MODE_CLUSTER and n_est > 0 and n_sel > n_probe:
+        heap_finish(hs, hb, n_sel, ORDER_BEST)
+        n_zone = n_sel - n_probe
+        n_sel = n_probe
     n_ranges = 2 + n_sel
     if mode == MODE_TOPK:
         n_ranges = n_sel  # exact top-k: only the chosen keys
@@ -205,6 +213,32 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mo
                     acc[e] += w * (widen_bf16(vj[e]) if BF16 else widen_f16(vj[e]))
         if overflow:
             break
+    n_used = 0
+    for z in range(n_zone):  # estimated clusters: one pseudo-key each (score + log count, mean value)
+        if overflow:
+            break
+        c = hb[n_probe + z]
+        cnt_c = cptr[g, c + 1] - cptr[g, c]
+        if cnt_c <= 0 or cmaxpos[g, c] > qp or (cminpos[g, c] >= n_sinks and cminpos[g, c] < lo_pos):
+            continue  # a key the row may not see (later or evicted): never estimated
+        s = hs[n_probe + z] * scale + np.float32(np.log(np.float32(cnt_c)))
+        if s == np.inf:
+            overflow = True
+            break
+        if s > m_run:
+            if m_run > -np.inf:
+                alpha = np.float32(np.exp(m_run - s))
+                l_run *= alpha
+                for e in range(Ev):
+                    acc[e] *= alpha
+            m_run = s
+        w = np.float32(np.exp(s - m_run))
+        l_run += w
+        vm = cvmean[g, c]
+        for e in range(Ev):
+            acc[e] += w * vm[e]
+        n_used += 1
+    nest[r] = n_used
     nread[r] = n_read
     if overflow:
         for e in range(Ev):
@@ -241,10 +275,12 @@ ROW = _row_f32
 
 
 def _decode_rows(q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mode, n_probe,
-                 cent, cptr, n_cent, pmin, pmax, page_size, scale, out, lse, nread):
+                 cent, cptr, n_cent, pmin, pmax, page_size, scale, n_est, cvmean, cminpos, cmaxpos, out, lse,
+                 nread, nest):
     for r in prange(q.shape[0] * q.shape[1]):
         ROW(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mode, n_probe,
-            cent, cptr, n_cent, pmin, pmax, page_size, scale, out, lse, nread)
+            cent, cptr, n_cent, pmin, pmax, page_size, scale, n_est, cvmean, cminpos, cmaxpos, out, lse, nread,
+            nest)
 
 
 decode_serial, decode_parallel = serial_and_parallel(_decode_rows)
