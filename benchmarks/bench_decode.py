@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-storage", action="store_true")
     ap.add_argument("--no-cap", action="store_true")
     ap.add_argument("--no-real", action="store_true")
+    ap.add_argument("--no-estimate", action="store_true", help="skip the estimation-zone phases")
     ap.add_argument("--topk-max", type=int, default=262144, help="largest n for the exact top-64 selector")
     ap.add_argument("--out", default=str(HERE / "results" / "decode.json"))
     ap.add_argument("--append", action="store_true", help="add to the results already in --out")
@@ -286,6 +287,14 @@ def main(argv: list[str] | None = None) -> int:
                     results.append(run_phase(kind + "/storage", n, K, V, Q, steps, specs, with_torch=False,
                                              with_dense=False))
                     save()
+                if not args.no_estimate:
+                    specs = [("cluster", {"selector": "cluster"}, {}),
+                             ("cluster est64", {"selector": "cluster", "estimate": 64}, {}),
+                             ("cluster est512", {"selector": "cluster", "estimate": 512}, {}),
+                             ("cluster est4096", {"selector": "cluster", "estimate": 4096}, {})]
+                    results.append(run_phase(kind + "/estimate", n, K, V, Q, steps, specs, with_torch=False,
+                                             with_dense=False))
+                    save()
                 if not args.no_cap:
                     specs = [("cluster cap n/4", {"selector": "cluster", "max_keys": n // 4}, {}),
                              ("cluster", {"selector": "cluster"}, {})]
@@ -315,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         for seg in (4096,):
             specs = [("cluster", {"selector": "cluster", "segment": seg}, {}),
                      ("cluster probe64", {"selector": "cluster", "segment": seg, "n_probe": 64}, {}),
+                     ("cluster est64", {"selector": "cluster", "segment": seg, "estimate": 64}, {}),
+                     ("cluster est512", {"selector": "cluster", "segment": seg, "estimate": 512}, {}),
                      ("topk-64", {"selector": "cluster", "segment": seg}, {"selector": "topk", "k": 64}),
                      ("window", {"selector": "cluster", "segment": seg}, {"selector": "window"})]
             results.append(run_phase("real-store65k", n, K, V, Q, steps, specs, with_torch=True,
