@@ -1,6 +1,7 @@
 """This tree against another git revision, side by side on the same machine in one run.
 
 Run:  python benchmarks/bench_side_by_side.py --base REV [--head REV] [--repeats 7] [--rounds 2] [--quick]
+      [--only TEXT]
 
 Why: a refactor must not cost speed, and two runs of the same code on this VM differ by 10-20 %, so a
 before/after ratio is only honest when both sides are timed in one run, alternating.  The base
@@ -129,6 +130,7 @@ def main() -> int:
                     help="git revision for the head side (default: this working tree, uncommitted changes included)")
     ap.add_argument("--rounds", type=int, default=2, help="worker processes per side (alternating)")
     ap.add_argument("--quick", action="store_true", help="only the n <= 16,384 cases")
+    ap.add_argument("--only", default=None, help="only the cases whose name contains this text (e.g. 'cluster')")
     ap.add_argument("--out", default=None, help="output path without extension")
     args = ap.parse_args()
     sys.path.insert(0, ROOT)
@@ -147,6 +149,8 @@ def main() -> int:
         head_tree = _worktree(args.head, tmp, "head") if args.head else ROOT
         try:
             for case in _cases(args.quick):
+                if args.only and args.only not in case["name"]:
+                    continue
                 d = os.path.join(tmp, "inputs")
                 os.makedirs(d, exist_ok=True)
                 q, k, v = data_mod.synthetic(case["data"])
