@@ -22,18 +22,31 @@ P_i (the pattern's row, restricted to A_i when causal):
 * ``lse_error_i = lse_dense_i - lse_sparse_i >= 0``;
 * ``kl_i = KL(sparse_i || dense_i) = -log(mass_recall_i)``, see :class:`AccuracyReport` for why this
   direction.
+
+Leading (batch, head) dimensions: every public function takes ``query (..., L, E)``, ``key (..., S, E)``
+and ``value (..., S, Ev)`` whose leading dimensions broadcast like numpy's (``enable_gqa=True``: fewer
+K/V heads than query heads, as in :func:`sparseattn.sparse_attention`).  Each flattened (batch, head)
+group is evaluated on its own, one group's float64 copies at a time, with one shared pattern, one
+pattern per group, or the patterns and output of a :class:`sparseattn.SparseAttentionResult`.  Per-row
+results then have shape ``(..., L)``; :class:`AccuracyReport` also gives each head's report and summary
+(:meth:`AccuracyReport.head`, :meth:`AccuracyReport.per_head`) besides the aggregate over all heads.
 """
 
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .inputs import as_float_array, check_positive_int, check_scale, positions
+from .inputs import as_float_array, check_bool, check_positive_int, check_scale, flat3, group_maps, positions
 from .kernels.topk import ORDER_NONE, block_topk
 from .pattern import SparsePattern
+
+if TYPE_CHECKING:
+    from .attention.sparse import SparseAttentionResult
 
 __all__ = ["AccuracyReport", "compare", "mass_recall", "output_relative_error", "topk_recall"]
 
@@ -47,7 +60,9 @@ _GATHER_ELEMS = 2 ** 21
 class AccuracyReport:
     """Sparse-vs-dense accuracy, per query row and overall.
 
-    Per-row arrays all have shape (L,) and dtype float64 unless noted.
+    Per-row arrays all have shape ``lead + (L,)`` and dtype float64 unless noted: (L,) for 2-D inputs,
+    (B, H, L) for inputs with leading dims (B, H).  The scalar fields aggregate over every head;
+    :meth:`head` gives one head's own report and :meth:`per_head` each head's summary.
 
     Attributes
     ----------
@@ -89,7 +104,13 @@ class AccuracyReport:
         Selected (query, key) pairs removed because the key lies after the query (``is_causal`` only);
         non-zero means the selector leaks future keys.
     rows : (L,) or (R,) int64
-        The query rows the per-row arrays describe (``arange(L)`` unless ``rows=`` was given).
+        The query rows the per-row arrays describe (``arange(L)`` unless ``rows=`` was given); the same
+        rows in every head.
+    lead : tuple of int
+        The broadcast leading (batch, head) shape; ``()`` for 2-D inputs.
+    heads : tuple of AccuracyReport
+        One 2-D report per flattened (batch, head) group in C order (their arrays are views of this
+        report's); empty when ``lead == ()``.
     """
 
     rel_error: np.ndarray
@@ -108,23 +129,58 @@ class AccuracyReport:
     missed_rows: int
     dropped_noncausal: int
     rows: np.ndarray
+    lead: tuple[int, ...] = ()
+    heads: tuple[AccuracyReport, ...] = ()
 
     @property
     def n_rows(self) -> int:
-        """Number of evaluated query rows (L, or R with ``rows=``)."""
-        return int(self.rel_error.shape[0])
+        """Number of evaluated query rows per head (L, or R with ``rows=``)."""
+        return int(self.rel_error.shape[-1])
+
+    @property
+    def n_heads(self) -> int:
+        """Number of (batch, head) groups: ``prod(lead)``, 1 for 2-D inputs."""
+        return int(np.prod(self.lead, dtype=np.int64))
+
+    def head(self, *index: int) -> AccuracyReport:
+        """The 2-D report of one (batch, head) group, e.g. ``rep.head(b, h)``; ``rep.head()`` for 2-D inputs.
+
+        Its per-row arrays have shape (L,) (views of this report's) and its scalar fields are that head's own:
+        ``rel_error_overall`` is the Frobenius error of that head's output.
+        """
+        if len(index) != len(self.lead):
+            raise ValueError(f"head() needs one index per leading dimension {self.lead}; got {index}.")
+        if not self.lead:
+            return self
+        for i, (ix, n) in enumerate(zip(index, self.lead, strict=True)):
+            if isinstance(ix, bool) or not isinstance(ix, numbers.Integral) or not -n <= int(ix) < n:
+                raise IndexError(f"head index {ix!r} at position {i} is out of range for leading dims {self.lead}.")
+        flat = int(np.ravel_multi_index(tuple(int(ix) % n for ix, n in zip(index, self.lead, strict=True)),
+                                        self.lead))
+        return self.heads[flat]
+
+    def per_head(self) -> dict[str, np.ndarray]:
+        """Each head's :meth:`summary`, as float64 arrays of shape ``lead`` (shape () for 2-D inputs)."""
+        if not self.lead:
+            return {name: np.asarray(value, dtype=np.float64) for name, value in self.summary().items()}
+        summaries = [h.summary() for h in self.heads]
+        return {name: np.array([s[name] for s in summaries], dtype=np.float64).reshape(self.lead)
+                for name in summaries[0]}
 
     def summary(self) -> dict[str, float]:
         """Scalar summary for JSON and tables; every value is a finite float.
 
-        Means and maxima of ``kl`` and ``lse_error`` are taken over the rows where they are finite
-        (``missed_rows`` counts the others), so one missed row does not turn the whole column into inf.
-        With no rows, errors are reported as 0 and recalls as 1.
+        With leading dims this is the aggregate over every head: means, medians and extremes over all
+        (head, row) pairs, ``rel_error_overall`` over all heads' outputs, counts summed over heads
+        (``n_rows`` stays per head).  Means and maxima of ``kl`` and ``lse_error`` are taken over the rows
+        where they are finite (``missed_rows`` counts the others), so one missed row does not turn the
+        whole column into inf.  With no rows, errors are reported as 0 and recalls as 1.
         """
         finite_kl = self.kl[np.isfinite(self.kl)]
         finite_lse = self.lse_error[np.isfinite(self.lse_error)]
         return {
             "n_rows": float(self.n_rows),
+            "n_heads": float(self.n_heads),
             "k": float(self.k),
             "mean_selected": _mean(self.n_selected.astype(np.float64), 0.0),
             "rel_error_overall": float(self.rel_error_overall),
@@ -155,31 +211,123 @@ def _max(x: np.ndarray, default: float) -> float:
 
 
 # ----------------------------------------------------------------------------------------- validation
-def _as_2d(x: object, name: str, hint: str) -> np.ndarray:
-    arr = as_float_array(x, name, min_ndim=2)
-    if arr.ndim != 2:
-        raise ValueError(f"{name} must be 2-D {hint}; got shape {arr.shape}. Evaluate one head at a time, "
-                         f"e.g. {name}[b, h].")
-    return np.ascontiguousarray(arr, dtype=np.float64)
+def _f64(x: np.ndarray) -> np.ndarray:
+    """C-contiguous float64 (a view when it already is)."""
+    return np.ascontiguousarray(x, dtype=np.float64)
 
 
-def _check_qk(query: object, key: object) -> tuple[np.ndarray, np.ndarray]:
-    q = _as_2d(query, "query", "(L, E)")
-    k = _as_2d(key, "key", "(S, E)")
-    if q.shape[1] != k.shape[1]:
+@dataclass(frozen=True)
+class _Groups:
+    """Validated query/key(/value) as (G, n, f) stacks in their input dtype, with the group maps.
+
+    Group g of the broadcast leading shape ``lead`` reads ``q3[q_map[g]]``, ``k3[kv_map[g]]`` and
+    ``v3[kv_map[g]]`` (:func:`sparseattn.inputs.group_maps`).
+    """
+
+    q3: np.ndarray
+    k3: np.ndarray
+    v3: np.ndarray | None
+    lead: tuple[int, ...]
+    q_map: np.ndarray
+    kv_map: np.ndarray
+
+    @property
+    def G(self) -> int:
+        return int(self.q_map.shape[0])
+
+    @property
+    def L(self) -> int:
+        return int(self.q3.shape[1])
+
+    @property
+    def S(self) -> int:
+        return int(self.k3.shape[1])
+
+    @property
+    def E(self) -> int:
+        return int(self.q3.shape[2])
+
+    def operands(self) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]]:
+        """``(g, q, k, v)`` of each group as float64 2-D arrays, one group's conversion copies at a time."""
+        kv_done, kk, vv = -1, None, None
+        for g in range(self.G):
+            kv = int(self.kv_map[g])
+            if kv != kv_done:
+                kk = vv = None  # free the previous group's copies before converting the next
+                kk = _f64(self.k3[kv])
+                vv = _f64(self.v3[kv]) if self.v3 is not None else None
+                kv_done = kv
+            yield g, _f64(self.q3[int(self.q_map[g])]), kk, vv
+
+
+def _groups(query: object, key: object, value: object, enable_gqa: object) -> _Groups:
+    """Validate query (..., L, E), key (..., S, E) and value (..., S, Ev) or None; broadcast leading dims."""
+    q = as_float_array(query, "query", min_ndim=2)
+    kk = as_float_array(key, "key", min_ndim=2)
+    if q.shape[-1] != kk.shape[-1]:
         raise ValueError(f"query and key must have the same feature size E; got query {q.shape} and "
-                         f"key {k.shape}.")
-    return q, k
+                         f"key {kk.shape}.")
+    v = None
+    if value is not None:
+        v = as_float_array(value, "value", min_ndim=2)
+        if v.shape[-2] != kk.shape[-2]:
+            raise ValueError(f"value must have one row per key: key has shape {kk.shape}, value has shape "
+                             f"{v.shape}.")
+        if v.shape[:-2] != kk.shape[:-2]:
+            raise ValueError(f"key and value must have the same leading dims; got key {kk.shape} and value "
+                             f"{v.shape}.")
+    lead, q_map, kv_map = group_maps(q.shape[:-2], kk.shape[:-2], enable_gqa=check_bool(enable_gqa, "enable_gqa"))
+    if q_map.shape[0] == 0:
+        raise ValueError(f"the leading dims of query {q.shape[:-2]} and key {kk.shape[:-2]} broadcast to {lead}, "
+                         f"which holds no (batch, head) group; pass at least one.")
+    return _Groups(flat3(q), flat3(kk), None if v is None else flat3(v), lead, q_map, kv_map)
 
 
-def _check_pattern(pattern: object, L: int, S: int) -> SparsePattern:
+def _check_pattern(pattern: object, L: int, S: int, name: str = "pattern") -> SparsePattern:
     if not isinstance(pattern, SparsePattern):
-        raise TypeError(f"pattern must be a SparsePattern; got {type(pattern).__name__}. Build one with "
+        raise TypeError(f"{name} must be a SparsePattern, a sequence of them (one per (batch, head) group) or "
+                        f"a SparseAttentionResult; got {type(pattern).__name__}. Build one with "
                         f"SparsePattern.from_padded or a selector.")
     if pattern.shape != (L, S):
-        raise ValueError(f"pattern shape must be (n_queries, n_keys) = ({L}, {S}) to match query and key; "
+        raise ValueError(f"{name} shape must be (n_queries, n_keys) = ({L}, {S}) to match query and key; "
                          f"got {pattern.shape}.")
     return pattern
+
+
+def _group_patterns(pattern: object, G: int, L: int, S: int) -> tuple[list[SparsePattern], np.ndarray | None]:
+    """One pattern shared by every group or one per group, and the output a result carries (else None).
+
+    A :class:`sparseattn.SparseAttentionResult` gives its ``patterns`` and ``output``; a result of a
+    selector that attends by itself holds no pattern, which is refused with the way to score it.
+    """
+    from .attention.sparse import SparseAttentionResult  # lazy: metrics stays importable on its own
+
+    output = None
+    if isinstance(pattern, SparseAttentionResult):
+        if not pattern.patterns:
+            spec = pattern.selector
+            raise ValueError(
+                f"pattern: this SparseAttentionResult (selector {spec!r}) holds no pattern because the "
+                f"selector attends by itself, so the keys it read are not recorded. Route each head's "
+                f"queries again to score them: sel = sparseattn.get_selector({spec!r}).build(key_h); "
+                f"pattern_h = sel.query(query_h, k, is_causal=...) gives the keys attend() reads; pass the "
+                f"list of patterns (one per (batch, head) group) and sparse_output=result.output.")
+        output = pattern.output
+        pats = list(pattern.patterns)
+        if len(pats) not in (1, G):
+            raise ValueError(f"pattern: the SparseAttentionResult holds {len(pats)} patterns; expected 1 or one "
+                             f"per (batch, head) group = {G}. Pass query, key and value with the leading dims "
+                             f"the result was computed with.")
+    elif isinstance(pattern, (list, tuple)):
+        pats = list(pattern)
+        if len(pats) != G:
+            raise ValueError(f"pattern sequence has {len(pats)} entries; expected one per (batch, head) group = "
+                             f"{G}, or pass a single SparsePattern shared by every group.")
+    else:
+        pats = [pattern]
+    for i, p in enumerate(pats):
+        _check_pattern(p, L, S, "pattern" if len(pats) == 1 else f"pattern[{i}]")
+    return pats, output
 
 
 def _check_eps(eps: object) -> float:
@@ -191,19 +339,10 @@ def _check_eps(eps: object) -> float:
     return e
 
 
-def _prepare(q: np.ndarray, kk: np.ndarray, pattern: object, query_positions: object,
-             key_positions: object, rows: object) -> tuple:
-    """Validate the pattern, positions and ``rows``; restrict queries, pattern and positions to ``rows``.
-
-    Positions are resolved on the full sequence first, so a sampled row keeps its original position.
-    Returns ``(q_rows, pattern_rows, qpos_rows, kpos, rows)`` with ``rows`` an int64 array.
-    """
-    L, S = q.shape[0], kk.shape[0]
-    pattern = _check_pattern(pattern, L, S)
-    qpos = positions(query_positions, L, "query_positions")
-    kpos = positions(key_positions, S, "key_positions")
+def _check_rows(rows: object, L: int) -> np.ndarray | None:
+    """``rows`` as an int64 array of query indices in [0, L), or None for every row."""
     if rows is None:
-        return q, pattern, qpos, kpos, np.arange(L, dtype=np.int64)
+        return None
     r = np.asarray(rows)
     if r.dtype.kind not in "iu":
         raise TypeError(f"rows must be an integer array of query indices; got dtype {r.dtype}.")
@@ -212,30 +351,97 @@ def _prepare(q: np.ndarray, kk: np.ndarray, pattern: object, query_positions: ob
     if r.size and (r.min() < 0 or r.max() >= L):
         raise ValueError(f"rows must lie in [0, L={L}); got values from {int(r.min())} to {int(r.max())}. "
                          f"Negative indices are not wrapped.")
-    r = r.astype(np.int64)
-    return np.ascontiguousarray(q[r]), pattern.select_rows(r), qpos[r], kpos, r
+    return r.astype(np.int64)
 
 
-def _default_k(pattern: SparsePattern) -> int:
-    """Mean selected keys per row, rounded half up, at least 1."""
-    mean = pattern.nnz / pattern.n_queries if pattern.n_queries else 0.0
+def _default_k(patterns: list[SparsePattern]) -> int:
+    """Mean selected keys per row over the patterns, rounded half up, at least 1."""
+    n_rows = sum(p.n_queries for p in patterns)
+    mean = sum(p.nnz for p in patterns) / n_rows if n_rows else 0.0
     return max(1, int(np.floor(mean + 0.5)))
 
 
+def _run(groups: _Groups, patterns: list[SparsePattern], *, query_positions: object, key_positions: object,
+         rows: object, sparse_output: np.ndarray | None = None, **scan: object) -> tuple[list[dict], np.ndarray]:
+    """:func:`_scan` of every group over its pattern (restricted to ``rows``); (per-group results, rows).
+
+    Positions are resolved on the full sequence first, so a sampled row keeps its original position.
+    ``sparse_output`` is the validated ``lead + (L, Ev)`` output or None.
+    """
+    L, S = groups.L, groups.S
+    qpos = positions(query_positions, L, "query_positions")
+    kpos = positions(key_positions, S, "key_positions")
+    r = _check_rows(rows, L)
+    if r is not None:
+        qpos = qpos[r]
+        patterns = [p.select_rows(r) for p in patterns]
+    out3 = flat3(sparse_output) if sparse_output is not None else None
+    results = []
+    for g, q, kk, v in groups.operands():
+        if r is not None:
+            q = np.ascontiguousarray(q[r])
+        out = None
+        if out3 is not None:
+            out = _f64(out3[g] if r is None else out3[g][r])
+        results.append(_scan(q, kk, v, patterns[g if len(patterns) > 1 else 0], qpos=qpos, kpos=kpos,
+                             sparse_output=out, **scan))
+    return results, (np.arange(L, dtype=np.int64) if r is None else r)
+
+
+def _stack(results: list[dict], name: str, lead: tuple[int, ...]) -> np.ndarray:
+    """Per-group (R,) arrays as one ``lead + (R,)`` array."""
+    return np.stack([res[name] for res in results]).reshape(lead + results[0][name].shape)
+
+
+def _per_row(results: list[dict], name: str, lead: tuple[int, ...]) -> np.ndarray:
+    return results[0][name] if not lead else _stack(results, name, lead)
+
+
+def _report(results: list[dict], lead: tuple[int, ...], k: int, rows: np.ndarray) -> AccuracyReport:
+    """The AccuracyReport of all groups (aggregate scalars) with one 2-D report per group when ``lead``."""
+    arrays = {name: _per_row(results, name, lead) for name in
+              ("rel_error", "mass_recall", "recall", "lse_error", "lse_dense", "lse_sparse", "n_selected",
+               "n_allowed")}
+    arrays["kl"] = arrays["lse_error"].copy()
+
+    def make(arr: dict[str, np.ndarray], res: list[dict], lead_: tuple[int, ...],
+             heads: tuple[AccuracyReport, ...]) -> AccuracyReport:
+        n_sel, n_allowed = arr["n_selected"], arr["n_allowed"]
+        diff = np.sqrt(sum(x["diff_sq"] for x in res))
+        ref = np.sqrt(sum(x["ref_sq"] for x in res))
+        return AccuracyReport(
+            **arr, rel_error_overall=float(_guarded_ratio(np.array([diff]), np.array([ref]))[0]),
+            max_abs_error=float(max(x["max_abs"] for x in res)), k=int(k), empty_rows=int((n_sel == 0).sum()),
+            missed_rows=int(((n_sel == 0) & (n_allowed > 0)).sum()),
+            dropped_noncausal=int(sum(x["dropped"] for x in res)), rows=rows, lead=lead_, heads=heads)
+
+    heads: tuple[AccuracyReport, ...] = ()
+    if lead:
+        G = len(results)
+        flat = {name: a.reshape((G, a.shape[-1])) for name, a in arrays.items()}  # views: a is contiguous
+        heads = tuple(make({name: a[g] for name, a in flat.items()}, [results[g]], (), ()) for g in range(G))
+    return make(arrays, results, lead, heads)
+
+
 # --------------------------------------------------------------------------------------- public API
-def output_relative_error(approx: object, reference: object, *, per_row: bool = False) -> float | np.ndarray:
+def output_relative_error(approx: object, reference: object, *, per_row: bool = False,
+                          per_head: bool = False) -> float | np.ndarray:
     """Relative error ``||approx - reference|| / ||reference||`` in float64.
 
     Parameters
     ----------
-    approx, reference : float arrays, shape (L, Ev)
-        The approximate (sparse) and the reference (dense) outputs.
+    approx, reference : float arrays, shape (..., L, Ev)
+        The approximate (sparse) and the reference (dense) outputs, same shape; leading dims are
+        (batch, head) groups.
     per_row : bool, default False
-        False: one Frobenius ratio over the whole array.  True: an (L,) float64 array of row-wise ratios.
+        True: a ``(..., L)`` float64 array of row-wise ratios.
+    per_head : bool, default False
+        True: a ``(...)`` float64 array of one Frobenius ratio per (batch, head) group (shape () for
+        2-D inputs).  Neither flag: one Frobenius ratio over the whole array, a float.
 
     Returns
     -------
-    float or (L,) float64 array
+    float or float64 array
         Where the reference norm is exactly zero the denominator is replaced by 1, so the absolute error
         is reported (0 when both are zero) instead of NaN or inf.
 
@@ -244,23 +450,36 @@ def output_relative_error(approx: object, reference: object, *, per_row: bool = 
     >>> output_relative_error(np.array([[3.0, 4.0]]), np.array([[0.0, 8.0]]))
     0.625
     """
-    a = _as_2d(approx, "approx", "(L, Ev)")
-    b = _as_2d(reference, "reference", "(L, Ev)")
+    if check_bool(per_row, "per_row") and check_bool(per_head, "per_head"):
+        raise ValueError("per_row and per_head are exclusive; pass at most one of them.")
+    a = as_float_array(approx, "approx", min_ndim=2)
+    b = as_float_array(reference, "reference", min_ndim=2)
     if a.shape != b.shape:
         raise ValueError(f"approx and reference must have the same shape; got {a.shape} and {b.shape}.")
-    diff = a - b
+    a3, b3 = flat3(a), flat3(b)
+    G, L = a3.shape[0], a3.shape[1]
+    d_rows = np.empty((G, L))
+    r_rows = np.empty((G, L))
+    for g in range(G):  # one group's float64 copies at a time
+        ref = _f64(b3[g])
+        d_rows[g] = np.linalg.norm(_f64(a3[g]) - ref, axis=1)
+        r_rows[g] = np.linalg.norm(ref, axis=1)
     if per_row:
-        return _guarded_ratio(np.linalg.norm(diff, axis=1), np.linalg.norm(b, axis=1))
-    return float(_guarded_ratio(np.array([np.linalg.norm(diff)]), np.array([np.linalg.norm(b)]))[0])
+        return _guarded_ratio(d_rows, r_rows).reshape(a.shape[:-1])
+    d_sq, r_sq = (x * x for x in (d_rows, r_rows))
+    if per_head:
+        return _guarded_ratio(np.sqrt(d_sq.sum(axis=1)), np.sqrt(r_sq.sum(axis=1))).reshape(a.shape[:-2])
+    return float(_guarded_ratio(np.array([np.sqrt(d_sq.sum())]), np.array([np.sqrt(r_sq.sum())]))[0])
 
 
 def _guarded_ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
     return num / np.where(den > 0, den, 1.0)
 
 
-def topk_recall(pattern: SparsePattern, query: object, key: object, k: int, *, is_causal: bool = False,
-                query_positions: object = None, key_positions: object = None, eps: float = 1e-6,
-                rows: object = None, block: int = 512, key_block: int = 8192) -> np.ndarray:
+def topk_recall(pattern: SparsePattern | Sequence[SparsePattern] | SparseAttentionResult, query: object,
+                key: object, k: int, *, is_causal: bool = False, query_positions: object = None,
+                key_positions: object = None, eps: float = 1e-6, rows: object = None, block: int = 512,
+                key_block: int = 8192, enable_gqa: bool = False) -> np.ndarray:
     """Tie-aware recall@k of a pattern against the exact top-k raw scores ``q . k``.
 
     A selected (allowed) key j of row i is a hit when ``q_i . k_j >= t_i - eps*|t_i| - eps`` with ``t_i``
@@ -270,109 +489,134 @@ def topk_recall(pattern: SparsePattern, query: object, key: object, k: int, *, i
 
     Parameters
     ----------
-    pattern : SparsePattern, shape (L, S)
-    query : float array, shape (L, E)
-    key : float array, shape (S, E)
+    pattern : SparsePattern (L, S), sequence of them, or SparseAttentionResult
+        One pattern shared by every (batch, head) group, one per group (flattened leading dims, C order),
+        or the patterns of a :func:`sparseattn.sparse_attention_result`.
+    query : float array, shape (..., L, E)
+    key : float array, shape (..., S, E)
+        Leading dims broadcast against the query's (see ``enable_gqa``).
     k : int >= 1
+        Any size: ``k >= S`` counts every allowed key as a top-k key (no (L, k) buffer is made).
     is_causal : bool
         Only keys with ``key_positions[j] <= query_positions[i]`` are allowed (default positions arange);
         selected keys that are not allowed never count as hits.
     eps : float >= 0
         Tie tolerance, relative and absolute.
     rows : int array, shape (R,), optional
-        Evaluate only these query rows (see :func:`compare`).
+        Evaluate only these query rows of every group (see :func:`compare`).
     block, key_block : int >= 1
         Query rows and key rows per score tile (memory ``block * key_block`` float64).
+    enable_gqa : bool
+        Fewer key heads than query heads (query head h reads key head ``h // (Hq // Hk)``).
 
     Returns
     -------
-    (L,) or (R,) float64 array in [0, 1].
+    float64 array of shape ``lead + (L,)`` (or ``lead + (R,)``), values in [0, 1].
     """
-    q, kk = _check_qk(query, key)
-    q, pattern, qpos, kpos, _ = _prepare(q, kk, pattern, query_positions, key_positions, rows)
     k = check_positive_int(k, "k")
-    res = _scan(q, kk, None, pattern, scale=1.0, is_causal=is_causal, qpos=qpos,
-                kpos=kpos, sparse_output=None, k=k, eps=_check_eps(eps),
-                block=check_positive_int(block, "block"), key_block=check_positive_int(key_block, "key_block"),
-                need_lse=False)
-    return res["recall"]
+    groups = _groups(query, key, None, enable_gqa)
+    pats, _ = _group_patterns(pattern, groups.G, groups.L, groups.S)
+    results, _ = _run(groups, pats, query_positions=query_positions, key_positions=key_positions, rows=rows,
+                      scale=1.0, is_causal=is_causal, k=k, eps=_check_eps(eps),
+                      block=check_positive_int(block, "block"),
+                      key_block=check_positive_int(key_block, "key_block"), need_lse=False)
+    return _per_row(results, "recall", groups.lead)
 
 
-def mass_recall(pattern: SparsePattern, query: object, key: object, *, scale: float | None = None,
-                is_causal: bool = False, query_positions: object = None, key_positions: object = None,
-                rows: object = None, block: int = 512, key_block: int = 8192) -> np.ndarray:
+def mass_recall(pattern: SparsePattern | Sequence[SparsePattern] | SparseAttentionResult, query: object,
+                key: object, *, scale: float | None = None, is_causal: bool = False, query_positions: object = None,
+                key_positions: object = None, rows: object = None, block: int = 512, key_block: int = 8192,
+                enable_gqa: bool = False) -> np.ndarray:
     """Dense softmax probability mass on each row's selected keys.
 
     Parameters
     ----------
-    pattern : SparsePattern, shape (L, S)
-    query : float array, shape (L, E)
-    key : float array, shape (S, E)
+    pattern : SparsePattern (L, S), sequence of them, or SparseAttentionResult
+        As in :func:`topk_recall`.
+    query : float array, shape (..., L, E)
+    key : float array, shape (..., S, E)
     scale : float or None
         Score scale; None means ``1 / sqrt(E)``.
     is_causal : bool
         Dense attention over keys with ``key_positions[j] <= query_positions[i]`` only; selected keys
         outside that set have probability 0.
     rows : int array, shape (R,), optional
-        Evaluate only these query rows (see :func:`compare`).
+        Evaluate only these query rows of every group (see :func:`compare`).
     block, key_block : int >= 1
         Query rows and key rows per score tile.
+    enable_gqa : bool
+        Fewer key heads than query heads.
 
     Returns
     -------
-    (L,) or (R,) float64 array in [0, 1]; 1 for rows with no allowed key, 0 for rows that select none.
+    float64 array of shape ``lead + (L,)`` (or ``lead + (R,)``) in [0, 1]; 1 for rows with no allowed key,
+    0 for rows that select none.
     """
-    q, kk = _check_qk(query, key)
-    q, pattern, qpos, kpos, _ = _prepare(q, kk, pattern, query_positions, key_positions, rows)
-    res = _scan(q, kk, None, pattern, scale=check_scale(scale, q.shape[1]), is_causal=is_causal,
-                qpos=qpos, kpos=kpos, sparse_output=None, k=None,
-                eps=0.0, block=check_positive_int(block, "block"),
-                key_block=check_positive_int(key_block, "key_block"), need_lse=True)
-    return res["mass_recall"]
+    groups = _groups(query, key, None, enable_gqa)
+    pats, _ = _group_patterns(pattern, groups.G, groups.L, groups.S)
+    results, _ = _run(groups, pats, query_positions=query_positions, key_positions=key_positions, rows=rows,
+                      scale=check_scale(scale, groups.E), is_causal=is_causal, k=None, eps=0.0,
+                      block=check_positive_int(block, "block"),
+                      key_block=check_positive_int(key_block, "key_block"), need_lse=True)
+    return _per_row(results, "mass_recall", groups.lead)
 
 
-def compare(query: object, key: object, value: object, pattern: SparsePattern, *, scale: float | None = None,
-            is_causal: bool = False, query_positions: object = None, key_positions: object = None,
-            sparse_output: object = None, k: int | None = None, eps: float = 1e-6, rows: object = None,
-            block: int = 512, key_block: int = 8192) -> AccuracyReport:
+def compare(query: object, key: object, value: object,
+            pattern: SparsePattern | Sequence[SparsePattern] | SparseAttentionResult, *,
+            scale: float | None = None, is_causal: bool = False, query_positions: object = None,
+            key_positions: object = None, sparse_output: object = None, k: int | None = None, eps: float = 1e-6,
+            rows: object = None, block: int = 512, key_block: int = 8192, enable_gqa: bool = False,
+            ) -> AccuracyReport:
     """Measure sparse attention over ``pattern`` against exact dense attention, in float64.
 
     Parameters
     ----------
-    query : float array, shape (L, E)
-    key : float array, shape (S, E)
-    value : float array, shape (S, Ev)
-    pattern : SparsePattern, shape (L, S)
-        The selected keys.  With ``is_causal`` its non-causal keys are dropped first (and counted in
-        ``dropped_noncausal``), as a causal sparse kernel would.
+    query : float array, shape (..., L, E)
+    key : float array, shape (..., S, E)
+    value : float array, shape (..., S, Ev)
+        Leading (batch, head) dims broadcast like numpy's (key and value share theirs); each flattened
+        group is evaluated on its own.
+    pattern : SparsePattern (L, S), sequence of them, or SparseAttentionResult
+        The selected keys: one pattern shared by every group, one per group (flattened leading dims, C
+        order), or a :func:`sparseattn.sparse_attention_result` (its patterns, and its output as
+        ``sparse_output``).  With ``is_causal`` non-causal keys are dropped first (and counted in
+        ``dropped_noncausal``), as a causal sparse kernel would.  A result of a selector that attends
+        by itself (``cluster:mode=block``) holds no pattern and is refused with the way to route again.
+        A result with a tail estimate (``tail=``) is scored on its selected keys (mass, recall, KL); its
+        output error is that of the tail-corrected output.
     scale : float or None
         Score scale; None means ``1 / sqrt(E)``.
     is_causal : bool
         Dense attention over ``key_positions[j] <= query_positions[i]`` only (default positions arange:
         SDPA's top-left alignment; pass ``query_positions=np.arange(S - L, S)`` for a KV cache).
     query_positions, key_positions : int arrays, shapes (L,) and (S,), optional
-        Used when ``is_causal``.
-    sparse_output : float array, shape (L, Ev), optional
-        The output to judge (e.g. from the Numba kernel).  None: computed here in float64 from the
-        pattern, independently of the kernels.  The softmax-mass, KL and lse fields always come from this
-        module's own float64 computation.
+        Used when ``is_causal``; shared by every group.
+    sparse_output : float array, shape (..., L, Ev), optional
+        The output to judge (e.g. from the Numba kernel), with the broadcast leading dims.  None:
+        computed here in float64 from the pattern, independently of the kernels (or taken from a
+        SparseAttentionResult).  The softmax-mass, KL and lse fields always come from this module's own
+        float64 computation.
     k : int >= 1, optional
-        The k of recall@k; default the pattern's mean row size rounded (at least 1).
+        The k of recall@k; default the patterns' mean row size rounded (at least 1).  Any size: ``k >= S``
+        counts every allowed key as a top-k key and allocates nothing of size k.
     eps : float >= 0
         Tie tolerance of recall@k (see :func:`topk_recall`).
     rows : int array, shape (R,), optional
-        Evaluate only these query rows (with their original positions); every per-row array of the
-        report then has shape (R,) in this order, and the overall numbers cover these rows only.  Sorted
-        rows let causal blocks skip key tiles that no query of the block can see.  Default: all rows.
+        Evaluate only these query rows (with their original positions) in every group; every per-row
+        array of the report then ends in (R,) in this order, and the overall numbers cover these rows
+        only.  Sorted rows let causal blocks skip key tiles that no query of the block can see.
     block : int >= 1
-        Query rows per block (default 512).
+        Query rows per block (default 512; fewer when ``block * k`` exceeds ``block * key_block``).
     key_block : int >= 1
         Keys per score tile inside a block (default 8192); memory ``block * key_block`` float64.
+    enable_gqa : bool
+        Fewer K/V heads than query heads (query head h reads K/V head ``h // (Hq // Hkv)``).
 
     Returns
     -------
     AccuracyReport
-        Per-row fields of shape (L,) (or (R,) with ``rows``).
+        Per-row fields of shape ``lead + (L,)`` (or ``lead + (R,)``); aggregate scalars; per head
+        :meth:`AccuracyReport.head` and :meth:`AccuracyReport.per_head`.
 
     Examples
     --------
@@ -381,39 +625,32 @@ def compare(query: object, key: object, value: object, pattern: SparsePattern, *
     >>> rep = compare(q, kk, v, SparsePattern.full(8, 8))
     >>> bool(rep.rel_error_overall < 1e-12), rep.summary()["recall_mean"]
     (True, 1.0)
+    >>> q2, k2, v2 = rng.standard_normal((3, 2, 4, 8, 4))  # (batch 2, heads 4, L 8, E 4)
+    >>> rep = compare(q2, k2, v2, SparsePattern.window(8, 8, 3))
+    >>> rep.mass_recall.shape, rep.per_head()["mass_recall_mean"].shape
+    ((2, 4, 8), (2, 4))
     """
-    q, kk = _check_qk(query, key)
-    v = _as_2d(value, "value", "(S, Ev)")
-    if v.shape[0] != kk.shape[0]:
-        raise ValueError(f"value must have one row per key: key has shape {kk.shape}, value has shape "
-                         f"{v.shape}.")
-    L = q.shape[0]
+    groups = _groups(query, key, value, enable_gqa)
+    pats, result_out = _group_patterns(pattern, groups.G, groups.L, groups.S)
+    if result_out is not None:
+        if sparse_output is not None:
+            raise ValueError("sparse_output: pattern is a SparseAttentionResult, whose output is judged; pass "
+                             "its patterns (result.patterns) instead to judge another output.")
+        sparse_output = result_out
     out = None
     if sparse_output is not None:
-        out = _as_2d(sparse_output, "sparse_output", "(L, Ev)")
-        if out.shape != (L, v.shape[1]):
-            raise ValueError(f"sparse_output must have shape (L, Ev) = ({L}, {v.shape[1]}); got "
-                             f"{out.shape}.")
-    # k is a property of the selector: taken from the whole pattern, also when only some rows are scored.
-    k = _default_k(_check_pattern(pattern, L, kk.shape[0])) if k is None else check_positive_int(k, "k")
-    q, pattern, qpos, kpos, rows = _prepare(q, kk, pattern, query_positions, key_positions, rows)
-    if out is not None and rows.shape[0] != L:
-        out = out[rows]
-    res = _scan(q, kk, v, pattern, scale=check_scale(scale, q.shape[1]), is_causal=is_causal,
-                qpos=qpos, kpos=kpos, sparse_output=out, k=k,
-                eps=_check_eps(eps), block=check_positive_int(block, "block"),
-                key_block=check_positive_int(key_block, "key_block"), need_lse=True)
-    n_sel, n_allowed = res["n_selected"], res["n_allowed"]
-    return AccuracyReport(
-        rel_error=res["rel_error"], mass_recall=res["mass_recall"], recall=res["recall"],
-        kl=res["lse_error"].copy(), lse_error=res["lse_error"], lse_dense=res["lse_dense"],
-        lse_sparse=res["lse_sparse"], n_selected=n_sel, n_allowed=n_allowed,
-        rel_error_overall=float(_guarded_ratio(np.array([np.sqrt(res["diff_sq"])]),
-                                               np.array([np.sqrt(res["ref_sq"])]))[0]),
-        max_abs_error=float(res["max_abs"]), k=int(k), empty_rows=int((n_sel == 0).sum()),
-        missed_rows=int(((n_sel == 0) & (n_allowed > 0)).sum()),
-        dropped_noncausal=int(res["dropped"]), rows=rows,
-    )
+        out = as_float_array(sparse_output, "sparse_output", min_ndim=2)
+        expected = groups.lead + (groups.L, groups.v3.shape[-1])
+        if out.shape != expected:
+            raise ValueError(f"sparse_output must have shape {'(..., L, Ev)' if groups.lead else '(L, Ev)'} = "
+                             f"{expected}; got {out.shape}.")
+    # k is a property of the selector: taken from the whole patterns, also when only some rows are scored.
+    k = _default_k(pats) if k is None else check_positive_int(k, "k")
+    results, rows_arr = _run(groups, pats, query_positions=query_positions, key_positions=key_positions,
+                             rows=rows, sparse_output=out, scale=check_scale(scale, groups.E),
+                             is_causal=is_causal, k=k, eps=_check_eps(eps), block=check_positive_int(block, "block"),
+                             key_block=check_positive_int(key_block, "key_block"), need_lse=True)
+    return _report(results, groups.lead, k, rows_arr)
 
 
 # ------------------------------------------------------------------------------------- the scan
@@ -423,8 +660,15 @@ def _scan(q: np.ndarray, kk: np.ndarray, v: np.ndarray | None, pattern: SparsePa
     """One pass over query blocks computing what the caller needs (validated float64 inputs).
 
     ``v`` given: dense output and output errors.  ``k`` given: recall.  ``need_lse``: lse / mass / KL.
+
+    Recall keeps a running (rows, k) buffer of the largest scores only while ``k < S``: with ``k >= S``
+    every allowed key is among the top k, so the threshold is ``-inf`` and no buffer is made (any k, even
+    10**9, costs nothing).  Query blocks shrink so that buffer stays within ``block * key_block`` values.
     """
     L, S = q.shape[0], kk.shape[0]
+    k_top = k if k is not None and k < S else None
+    if k_top is not None:
+        block = min(block, max(1, (block * key_block) // k_top))
     if is_causal:
         n_allowed = np.searchsorted(np.sort(kpos), qpos, side="right").astype(np.int64)
     else:
@@ -451,10 +695,12 @@ def _scan(q: np.ndarray, kk: np.ndarray, v: np.ndarray | None, pattern: SparsePa
         m = np.full(nb, -np.inf)
         lsum = np.zeros(nb)
         acc = np.zeros((nb, v.shape[1])) if need_out else None
-        top = np.full((nb, k), -np.inf) if k is not None else None
+        top = np.full((nb, k_top), -np.inf) if k_top is not None else None
         qmin, qmax = (int(qpb.min()), int(qpb.max())) if nb else (0, 0)
         for (a, b), kmin, kmax in zip(tiles, tile_min, tile_max, strict=True):
             mask = g = None  # drop the previous tile before the next is allocated (one tile alive)
+            if top is None and not (need_lse or need_out):
+                break  # recall with k >= S needs no dense scores
             if is_causal:
                 if kmin > qmax:
                     continue  # every key of the tile is after every query of the block
@@ -464,7 +710,7 @@ def _scan(q: np.ndarray, kk: np.ndarray, v: np.ndarray | None, pattern: SparsePa
             if mask is not None:
                 np.copyto(g, -np.inf, where=mask)
             if top is not None:
-                top = _merge_topk(top, g, k)
+                top = _merge_topk(top, g, k_top)
             if not (need_lse or need_out):
                 continue
             with np.errstate(invalid="ignore"):
@@ -545,10 +791,13 @@ def _sparse_block(res: dict, q: np.ndarray, kk: np.ndarray, v: np.ndarray | None
         p1 = min(p0 + step, idx.size)
         raw[p0:p1] = np.einsum("ij,ij->i", q[r0 + row[p0:p1]], kk[idx[p0:p1]])
 
-    if top is not None:
-        kth = top.min(axis=1)
-        with np.errstate(invalid="ignore"):
-            thr = np.where(np.isfinite(kth), kth - eps * np.abs(kth) - eps, -np.inf)
+    if k is not None:
+        if top is not None:
+            kth = top.min(axis=1)
+            with np.errstate(invalid="ignore"):
+                thr = np.where(np.isfinite(kth), kth - eps * np.abs(kth) - eps, -np.inf)
+        else:  # k >= S: every allowed key is a top-k key
+            thr = np.full(nb, -np.inf)
         hits = np.bincount(row, weights=(raw >= thr[row]).astype(np.float64), minlength=nb)
         den = np.minimum(k, n_allowed)
         res["recall"][r0:r1] = np.where(den > 0, np.minimum(hits / np.maximum(den, 1), 1.0), 1.0)

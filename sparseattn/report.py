@@ -28,6 +28,17 @@ COLUMNS = [
     ("empty", "empty_rows"),
 ]
 
+#: Selector colours, assigned in this order to the sorted distinct specs of a result (or a suite), so a
+#: selector has the same colour in every plot of a report.  Ten tab10 hues, then ten darker / lighter ones.
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+           "#bcbd22", "#17becf", "#393b79", "#e6a93a", "#637939", "#843c39", "#7b4173", "#3182bd",
+           "#31a354", "#fd8d3c", "#969696", "#9c9ede")
+#: Markers, cycled independently of the colours (9 is coprime with 20: 180 distinct pairs).
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h")
+#: Time phases of the time plot, in greys so they never read as selector colours.
+PHASES = (("build_s", "build", "#d0d0d0"), ("select_s", "select", "#8a8a8a"), ("kernel_s", "kernel", "#303030"))
+LABEL_WIDTH = 40
+
 
 def _get(row: dict[str, Any], path: str) -> Any:
     cur: Any = row
@@ -52,8 +63,127 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+# --------------------------------------------------------------------------------- selector labels
+def _default_params(name: str) -> dict[str, str]:
+    """``{param: value}`` of a selector's default spec string; empty for an unknown or unavailable one."""
+    from .selectors import get_selector, spec_string
+
+    try:
+        spec = spec_string(get_selector(name))
+    except (KeyError, ValueError, TypeError, ImportError):
+        return {}
+    params = spec.partition(":")[2]
+    return dict(tok.partition("=")[::2] for tok in params.split(",")) if params else {}
+
+
+def selector_label(spec: str, width: int = LABEL_WIDTH) -> str:
+    """A short label of a selector spec: each part's name and its non-default parameters.
+
+    ``mode`` is shown by its value (``cluster:block``); parameters at their default are left out
+    (``faiss-hnsw:M=32,ef_construction=80,...`` -> ``faiss-hnsw``, ``faiss-hnsw:M=16,...`` ->
+    ``faiss-hnsw:M=16``); union parts are joined by ``+``.  A label longer than ``width`` is cut at a
+    parameter or part boundary and ends in ``…``: never inside a parameter.  The full spec goes in the
+    report's selector table.
+    """
+    parts = []
+    for part in spec.split("+"):
+        name, _, params = part.partition(":")
+        defaults = _default_params(name)
+        kept: list[str] = []
+        for tok in params.split(",") if params else []:
+            key, _, val = tok.partition("=")
+            if key == "mode":
+                kept.insert(0, val)
+            elif not defaults or defaults.get(key) != val:
+                kept.append(tok)
+        parts.append(f"{name}:{','.join(kept)}" if kept else name)
+    label = "+".join(parts)
+    if len(label) <= width:
+        return label
+    cut = max(label.rfind(sep, 0, width) for sep in (",", "+", ":"))
+    return (label[:cut] if cut > 0 else label.partition(":")[0]) + "…"
+
+
+def selector_labels(specs: list[str], width: int = LABEL_WIDTH) -> dict[str, str]:
+    """Unique short labels (:func:`selector_label`) of distinct specs; clashes get ``#2``, ``#3``, ..."""
+    out: dict[str, str] = {}
+    seen: dict[str, int] = {}
+    for spec in dict.fromkeys(specs):
+        label = selector_label(spec, width)
+        seen[label] = seen.get(label, 0) + 1
+        out[spec] = label if seen[label] == 1 else f"{label}#{seen[label]}"
+    return out
+
+
+def selector_styles(specs: list[str]) -> dict[str, tuple[str, str]]:
+    """``{spec: (colour, marker)}``: the sorted distinct specs take :data:`PALETTE` and :data:`MARKERS` in order.
+
+    Built once per report (or suite) from every spec in it, so one selector has one colour in all plots.
+    """
+    return {spec: (PALETTE[i % len(PALETTE)], MARKERS[i % len(MARKERS)])
+            for i, spec in enumerate(sorted(set(specs)))}
+
+
+# ------------------------------------------------------------------------------- keys-per-query notes
+def keys_per_query_notes(result: dict[str, Any]) -> dict[str, str]:
+    """Why a selector's mean keys per query differs from k: ``{spec: sentence}`` for those rows only.
+
+    Any difference that shows in the table (0.005 keys or more) is explained.  The reasons are those of the selector families
+    (positional windows cut at the sequence ends, causal prefixes, unions, candidate-limited indexes,
+    block-mode cluster routing); window figures are recomputed from :meth:`SparsePattern.window`.
+    """
+    k, causal = int(result["k"]), bool(result["is_causal"])
+    L, S = int(result["workload"]["L"]), int(result["workload"]["S"])
+    notes: dict[str, str] = {}
+    for r in result["results"]:
+        kpq = r.get("keys_per_query")
+        if kpq is None or abs(kpq - k) < 0.005:
+            continue
+        notes[r["selector"]] = _keys_reason(r, k, causal, L, S)
+    return notes
+
+
+def _keys_reason(r: dict[str, Any], k: int, causal: bool, L: int, S: int) -> str:
+    name, params = r.get("name", ""), r.get("params") or {}
+    kpq = float(r["keys_per_query"])
+    prefix = (f"causal: query i may see only its i + 1 first keys, so the first {k - 1} queries have fewer "
+              f"than k = {k} (mean of min(i + 1, k) over {L} rows: "
+              f"{sum(min(i + 1, S, k) for i in range(L)) / max(L, 1):.2f}). ") if causal and kpq < k else ""
+    if name == "window":
+        from .pattern import SparsePattern
+
+        w, d = params.get("width") or k, int(params.get("dilation") or 1)
+        mean = SparsePattern.window(L, S, w, is_causal=causal, dilation=d).nnz / max(L, 1)
+        where = (f"the {w} positions ending at the query, so the first {w - 1} queries see fewer" if causal else
+                 f"{w // 2} keys before and {w - 1 - w // 2} after the query, cut at the sequence ends: the "
+                 f"first {w // 2} and the last {w - 1 - w // 2} queries lose the keys past the ends")
+        return (f"a window of w = {'width' if params.get('width') else 'k'} = {w} keys, {where}; positional "
+                f"selectors never top a row up to k (mean over the {L} x {S} sequence: {mean:.2f}).")
+    if name == "union":
+        return (prefix + "a union counts a key chosen by several parts once, and its positional parts (window, "
+                "sinks, random) are not topped up to k: window parts are cut at the sequence ends.")
+    if name in ("sinks", "random", "pages"):
+        return prefix + f"{name} chooses keys by position, not k per query: its own parameters set the count."
+    if name == "cluster" and params.get("mode") == "block":
+        return (prefix + "block mode attends to every key of the n_probe routed clusters (about n_probe x S / "
+                "n_clusters keys, causal: the visible ones), whatever k: more keys than k, read exactly.")
+    if kpq < k:
+        return (prefix + "an index query returns fewer than k keys when its candidates run out (LSH probes, "
+                "IVF lists or routed clusters holding fewer than k keys for that query).")
+    return prefix.strip() or "the selector returns more keys than k per query."
+
+
+# ---------------------------------------------------------------------------------------- tables
+def _label_map(result: dict[str, Any]) -> dict[str, str]:
+    return selector_labels([r["selector"] for r in result["results"]])
+
+
 def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Header and formatted rows of a compare result (dense baselines first)."""
+    """Header and formatted rows of a compare result (dense baselines first).
+
+    Selectors appear by their short label (:func:`selector_labels`); a keys/q value marked ``*`` differs
+    from k, for the reason given by :func:`keys_per_query_notes`.
+    """
     header = [c[0] for c in COLUMNS]
     rows: list[list[str]] = []
     dense = result["dense"]
@@ -62,24 +192,48 @@ def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     if dense.get("sdpa_s"):
         rows.append(["torch SDPA (exact)", "all", "-", "-", "-", _fmt(dense["sdpa_s"]),
                      _fmt(dense["dense_s"] / dense["sdpa_s"]), "1.00", "1", "1", "0", "0"])
+    labels = _label_map(result)
+    notes = keys_per_query_notes(result)
     for r in result["results"]:
         if "error" in r:
-            rows.append([r["selector"], f"error: {r['error']}"] + [""] * (len(COLUMNS) - 2))
+            rows.append([labels[r["selector"]], f"error: {r['error']}"] + [""] * (len(COLUMNS) - 2))
             continue
-        rows.append([_fmt(_get(r, path)) for _, path in COLUMNS])
+        cells = [_fmt(_get(r, path)) for _, path in COLUMNS]
+        cells[0] = labels[r["selector"]]
+        if r["selector"] in notes:
+            cells[1] += "*"
+        rows.append(cells)
     return header, rows
 
 
+def _spec_lines(result: dict[str, Any]) -> list[tuple[str, str, str | None]]:
+    """``(label, full spec, keys/q note or None)`` of every selector of a result, in table order."""
+    labels = _label_map(result)
+    notes = keys_per_query_notes(result)
+    return [(labels[r["selector"]], r["selector"], notes.get(r["selector"])) for r in result["results"]]
+
+
 def render_text(result: dict[str, Any]) -> str:
-    """A compare result (:func:`sparseattn.bench.compare`) as a fixed-width terminal table."""
+    """A compare result (:func:`sparseattn.bench.compare`) as a fixed-width terminal table.
+
+    Selectors are shown by short labels; the lines under the table give each label's full spec and why a
+    keys/q value marked ``*`` differs from k.
+    """
     header, rows = table_rows(result)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    widths[0] = min(widths[0], 48)
-    line = lambda cells: "  ".join(c[:w].ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
                                    for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
     out = [_title(result), line(header), line(["-" * w for w in widths])]
     out += [line(r) if not r[1].startswith("error") else f"{r[0]}  {r[1]}" for r in rows]
     out.append(_footnote(result))
+    if _fairness_line(result):
+        out.append(_fairness_line(result))
+    specs = _spec_lines(result)
+    if any(note for _, _, note in specs):
+        out.append("keys/q *: why a selector reads a different number of keys than k per query:")
+        out += [f"  {label}: {note}" for label, _, note in specs if note]
+    out.append("selectors (label = full spec):")
+    out += [f"  {label} = {spec}" for label, spec, _ in specs]
     return "\n".join(out)
 
 
@@ -93,19 +247,41 @@ def _title(result: dict[str, Any]) -> str:
 def _footnote(result: dict[str, Any]) -> str:
     return ("x dense / x SDPA: speed-up of build+select+kernel over exact attention measured in the same run; "
             "recall@k: share of the exact top-k found (tie-aware); mass: dense softmax mass on the selected "
-            "keys; out err: relative Frobenius error of the output.")
+            "keys; out err: relative Frobenius error of the output; keys/q: mean keys read per query (marked * "
+            "where it differs from k, see the notes). Selectors are labelled by their non-default parameters; "
+            "the full specs are listed below the table.")
 
 
 def render_markdown(result: dict[str, Any], plots: list[str] | None = None) -> str:
-    """A compare result as a Markdown page: title, table, footnote, machine line, plot images."""
+    """A compare result as a Markdown page: title, table, footnotes, label -> spec table, machine, plots."""
     header, rows = table_rows(result)
+    esc = lambda c: c.replace("|", "\\|")  # noqa: E731
     lines = [f"# {_title(result)}", "", "| " + " | ".join(header) + " |",
              "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
-    lines += ["", _footnote(result), "", f"Machine: {_machine_line(result)}", ""]
+    lines += ["| " + " | ".join(esc(c) for c in r) + " |" for r in rows]
+    lines += ["", _footnote(result), ""]
+    if _fairness_line(result):
+        lines += [_fairness_line(result), ""]
+    specs = _spec_lines(result)
+    if any(note for _, _, note in specs):
+        lines += ["Keys per query marked *:", ""]
+        lines += [f"* `{label}`: {esc(note)}" for label, _, note in specs if note]
+        lines.append("")
+    lines += ["| label | full selector spec |", "|---|---|"]
+    lines += [f"| `{label}` | `{spec}` |" for label, spec, _ in specs]
+    lines += ["", f"Machine: {_machine_line(result)}", ""]
     for p in plots or []:
         lines.append(f"![{os.path.basename(p)}]({os.path.basename(p)})")
     return "\n".join(lines) + "\n"
+
+
+def _fairness_line(result: dict[str, Any]) -> str | None:
+    """The SDPA baseline check of a result (``result["fairness"]``, when the harness recorded one)."""
+    fair = result.get("fairness")
+    if not isinstance(fair, dict) or not fair.get("reason"):
+        return None
+    state = {True: "ok", False: "FLAGGED", None: "not checked"}.get(fair.get("ok"), "not checked")
+    return f"SDPA baseline check: {state} ({fair['reason']})."
 
 
 def _machine_line(result: dict[str, Any]) -> str:
@@ -114,17 +290,51 @@ def _machine_line(result: dict[str, Any]) -> str:
     return f"{m['cpu']}, {m['cores']} cores, {m['threads']} thread(s), Python {m['python']}; {libs}"
 
 
+_CSS = ("body{font-family:sans-serif;margin:1.5em;font-size:14px}"
+        "table{border-collapse:collapse;margin:0.5em 0}"
+        "td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}"
+        "th{background:#f4f4f4}td:first-child,th:first-child{text-align:left;white-space:nowrap}"
+        ".sw{display:inline-block;width:0.8em;height:0.8em;margin-right:0.4em;border:1px solid #555}"
+        "table.specs td,table.specs th{text-align:left}table.specs td:last-child{font-family:monospace;font-size:12px;"
+        "overflow-wrap:anywhere;white-space:normal}"
+        "p,ul{max-width:75em}img{max-width:100%}")
+
+
 def render_html(result: dict[str, Any], plots: list[str] | None = None) -> str:
-    """A compare result as a standalone HTML page (same content as :func:`render_markdown`)."""
+    """A compare result as a standalone HTML page (same content as :func:`render_markdown`).
+
+    Selectors appear by short labels with their plot colour (the full spec is the cell's tooltip and is
+    listed, wrapping, in a table below), so the accuracy columns fit a 1,280 px window.
+    """
     header, rows = table_rows(result)
+    labels = _label_map(result)
+    styles = selector_styles([r["selector"] for r in result["results"] if "total_s" in r])
+    by_label = {labels[spec]: spec for spec in labels}
     th = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
-    imgs = "".join(f'<p><img src="{html.escape(os.path.basename(p))}" style="max-width:100%"></p>' for p in plots or [])
+
+    def first_cell(c: str) -> str:
+        spec = by_label.get(c)
+        if spec is None:
+            return f"<td>{html.escape(c)}</td>"
+        sw = f'<span class="sw" style="background:{styles[spec][0]}"></span>' if spec in styles else ""
+        return f'<td title="{html.escape(spec)}">{sw}{html.escape(c)}</td>'
+
+    body = "".join("<tr>" + first_cell(r[0]) + "".join(f"<td>{html.escape(c)}</td>" for c in r[1:]) + "</tr>"
+                   for r in rows)
+    specs = _spec_lines(result)
+    notes = "".join(f"<li><b>{html.escape(label)}</b>: {html.escape(note)}</li>" for label, _, note in specs if note)
+    notes_html = f"<p>Keys per query marked *:</p><ul>{notes}</ul>" if notes else ""
+    spec_rows = "".join(f"<tr><td>{html.escape(label)}</td><td>{html.escape(spec)}</td></tr>"
+                        for label, spec, _ in specs)
+    fair = _fairness_line(result)
+    fair_html = f"<p>{html.escape(fair)}</p>" if fair else ""
+    imgs = "".join(f'<p><img src="{html.escape(os.path.basename(p))}"></p>' for p in plots or [])
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>sparseattn compare</title>"
-            f"<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}"
-            f"td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}td:first-child{{text-align:left}}"
-            f"</style></head><body><h2>{html.escape(_title(result))}</h2><table><tr>{th}</tr>{body}</table>"
-            f"<p>{html.escape(_footnote(result))}</p><p>Machine: {html.escape(_machine_line(result))}</p>"
+            f"<style>{_CSS}</style></head><body><h2>{html.escape(_title(result))}</h2>"
+            f"<table><tr>{th}</tr>{body}</table>"
+            f"<p>{html.escape(_footnote(result))}</p>{fair_html}{notes_html}"
+            f"<table class='specs'><tr><th>label</th><th>full selector spec</th></tr>{spec_rows}</table>"
+            f"<p>Machine: {html.escape(_machine_line(result))}</p>"
             f"{imgs}</body></html>\n")
 
 
@@ -159,41 +369,100 @@ def save_figure(fig: Any, out_dir: str, filename: str) -> str:
     return path
 
 
+def plot_title(result: dict[str, Any]) -> str:
+    """Two-line plot title: the data (description and spec), n keys, queries, groups, k and causal."""
+    w = result["workload"]
+    return (f"{w['description']} ({result['data']})\n"
+            f"n = {w['S']:,} keys, {w['L']:,} queries x {w['groups']} group(s), d = {w['E']}, k = {result['k']}, "
+            f"causal = {'yes' if result['is_causal'] else 'no'}")
+
+
 def plot_compare(result: dict[str, Any], out_dir: str) -> list[str]:
-    """Pareto plot (mass recall vs speed-up over dense) and a stacked time bar chart; PNG paths."""
+    """``compare_pareto.png`` (mass recall vs speed-up) and ``compare_time.png`` (time per selector); paths.
+
+    Every selector has one colour and marker in both plots (:func:`selector_styles`) and its short label
+    (:func:`selector_labels`) in a legend or on the axis, never as text next to a point.
+    """
     plt = pyplot()
     if plt is None:
         return []
     ok = [r for r in result["results"] if "total_s" in r]
     if not ok:
         return []
-    paths = []
-    fig, ax = plt.subplots(figsize=(7, 5))
-    for r in ok:
-        x = r.get("speedup_vs_sdpa") or r.get("speedup_vs_dense")
-        y = _get(r, "quality.mass_recall_mean")
-        ax.scatter(x, y, s=40)
-        label = "+".join(part.split(",")[0] for part in r["selector"].split("+"))[:40]
-        ax.annotate(label, (x, y), fontsize=7, xytext=(4, 2), textcoords="offset points")
-    pareto_axes(ax, "speed-up over exact attention (x SDPA if installed, else x our dense), end to end",
-                "softmax mass recall (1 = exact)")
-    ax.set_title(f"{result['data']}: accuracy vs speed (k={result['k']}, causal={result['is_causal']})", fontsize=9)
-    paths.append(save_figure(fig, out_dir, "compare_pareto.png"))
+    labels = _label_map(result)
+    styles = selector_styles([r["selector"] for r in ok])
+    return [_plot_pareto(plt, result, ok, labels, styles, out_dir),
+            _plot_time(plt, result, ok, labels, styles, out_dir)]
 
-    fig, ax = plt.subplots(figsize=(7, 0.35 * len(ok) + 1.5))
-    names = [r["selector"][:40] for r in ok]
-    left = [0.0] * len(ok)
-    for part, color in (("build_s", "#8da0cb"), ("select_s", "#fc8d62"), ("kernel_s", "#66c2a5")):
-        vals = [r[part] for r in ok]
-        ax.barh(names, vals, left=left, color=color, label=part[:-2])
-        left = [a + b for a, b in zip(left, vals, strict=True)]
-    if result["dense"].get("sdpa_s"):
-        ax.axvline(result["dense"]["sdpa_s"], color="k", ls="--", lw=1, label="torch SDPA")
-    ax.axvline(result["dense"]["dense_s"], color="grey", ls=":", lw=1, label="our dense")
-    ax.set_xlabel("seconds (median)")
-    ax.legend(fontsize=7)
-    paths.append(save_figure(fig, out_dir, "compare_time.png"))
-    return paths
+
+_MARKER_SCALE = {"*": 2.0, "P": 1.3, "X": 1.3, "h": 1.2}  # these look smaller at the same area
+
+
+def _rgba(colour: str, alpha: float) -> tuple[float, float, float, float]:
+    from matplotlib.colors import to_rgba
+
+    return to_rgba(colour, alpha)
+
+
+def _plot_pareto(plt: Any, result: dict[str, Any], ok: list[dict[str, Any]], labels: dict[str, str],
+                 styles: dict[str, tuple[str, str]], out_dir: str) -> str:
+    dense = result["dense"]
+    vs_sdpa = bool(dense.get("sdpa_s"))
+    fig, ax = plt.subplots(figsize=(10, 5.2))
+    for r in ok:
+        x = r.get("speedup_vs_sdpa") if vs_sdpa else r.get("speedup_vs_dense")
+        y = _get(r, "quality.mass_recall_mean")
+        if x is None or y is None or x <= 0:
+            continue
+        colour, marker = styles[r["selector"]]
+        # translucent fill, opaque coloured edge: markers at (nearly) the same point stay visible
+        ax.scatter([x], [y], s=80 * _MARKER_SCALE.get(marker, 1.0), marker=marker, facecolors=_rgba(colour, 0.35),
+                   edgecolors=colour, linewidths=1.6, label=labels[r["selector"]], zorder=3)
+    base = dense["dense_s"] / dense["sdpa_s"] if vs_sdpa else 1.0
+    ax.scatter([base], [1.0], s=90, color="black", marker="*", label="dense (ours, exact)", zorder=3)
+    if vs_sdpa:
+        ax.scatter([1.0], [1.0], s=60, facecolors="white", edgecolors="black", marker="o",
+                   label="torch SDPA (exact)", zorder=3)
+    pareto_axes(ax, f"speed-up over {'torch SDPA' if vs_sdpa else 'our dense attention'}, end to end "
+                "(build + select + kernel), log scale", "softmax mass recall (1 = exact)")
+    ax.set_title(plot_title(result), fontsize=9)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False, borderaxespad=0.0)
+    return save_figure(fig, out_dir, "compare_pareto.png")
+
+
+def _plot_time(plt: Any, result: dict[str, Any], ok: list[dict[str, Any]], labels: dict[str, str],
+               styles: dict[str, tuple[str, str]], out_dir: str) -> str:
+    dense = result["dense"]
+    n = len(ok)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 0.34 * n + 2.0), sharey=True,
+                                  gridspec_kw={"width_ratios": [3, 1.3]})
+    ys = list(range(n))[::-1]  # first selector at the top, as in the table
+    totals = [float(r["total_s"]) for r in ok]
+    ax.barh(ys, totals, color=[styles[r["selector"]][0] for r in ok], edgecolor="black", linewidth=0.4, height=0.7)
+    for y, t in zip(ys, totals, strict=True):
+        ax.annotate(f"{t:.3g} s", (t, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7)
+    if dense.get("sdpa_s"):
+        ax.axvline(dense["sdpa_s"], color="black", ls="--", lw=1, label=f"torch SDPA {dense['sdpa_s']:.3g} s")
+    ax.axvline(dense["dense_s"], color="black", ls=":", lw=1.2, label=f"our dense {dense['dense_s']:.3g} s")
+    positive = [t for t in totals if t > 0] + [dense["dense_s"]] + ([dense["sdpa_s"]] if dense.get("sdpa_s") else [])
+    ax.set_xscale("log")
+    ax.set_xlim(min(positive) / 2, max(positive) * 4)  # room for the value labels
+    ax.set_yticks(ys, [labels[r["selector"]] for r in ok], fontsize=8)
+    ax.set_xlabel("seconds, build + select + kernel (median), log scale")
+    ax.grid(alpha=0.3, axis="x", which="both")
+    ax.legend(fontsize=7, loc="lower right")
+    left = [0.0] * n
+    for key, name, colour in PHASES:
+        share = [float(r.get(key) or 0.0) / max(sum(float(r.get(p) or 0.0) for p, _, _ in PHASES), 1e-300)
+                 for r in ok]
+        ax2.barh(ys, share, left=left, color=colour, edgecolor="black", linewidth=0.3, height=0.7, label=name)
+        left = [a + b for a, b in zip(left, share, strict=True)]
+    ax2.set_xlim(0, 1)
+    ax2.set_xlabel("share of the time")
+    ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08 - 0.6 / max(n, 1)), ncol=3,
+               frameon=False)
+    fig.suptitle(plot_title(result), fontsize=9)
+    return save_figure(fig, out_dir, "compare_time.png")
 
 
 def write_compare(result: dict[str, Any], out_dir: str, formats: list[str]) -> list[str]:

@@ -406,7 +406,7 @@ def test_bad_inputs():
         compare(q, kk, v, SparsePattern.full(2, 4))
     with pytest.raises(ValueError, match=r"pattern shape must be .*got \(3, 3\)"):
         topk_recall(SparsePattern.full(3, 3), q, kk, 1)
-    with pytest.raises(TypeError, match="pattern must be a SparsePattern; got ndarray"):
+    with pytest.raises(TypeError, match="pattern must be a SparsePattern, a sequence of them .*; got ndarray"):
         compare(q, kk, v, np.ones((2, 3), dtype=bool))
     with pytest.raises(ValueError, match="k must be >= 1; got 0"):
         compare(q, kk, v, pat, k=0)
@@ -422,8 +422,20 @@ def test_bad_inputs():
         compare(q, kk, v, pat, block=0)
     with pytest.raises(ValueError, match="key_block must be >= 1; got 0"):
         mass_recall(pat, q, kk, key_block=0)
-    with pytest.raises(ValueError, match=r"query must be 2-D \(L, E\); got shape \(1, 2, 2\)"):
-        compare(q[None], kk, v, pat)
+    with pytest.raises(ValueError, match=r"sparse_output must have shape \(\.\.\., L, Ev\) = \(1, 2, 2\); got \(2, 2\)"):
+        compare(q[None], kk, v, pat, sparse_output=np.ones((2, 2)))
+    with pytest.raises(ValueError, match=r"leading dimensions of query \(2,\) and key \(3,\) do not broadcast"):
+        compare(np.stack([q, q]), np.stack([kk] * 3), np.stack([v] * 3), pat)
+    with pytest.raises(ValueError, match="key and value must have the same leading dims"):
+        compare(q, np.stack([kk, kk]), v, pat)
+    with pytest.raises(ValueError, match="pattern sequence has 1 entries; expected one per .* group = 2"):
+        compare(np.stack([q, q]), kk, v, [pat])
+    with pytest.raises(ValueError, match=r"pattern\[1\] shape must be .*got \(2, 4\)"):
+        mass_recall([pat, SparsePattern.full(2, 4)], np.stack([q, q]), kk)
+    with pytest.raises(ValueError, match="holds no .*group"):
+        compare(np.ones((0, 2, 2)), kk, v, pat)
+    with pytest.raises(ValueError, match="per_row and per_head are exclusive"):
+        output_relative_error(np.ones((2, 2)), np.ones((2, 2)), per_row=True, per_head=True)
     with pytest.raises(ValueError, match="key must have at least 2 dimensions"):
         compare(q, kk[0], v, pat)
     with pytest.raises(TypeError, match="value must have dtype float16, float32 or float64; got int64"):
@@ -473,3 +485,204 @@ def test_properties(L, S, density, k, causal, seed, block, key_block):
     ref = compare(q, kk, v, pat, is_causal=causal, k=k, block=10**6, key_block=10**6)
     np.testing.assert_allclose(rep.rel_error, ref.rel_error, rtol=1e-10, atol=TOL)
     np.testing.assert_array_equal(rep.recall, ref.recall)
+
+
+# ------------------------------------------------------------------------- leading (batch, head) dims
+def _loop_reports(q, kk, v, pats, **kw):
+    """The 2-D call on every (batch, head) group in turn (the oracle of the batched call)."""
+    lead = np.broadcast_shapes(q.shape[:-2], kk.shape[:-2])
+    qb = np.broadcast_to(q, lead + q.shape[-2:])
+    kb = np.broadcast_to(kk, lead + kk.shape[-2:])
+    vb = np.broadcast_to(v, lead + v.shape[-2:])
+    out = {}
+    for i, idx in enumerate(np.ndindex(*lead)):
+        pat = pats[i] if isinstance(pats, list) else pats
+        sub = kw.get("sparse_output")
+        kw_i = dict(kw, sparse_output=None if sub is None else sub[idx])
+        out[idx] = compare(qb[idx], kb[idx], vb[idx], pat, **kw_i)
+    return lead, out
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_batched_compare_equals_per_head_loop_and_brute_force(rng, is_causal):
+    B, H, L, S = 2, 3, 9, 11
+    q = rng.standard_normal((B, H, L, 4)) * 2
+    kk = rng.standard_normal((1, H, S, 4))  # keys broadcast over the batch
+    v = rng.standard_normal((1, H, S, 3))
+    pats = [random_pattern(rng, L, S, density=0.4, empty_rows=(2,)) for _ in range(B * H)]
+    rep = compare(q, kk, v, pats, is_causal=is_causal, k=3)
+    assert rep.lead == (B, H) and rep.n_heads == 6 and rep.n_rows == L and len(rep.heads) == 6
+    assert rep.mass_recall.shape == rep.recall.shape == rep.n_selected.shape == (B, H, L)
+    lead, loop = _loop_reports(q, kk, v, pats, is_causal=is_causal, k=3)
+    diff_sq = ref_sq = 0.0
+    for i, idx in enumerate(np.ndindex(*lead)):
+        ref = brute_force(q[idx], kk[0, idx[1]], v[0, idx[1]], pats[i], is_causal=is_causal, topk=3)
+        assert_matches(rep.head(*idx), ref)
+        for f in ("rel_error", "mass_recall", "recall", "kl", "lse_dense", "lse_sparse", "n_selected"):
+            np.testing.assert_array_equal(getattr(rep, f)[idx], getattr(loop[idx], f), err_msg=f)
+        assert rep.head(*idx).summary() == loop[idx].summary()
+        diff_sq += float(np.sum((ref["o_sparse"] - ref["o_dense"]) ** 2))
+        ref_sq += float(np.sum(ref["o_dense"] ** 2))
+    # aggregate: Frobenius over every head's output, means over all (head, row) pairs, counts summed
+    np.testing.assert_allclose(rep.rel_error_overall, math.sqrt(diff_sq / ref_sq), rtol=1e-10)
+    summ = rep.summary()
+    assert summ["n_heads"] == 6 and summ["n_rows"] == L
+    np.testing.assert_allclose(summ["mass_recall_mean"], np.mean([r.mass_recall for r in loop.values()]),
+                               rtol=1e-12)
+    assert rep.empty_rows == sum(r.empty_rows for r in loop.values()) >= 6
+    assert rep.dropped_noncausal == sum(r.dropped_noncausal for r in loop.values())
+    per = rep.per_head()
+    assert per["mass_recall_mean"].shape == (B, H)
+    assert per["rel_error_overall"][1, 2] == loop[(1, 2)].summary()["rel_error_overall"]
+    with pytest.raises(IndexError, match="out of range"):
+        rep.head(2, 0)
+    with pytest.raises(ValueError, match="one index per leading dimension"):
+        rep.head(0)
+
+
+def test_batched_shared_pattern_rows_and_sparse_output(rng):
+    H, L, S = 4, 12, 12
+    q, kk, v = (rng.standard_normal((H, n, 5)) for n in (L, S, S))
+    pat = SparsePattern.window(L, S, 4, is_causal=True)
+    out = rng.standard_normal((H, L, 5))  # an arbitrary output to judge
+    rows = np.array([1, 5, 11])
+    rep = compare(q, kk, v, pat, sparse_output=out, rows=rows, is_causal=True)
+    assert rep.rel_error.shape == (H, 3)
+    for h in range(H):
+        one = compare(q[h], kk[h], v[h], pat, sparse_output=out[h], rows=rows, is_causal=True)
+        np.testing.assert_array_equal(rep.rel_error[h], one.rel_error)
+        np.testing.assert_array_equal(rep.head(h).mass_recall, one.mass_recall)
+        # the judged output is the given one: its error against the float64 dense output, by hand
+        dense = brute_force(q[h], kk[h], v[h], SparsePattern.full(L, S), is_causal=True)["o_dense"]
+        np.testing.assert_allclose(one.rel_error, np.linalg.norm(out[h][rows] - dense[rows], axis=1)
+                                   / np.linalg.norm(dense[rows], axis=1), rtol=1e-10)
+
+
+def test_batched_gqa_and_the_other_functions(rng):
+    Hq, Hk, L, S = 4, 2, 7, 10
+    q = rng.standard_normal((Hq, L, 3))
+    kk = rng.standard_normal((Hk, S, 3))
+    v = rng.standard_normal((Hk, S, 2))
+    pats = [random_pattern(rng, L, S, density=0.5) for _ in range(Hq)]
+    rep = compare(q, kk, v, pats, enable_gqa=True, k=2)
+    rec = topk_recall(pats, q, kk, 2, enable_gqa=True)
+    mass = mass_recall(pats, q, kk, enable_gqa=True)
+    for h in range(Hq):
+        ref = brute_force(q[h], kk[h // 2], v[h // 2], pats[h], topk=2)  # query head h reads K/V head h // 2
+        assert_matches(rep.head(h), ref)
+        np.testing.assert_array_equal(rec[h], ref["recall"])
+        np.testing.assert_allclose(mass[h], ref["mass"], rtol=1e-10, atol=TOL)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        compare(q, kk, v, pats)
+
+
+def test_output_relative_error_batched(rng):
+    a, b = rng.standard_normal((2, 2, 3, 5, 4))
+    b[1, 2] = 0.0  # a head whose reference is zero: absolute error
+    rows = output_relative_error(a, b, per_row=True)
+    heads = output_relative_error(a, b, per_head=True)
+    assert rows.shape == (2, 3, 5) and heads.shape == (2, 3)
+    for idx in np.ndindex(2, 3):
+        d, r = np.linalg.norm(a[idx] - b[idx]), np.linalg.norm(b[idx])
+        np.testing.assert_allclose(heads[idx], d / r if r > 0 else d, rtol=1e-12)
+        np.testing.assert_allclose(rows[idx], output_relative_error(a[idx], b[idx], per_row=True), rtol=1e-12)
+    np.testing.assert_allclose(output_relative_error(a, b), np.linalg.norm(a - b) / np.linalg.norm(b), rtol=1e-12)
+    assert output_relative_error(a[0, 0], b[0, 0], per_head=True).shape == ()
+
+
+@settings(max_examples=15, deadline=None)
+@given(lead_q=st.lists(st.integers(1, 3), min_size=0, max_size=2), share_k=st.booleans(),
+       L=st.integers(1, 6), S=st.integers(1, 6), causal=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_batched_equals_loop_property(lead_q, share_k, L, S, causal, seed):
+    rng = np.random.default_rng(seed)
+    lead_q = tuple(lead_q)
+    lead_k = tuple(1 for _ in lead_q) if share_k else lead_q
+    q = rng.standard_normal(lead_q + (L, 3))
+    kk = rng.standard_normal(lead_k + (S, 3))
+    v = rng.standard_normal(lead_k + (S, 2))
+    G = int(np.prod(lead_q, dtype=int))
+    pats = [random_pattern(rng, L, S, density=0.5) for _ in range(G)]
+    rep = compare(q, kk, v, pats if lead_q else pats[0], is_causal=causal, k=2)
+    lead, loop = _loop_reports(q, kk, v, pats, is_causal=causal, k=2)
+    assert rep.lead == lead
+    for idx in np.ndindex(*lead):
+        np.testing.assert_array_equal(rep.rel_error[idx], loop[idx].rel_error)
+        np.testing.assert_array_equal(rep.lse_sparse[idx], loop[idx].lse_sparse)
+        np.testing.assert_array_equal(rep.recall[idx], loop[idx].recall)
+
+
+# --------------------------------------------------------------------------------------- huge k
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_huge_k_is_clamped_not_allocated(rng, is_causal):
+    import tracemalloc
+
+    q, kk, v = random_qkv(rng, 20, 30)
+    pat = random_pattern(rng, 20, 30, density=0.3)
+    tracemalloc.start()
+    try:
+        rep = compare(q, kk, v, pat, k=10**9, is_causal=is_causal)
+        rec = topk_recall(pat, q, kk, 10**12, is_causal=is_causal)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20  # nothing of size k (10**9 float64 would be 8 GB)
+    assert rep.k == 10**9
+    ref = brute_force(q, kk, v, pat, is_causal=is_causal, topk=10**9)
+    assert_matches(rep, ref)
+    np.testing.assert_array_equal(rec, ref["recall"])
+    # k >= S: recall is the share of allowed keys selected, by hand
+    allowed = np.minimum(np.arange(20) + 1, 30) if is_causal else np.full(20, 30)
+    np.testing.assert_allclose(rep.recall, (pat.causal() if is_causal else pat).nnz_per_row / allowed, rtol=1e-12)
+
+
+def test_large_k_below_s_shrinks_the_query_block(rng):
+    q, kk, v = random_qkv(rng, 40, 50)
+    pat = random_pattern(rng, 40, 50, density=0.5)
+    # k = 49 < S with a 2-key tile: the block of 16 rows shrinks to (16 * 2) // 49 -> 1 row
+    rep = compare(q, kk, v, pat, k=49, block=16, key_block=2)
+    assert_matches(rep, brute_force(q, kk, v, pat, topk=49))
+
+
+# ------------------------------------------------------------------------- SparseAttentionResult
+def test_compare_scores_a_sparse_attention_result(rng):
+    import sparseattn as sa
+
+    H, L, S = 3, 40, 40
+    q, kk, v = (rng.standard_normal((H, L, 8)) for _ in range(3))
+    res = sa.sparse_attention_result(q, kk, v, "topk", k=6, is_causal=True)
+    assert len(res.patterns) == H
+    rep = compare(q, kk, v, res, is_causal=True, k=6)
+    for h in range(H):
+        ref = brute_force(q[h], kk[h], v[h], res.patterns[h], is_causal=True, topk=6)
+        # the kernel's float64 output judged against the float64 dense reference
+        np.testing.assert_allclose(rep.head(h).rel_error, ref["rel"], rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(rep.head(h).mass_recall, ref["mass"], rtol=1e-10, atol=TOL)
+    assert np.all(rep.recall == 1.0)  # the exact top-k selector finds the exact top-k
+    shared = sa.sparse_attention_result(q, kk, v, SparsePattern.window(L, S, 5))
+    assert len(shared.patterns) == 1
+    rep2 = compare(q, kk, v, shared)
+    assert rep2.lead == (H,) and rep2.rel_error_overall > 0
+    with pytest.raises(ValueError, match="sparse_output: pattern is a SparseAttentionResult"):
+        compare(q, kk, v, shared, sparse_output=shared.output)
+
+
+def test_block_mode_result_is_refused_with_the_way_to_score_it(rng):
+    import sparseattn as sa
+
+    H, L = 2, 256
+    q, kk, v = (rng.standard_normal((H, L, 16)) for _ in range(3))
+    spec = "cluster:mode=block,n_clusters=8,n_probe=2"
+    res = sa.sparse_attention_result(q, kk, v, spec, k=16)
+    assert res.patterns == []  # the selector attends by itself
+    with pytest.raises(ValueError, match=r"holds no pattern .*sel.query\(query_h, k"):
+        compare(q, kk, v, res)
+    # The recipe: route each head's queries again; the routed keys are exactly the keys attend() read,
+    # so metrics' own float64 sparse attention over them reproduces the result's output.
+    pats = [sa.get_selector(spec).build(kk[h]).query(q[h], 16) for h in range(H)]
+    rep = compare(q, kk, v, pats, sparse_output=res.output)
+    own = compare(q, kk, v, pats)  # float64 sparse output computed by metrics from the patterns
+    for h in range(H):
+        dense = brute_force(q[h], kk[h], v[h], pats[h])
+        np.testing.assert_allclose(res.output[h], dense["o_sparse"], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(rep.rel_error, own.rel_error, rtol=1e-8, atol=1e-12)
+    assert (rep.n_selected > 16).all()  # block mode reads whole clusters, more than k keys per query
