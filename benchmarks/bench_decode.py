@@ -24,7 +24,8 @@ Extra cases: GQA (32 query heads over 8 kv heads) at 131,072; float16 / bfloat16
 streaming memory cap (``max_keys`` = n / 4) at 131,072; the real MiniLM store trace (``store65k``, 2 heads,
 E = 32) when ``~/.cache/sparseattn/traces/manifest.json`` exists.
 
-Writes benchmarks/results/decode.json, decode.md and decode_latency.png (log-log p50 latency vs n).
+Writes benchmarks/results/decode.json, decode.md and decode_latency.png (log-log p50 latency vs n); with
+``--out X/decode-NAME.json``: decode-NAME.md and decode_latency-NAME.png.
 """
 
 from __future__ import annotations
@@ -385,7 +386,7 @@ def write_report(path: Path, meta: dict, results: list[dict]) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(path.parent / "decode_latency.png", dpi=120)
+    fig.savefig(path.parent / (path.stem.replace("decode", "decode_latency", 1) + ".png"), dpi=120)
     plt.close(fig)
 
 
