@@ -5,7 +5,13 @@ Results are data first (plain dicts, JSON-serialisable); tables and plots are ma
 
 * the JIT is warmed up before anything is timed; times are ``perf_counter`` medians over repeats;
 * build, select and kernel are timed separately; dense baselines (ours, and torch SDPA when installed,
-  called with 4-D tensors) run in the same process, so ratios are side by side;
+  called with 4-D tensors) run before any Numba kernel of the run, torch imported and warmed first;
+* the SDPA baseline is timed where nothing of ours can slow it: in a fresh process that imports numpy and
+  torch only, with the user's environment (:func:`fresh_sdpa_seconds`), and speed-ups are against that
+  time.  The in-process SDPA time is kept beside it, and ``result["fairness"]`` (:func:`check_fairness`)
+  flags a run whose in-process time differs from the fresh one by more than ``FAIRNESS_TOLERANCE``: a
+  sign that our runtime changed torch's speed (with Numba's OpenMP layer loaded before torch, SDPA at
+  16,384 keys ran 2-3x off its own speed, slower or faster depending on the machine's load);
 * every quality figure is recomputed by :mod:`sparseattn.metrics` from the returned pattern, in float64,
   independently of the kernel (never a selector's own report);
 * peak memory: numpy allocations tracked by ``tracemalloc`` in one extra, untimed run of the first group
@@ -14,10 +20,14 @@ Results are data first (plain dicts, JSON-serialisable); tables and plots are ma
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
@@ -26,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from . import _numba_setup, metrics
 from . import data as data_mod
-from . import metrics
 from .attention.dense import scaled_dot_product_attention
 from .attention.sparse import sparse_attention
 from .pattern import SparsePattern
@@ -154,8 +164,51 @@ def _median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 
 
+def _torch() -> Any:
+    """torch, or None when it is not installed."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def prepare_torch() -> bool:
+    """Import torch, set its thread count and run one tiny SDPA, before any Numba parallel region runs.
+
+    Returns False when torch is not installed.  Why first: a library loaded before torch (Numba's OpenMP
+    layer, when TBB is missing, brings the system ``libgomp.so.1``, which torch then uses instead of its
+    own) changes torch's speed; imported and warmed first, torch keeps its own runtime.  :func:`compare` calls this before anything else; :func:`check_fairness` verifies it worked.
+    """
+    torch = _torch()
+    if torch is None:
+        return False
+    torch.set_num_threads(get_num_threads())
+    x = torch.zeros((1, 2, 8, 4))
+    with torch.no_grad():
+        torch.nn.functional.scaled_dot_product_attention(x, x, x)
+    return True
+
+
+def _sdpa_seconds(torch: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, is_causal: bool, scale: float,
+                  repeats: int) -> float:
+    """Median seconds of torch SDPA over (G, L, E) / (G, S, E) / (G, S, Ev) arrays, called 4-D (1, G, n, d)."""
+    tq, tk, tv = (torch.from_numpy(x)[None] for x in (q, k, v))  # (1, G, n, d): never 2-D
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=is_causal, scale=scale)
+            times.append(time.perf_counter() - t0)
+    return _median(times)
+
+
 def time_dense(wl: Workload, *, is_causal: bool, repeats: int = 3) -> dict[str, float | None]:
-    """Seconds for our blocked dense attention and torch SDPA over all groups (medians)."""
+    """Seconds for our blocked dense attention and torch SDPA over all groups (medians).
+
+    ``sdpa_s`` is None when torch is not installed.  Call :func:`prepare_torch` before any Numba parallel
+    region of the process (as :func:`compare` does) so the SDPA time is torch's own.
+    """
     res: dict[str, float | None] = {}
     times = []
     for _ in range(repeats):
@@ -163,21 +216,107 @@ def time_dense(wl: Workload, *, is_causal: bool, repeats: int = 3) -> dict[str, 
         scaled_dot_product_attention(wl.q, wl.k, wl.v, is_causal=is_causal, scale=wl.scale, check_finite=False)
         times.append(time.perf_counter() - t0)
     res["dense_s"] = _median(times)
-    try:
-        import torch
-    except ImportError:
+    torch = _torch()
+    if torch is None:
         res["sdpa_s"] = None
         return res
     torch.set_num_threads(get_num_threads())
-    tq, tk, tv = (torch.from_numpy(x)[None] for x in (wl.q, wl.k, wl.v))  # (1, G, n, d): never 2-D
-    times = []
-    with torch.no_grad():
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=is_causal, scale=wl.scale)
-            times.append(time.perf_counter() - t0)
-    res["sdpa_s"] = _median(times)
+    res["sdpa_s"] = _sdpa_seconds(torch, wl.q, wl.k, wl.v, is_causal=is_causal, scale=wl.scale, repeats=repeats)
     return res
+
+
+FAIRNESS_TOLERANCE = 0.25  # in-run SDPA may differ from a fresh process's by at most this fraction
+
+# Runs in a fresh interpreter that imports numpy and torch only (never sparseattn or Numba), so nothing of
+# ours can have slowed torch; times SDPA exactly as time_dense does and prints the median as JSON.
+_FRESH_SDPA_SCRIPT = r"""
+import json, statistics, sys, time
+import numpy as np
+import torch
+path, is_causal, scale, repeats, n_threads = sys.argv[1], sys.argv[2] == "1", float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+torch.set_num_threads(n_threads)
+x = torch.zeros((1, 2, 8, 4))
+with torch.no_grad():
+    torch.nn.functional.scaled_dot_product_attention(x, x, x)
+with np.load(path) as f:
+    tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(f[n]))[None] for n in ("q", "k", "v"))
+times = []
+with torch.no_grad():
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=is_causal, scale=scale)
+        times.append(time.perf_counter() - t0)
+print(json.dumps({"sdpa_s": statistics.median(times), "threads": torch.get_num_threads()}))
+"""
+
+
+def fresh_sdpa_seconds(wl: Workload, *, is_causal: bool, repeats: int = 3, timeout: float | None = None) -> float:
+    """Median seconds of torch SDPA on ``wl``'s inputs, timed in a fresh Python process without Numba.
+
+    Same inputs (float32, 4-D), thread count (:func:`sparseattn.threads.get_num_threads`), warm-up and
+    repeats as :func:`time_dense`; the environment is the user's (without what sparseattn set itself, such
+    as ``OMP_WAIT_POLICY``), so the child times SDPA as the user's own torch code would run it.  Raises
+    ``RuntimeError`` (with the child's last error line) when the child fails, e.g. torch is not installed
+    for ``sys.executable``.
+    """
+    with tempfile.TemporaryDirectory(prefix="sparseattn-fair-") as tmp:
+        path = os.path.join(tmp, "qkv.npz")
+        np.savez(path, q=wl.q, k=wl.k, v=wl.v)
+        cmd = [sys.executable, "-c", _FRESH_SDPA_SCRIPT, path, "1" if is_causal else "0", repr(float(wl.scale)),
+               str(int(repeats)), str(get_num_threads())]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_numba_setup.user_environ())
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"fresh-process SDPA timing failed (exit {proc.returncode}): {last}")
+    return float(json.loads(proc.stdout.strip().splitlines()[-1])["sdpa_s"])
+
+
+def fairness_flag(in_run_s: float | None, fresh_s: float | None,
+                  tolerance: float = FAIRNESS_TOLERANCE) -> dict[str, Any]:
+    """Compare the in-run SDPA time with a fresh process's: ``{"in_run_s", "fresh_s", "ratio", "ok", "tolerance"}``.
+
+    ``ratio = in_run_s / fresh_s``; ``ok`` is True when ``|ratio - 1| <= tolerance`` (the baseline ran at
+    torch's own speed, so speed-ups against it are not inflated), False otherwise, and None when either
+    time is missing (nothing to compare).
+    """
+    if not 0 < tolerance:
+        raise ValueError(f"tolerance must be > 0 (a fraction such as 0.25); got {tolerance!r}.")
+    out: dict[str, Any] = {"in_run_s": in_run_s, "fresh_s": fresh_s, "ratio": None, "ok": None,
+                           "tolerance": tolerance}
+    if in_run_s is None or fresh_s is None or not fresh_s > 0:
+        return out
+    ratio = float(in_run_s) / float(fresh_s)
+    out.update(ratio=ratio, ok=bool(abs(ratio - 1.0) <= tolerance))
+    return out
+
+
+def check_fairness(wl: Workload, dense: dict[str, float | None], *, is_causal: bool,
+                   repeats: int = 3) -> dict[str, Any]:
+    """The fairness record of a run: :func:`fairness_flag` of ``dense["sdpa_s"]`` against
+    :func:`fresh_sdpa_seconds`, plus Numba's threading layer and TBB preload (:mod:`sparseattn._numba_setup`).
+
+    ``ok`` is None, with ``reason``, when there is no SDPA time (torch not installed) or the fresh process
+    failed; it is False when the in-process SDPA was slowed (or sped up) by more than the tolerance:
+    something loaded in this process changes torch's speed, and a speed-up measured against the
+    in-process time would be off (:func:`compare` measures speed-ups against the fresh time).
+    ``threading_layer`` is Numba's layer at the time of the call (None before any parallel kernel ran).
+    """
+    status = _numba_setup.threading_status()
+    extra = {"threading_layer": status["layer"], "tbb_preloaded": status["tbb_preloaded"],
+             "tbb_preload": status["preload"]}
+    in_run = dense.get("sdpa_s")
+    if in_run is None:
+        return {**fairness_flag(None, None), **extra, "reason": "torch is not installed: no SDPA baseline"}
+    try:
+        fresh = fresh_sdpa_seconds(wl, is_causal=is_causal, repeats=repeats)
+    except (RuntimeError, OSError, subprocess.SubprocessError, ValueError) as exc:
+        return {**fairness_flag(in_run, None), **extra, "reason": str(exc)}
+    flag = fairness_flag(in_run, fresh)
+    reason = (f"in-process SDPA {in_run:.3g} s vs {fresh:.3g} s in a fresh process: {flag['ratio']:.2f}x, "
+              f"tolerance {flag['tolerance']:.0%}; Numba threading layer {extra['threading_layer']}")
+    if not flag["ok"]:
+        reason += "; something in this process changes torch's speed (speed-ups use the fresh time)"
+    return {**flag, **extra, "reason": reason}
 
 
 def _quality_rows(L: int, max_rows: int) -> np.ndarray | None:
@@ -278,14 +417,30 @@ def run_selector(wl: Workload, spec: str, *, k: int, is_causal: bool, repeats: i
 
 def compare(data: str = "window", selectors: Sequence[str] | None = None, *, k: int = 64,
             is_causal: bool = False, repeats: int = 3, max_groups: int | None = None,
-            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run every selector and the dense baselines on one workload; return the results as a dict."""
+            progress: Callable[[str], None] | None = None, fairness: bool = True) -> dict[str, Any]:
+    """Run every selector and the dense baselines on one workload; return the results as a dict.
+
+    The dense baselines are timed first, after :func:`prepare_torch` and before any Numba kernel of the
+    run.  ``result["fairness"]`` is :func:`check_fairness`: SDPA timed again in a fresh process.  That
+    fresh time becomes ``result["dense"]["sdpa_s"]``, the baseline of every ``speedup_vs_sdpa``; the
+    in-process time is ``result["dense"]["sdpa_in_run_s"]``.  With ``fairness=False`` (or when the fresh
+    process fails) nothing is re-timed, ``sdpa_s`` is the in-process time and ``fairness["ok"]`` is None.
+    """
     wl = load_workload(data, max_groups=max_groups)
     selectors = list(selectors) if selectors else default_selectors(wl)
     say = progress or (lambda msg: None)
-    warm_up()
     say("dense baselines")
+    prepare_torch()
     dense = time_dense(wl, is_causal=is_causal, repeats=repeats)
+    dense["sdpa_in_run_s"] = dense["sdpa_s"]
+    warm_up()  # our first parallel kernels: after the in-process baselines, before the fresh check
+    if fairness:
+        fair = check_fairness(wl, dense, is_causal=is_causal, repeats=repeats)
+    else:
+        fair = {**fairness_flag(dense["sdpa_s"], None), "reason": "not checked (fairness=False)"}
+    if fair["fresh_s"] is not None:  # the baseline nothing of ours can have slowed
+        dense["sdpa_s"] = fair["fresh_s"]
+    fair["baseline"] = "fresh_s" if fair["fresh_s"] is not None else "in_run_s"
     rows = []
     for spec in selectors:
         say(spec)
@@ -299,7 +454,7 @@ def compare(data: str = "window", selectors: Sequence[str] | None = None, *, k: 
         rows.append(row)
     return {"schema": "sparseattn.compare/1", "data": data, "workload": {"description": wl.description,
             **wl.shape, **wl.meta}, "k": k, "is_causal": is_causal, "repeats": repeats,
-            "machine": machine_info(), "dense": dense, "results": rows,
+            "machine": machine_info(), "dense": dense, "fairness": fair, "results": rows,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import numpy as np
@@ -32,6 +33,69 @@ def test_compare_schema_and_baselines(result):
             assert key in row, key
         assert row["total_s"] >= row["select_s"] >= 0
     json.dumps(result, default=bench.json_default)  # serialisable
+
+
+def test_compare_records_the_fairness_check(result):
+    fair, dense = result["fairness"], result["dense"]
+    for key in ("in_run_s", "fresh_s", "ratio", "ok", "tolerance", "threading_layer", "tbb_preloaded", "reason",
+                "baseline"):
+        assert key in fair, key
+    assert fair["in_run_s"] == dense["sdpa_in_run_s"]
+    assert fair["tolerance"] == bench.FAIRNESS_TOLERANCE == 0.25
+    if importlib.util.find_spec("torch") is None:  # no SDPA baseline: nothing to compare, and it says why
+        assert dense["sdpa_s"] is None and fair["ok"] is None and "torch" in fair["reason"]
+        return
+    # SDPA really re-timed in a fresh process; speed-ups are against that time; the flag follows the ratio.
+    assert fair["fresh_s"] > 0 and fair["baseline"] == "fresh_s" and dense["sdpa_s"] == fair["fresh_s"]
+    assert fair["ratio"] == pytest.approx(fair["in_run_s"] / fair["fresh_s"])
+    assert fair["ok"] is (abs(fair["ratio"] - 1.0) <= 0.25)
+    for row in result["results"]:
+        assert row["speedup_vs_sdpa"] == pytest.approx(fair["fresh_s"] / row["total_s"])
+    assert fair["threading_layer"] in ("tbb", "omp", "workqueue")  # warm_up ran a parallel kernel first
+
+
+def test_fairness_flag_hand_worked_numbers():
+    slowed = bench.fairness_flag(2.34, 0.89)  # 2.63x: the in-process baseline was slowed
+    assert slowed["ratio"] == pytest.approx(2.34 / 0.89) and slowed["ok"] is False
+    assert bench.fairness_flag(1.0, 0.8)["ok"] is True  # ratio 1.25: on the tolerance
+    assert bench.fairness_flag(1.0, 0.79)["ok"] is False  # ratio 1.266
+    assert bench.fairness_flag(0.7, 1.0)["ok"] is False  # faster by 30 %: also not the same state
+    assert bench.fairness_flag(0.9, 1.0)["ok"] is True
+    assert bench.fairness_flag(1.0, 0.5, tolerance=1.0)["ok"] is True
+    for in_run, fresh in ((None, 1.0), (1.0, None), (None, None), (1.0, 0.0)):
+        out = bench.fairness_flag(in_run, fresh)
+        assert out["ok"] is None and out["ratio"] is None
+    with pytest.raises(ValueError, match="tolerance must be > 0"):
+        bench.fairness_flag(1.0, 1.0, tolerance=0)
+
+
+def test_compare_flags_a_slowed_baseline_and_measures_speedups_against_the_fresh_time(monkeypatch):
+    calls = []
+    for name in ("prepare_torch", "warm_up"):
+        orig = getattr(bench, name)
+        monkeypatch.setattr(bench, name, lambda *a, _f=orig, _n=name, **kw: (calls.append(_n), _f(*a, **kw))[1])
+    # The fresh process reports a third of the in-process time: the in-process baseline was slowed 3x.
+    monkeypatch.setattr(bench, "time_dense", lambda wl, **kw: (calls.append("time_dense"),
+                                                               {"dense_s": 0.3, "sdpa_s": 0.9})[1])
+    monkeypatch.setattr(bench, "fresh_sdpa_seconds", lambda wl, **kw: 0.3)
+    res = bench.compare(SYNTH, ["window:width=4"], k=4, repeats=1)
+    # Baselines first (torch warmed before them), then our first parallel kernels.
+    assert calls == ["prepare_torch", "time_dense", "warm_up"]
+    fair = res["fairness"]
+    assert fair["ok"] is False and fair["ratio"] == pytest.approx(3.0) and "3.00x" in fair["reason"] and "changes torch's speed" in fair["reason"]
+    assert res["dense"]["sdpa_s"] == 0.3 and res["dense"]["sdpa_in_run_s"] == 0.9
+    row = res["results"][0]
+    assert row["speedup_vs_sdpa"] == pytest.approx(0.3 / row["total_s"])
+
+
+def test_fairness_check_says_why_when_the_fresh_process_fails(monkeypatch):
+    wl = bench.load_workload(SYNTH)
+    monkeypatch.setattr(bench, "_FRESH_SDPA_SCRIPT", "import sys; sys.exit('no torch for this interpreter')")
+    fair = bench.check_fairness(wl, {"dense_s": 0.1, "sdpa_s": 0.2}, is_causal=False, repeats=1)
+    assert fair["ok"] is None and fair["fresh_s"] is None and fair["in_run_s"] == 0.2
+    assert "no torch for this interpreter" in fair["reason"]
+    res = bench.check_fairness(wl, {"dense_s": 0.1, "sdpa_s": None}, is_causal=False, repeats=1)
+    assert res["ok"] is None and "torch is not installed" in res["reason"]
 
 
 def test_quality_is_recomputed_from_the_pattern(result):
@@ -185,3 +249,102 @@ def test_summary_table_picks_fastest_accurate_and_most_mass_faster_than_sdpa(tmp
     with pytest.raises(ValueError, match="is not a suite JSON"):
         suite.summary_table(str(other))
 
+
+
+# ------------------------------------------------------------------- labels, colours, notes, plots
+def test_selector_labels_drop_defaults_keep_mode_and_never_cut_a_parameter():
+    assert report.selector_label("faiss-hnsw:M=32,ef_construction=80,ef_search=128,center=True,"
+                                 "hnsw_min_block=262144") == "faiss-hnsw"
+    assert report.selector_label("faiss-hnsw:M=16,ef_construction=80,ef_search=128,center=True,"
+                                 "hnsw_min_block=262144") == "faiss-hnsw:M=16"
+    block = sa.selectors.spec_string(sa.get_selector("cluster:mode=block"))
+    assert report.selector_label(block) == "cluster:block"
+    assert report.selector_label(sa.selectors.spec_string(sa.get_selector("cluster"))) == "cluster:topk"
+    union = sa.selectors.spec_string(sa.get_selector("window:width=48+sinks:g=4+random:n_random=12"))
+    assert report.selector_label(union) == "window:width=48+sinks+random:n_random=12"
+    assert report.selector_label("no-such:a=1,b=2") == "no-such:a=1,b=2"  # unknown: kept whole
+    spec = "lsh:n_bits=7,n_tables=9,n_probes=5,n_candidates=512,seed=3"
+    short = report.selector_label(spec, width=30)
+    assert short == "lsh:n_bits=7,n_tables=9…" and len(short) <= 30
+    # every parameter shown is a whole parameter of the spec
+    assert all(tok in spec.split(":")[1].split(",") for tok in short[4:-1].split(","))
+    labels = report.selector_labels([spec, spec.replace("seed=3", "seed=4"), "topk"], width=30)
+    assert labels[spec] == "lsh:n_bits=7,n_tables=9…" and labels[spec.replace("seed=3", "seed=4")].endswith("#2")
+    assert len(set(labels.values())) == 3
+
+
+def test_selector_styles_are_stable_and_distinct():
+    specs = [f"sel{i}" for i in range(25)]
+    a = report.selector_styles(specs)
+    b = report.selector_styles(list(reversed(specs)) + specs[:3])
+    assert a == b  # order and repeats do not matter: sorted distinct specs
+    assert len({a[s] for s in specs}) == 25  # (colour, marker) pairs all differ
+    assert len({a[s][0] for s in sorted(specs)[:20]}) == 20  # the first 20 colours differ
+
+
+def test_keys_per_query_notes_explain_the_window_edges(result):
+    # window:width=16 (8 keys before, 7 after) on L = S = 300, hand-worked: the first 8 queries lose
+    # 8+7+...+1 = 36 keys and the last 7 lose 7+...+1 = 28, so 16 - 64/300 = 15.79 keys per query.
+    notes = report.keys_per_query_notes(result)
+    win = next(s for s in notes if s.startswith("window"))
+    assert "cut at the sequence ends" in notes[win] and "15.79" in notes[win]
+    assert next(r for r in result["results"] if r["selector"] == win)["keys_per_query"] == pytest.approx(16 - 64 / 300)
+    block = next(s for s in notes if "mode=block" in s)
+    assert "routed clusters" in notes[block]
+    assert not any(s.startswith("topk") for s in notes)  # the exact top-k reads exactly k keys
+    causal = dict(result, is_causal=True, results=[dict(next(r for r in result["results"] if r["name"] == "topk"),
+                                                       keys_per_query=16 - 120 / 300)])
+    # causal top-16: query i sees i + 1 keys, so rows 0..14 lose 15+...+1 = 120 keys
+    assert "first 15 queries" in report.keys_per_query_notes(causal)[causal["results"][0]["selector"]]
+    assert "15.60" in report.keys_per_query_notes(causal)[causal["results"][0]["selector"]]
+    text = report.render_text(result)
+    assert "15.79*" in text and "selectors (label = full spec):" in text
+    assert f"  window:width=16 = {win}" in text
+
+
+def test_plots_use_one_colour_per_selector_log_axes_titles_and_legends(result, tmp_path, monkeypatch):
+    figs = {}
+    real_save = report.save_figure
+
+    def capture(fig, out_dir, filename):
+        figs[filename] = fig
+        fig.canvas.draw()  # lay out now: the figure is closed when saved
+        return real_save(fig, out_dir, filename)
+
+    monkeypatch.setattr(report, "save_figure", capture)
+    paths = report.plot_compare(result, str(tmp_path))
+    assert [p.split("/")[-1] for p in paths] == ["compare_pareto.png", "compare_time.png"]
+    labels = report.selector_labels([r["selector"] for r in result["results"]])
+    styles = report.selector_styles([r["selector"] for r in result["results"]])
+    colour_of_label = {labels[s]: styles[s][0] for s in labels}
+    from matplotlib.colors import to_hex
+
+    pareto = figs["compare_pareto.png"].axes[0]
+    assert pareto.get_xscale() == "log" and not pareto.texts  # no text next to points: a legend
+    title = pareto.get_title()
+    assert "synthetic" in title and "n = 300 keys" in title and "k = 16" in title and "causal = no" in title
+    legend = {t.get_text(): h for t, h in zip(pareto.get_legend().get_texts(), pareto.get_legend().legend_handles,
+                                              strict=True)}
+    for label, colour in colour_of_label.items():
+        assert to_hex(legend[label].get_edgecolor()[0]) == colour
+    time_ax = figs["compare_time.png"].axes[0]
+    assert time_ax.get_xscale() == "log"
+    bars = [p for p in time_ax.patches]
+    ticks = [t.get_text() for t in time_ax.get_yticklabels()]
+    assert sorted(ticks) == sorted(colour_of_label)
+    by_y = {round(p.get_y() + p.get_height() / 2): to_hex(p.get_facecolor()) for p in bars}
+    for tick, y in zip(time_ax.get_yticklabels(), time_ax.get_yticks(), strict=True):
+        assert by_y[round(y)] == colour_of_label[tick.get_text()]
+    assert "n = 300 keys" in figs["compare_time.png"]._suptitle.get_text()
+
+
+def test_html_table_shows_labels_and_lists_full_specs(result):
+    page = report.render_html(result)
+    main, _, rest = page.partition("</table>")
+    for r in result["results"]:
+        label = report.selector_label(r["selector"])
+        assert f"{label}</td>" in main
+        assert f"<td>{r['selector']}</td>" in rest  # the full spec, in the label -> spec table
+    assert "overflow-wrap:anywhere" in page  # long specs wrap instead of widening the page
+    md = report.render_markdown(result)
+    assert "| label | full selector spec |" in md and "Keys per query marked *:" in md
