@@ -1,0 +1,131 @@
+"""Hugging Face transformers integration: sparse attention as an ``attn_implementation`` (optional extra).
+
+>>> import sparseattn.hf
+>>> sparseattn.hf.register(selector="topk", k=64)  # doctest: +SKIP
+'sparseattn'
+>>> model = AutoModel.from_pretrained(path, attn_implementation="sparseattn")  # doctest: +SKIP
+
+:func:`register` adds one attention function to transformers' ``AttentionInterface`` and, under the same
+name, transformers' SDPA mask builder to ``AttentionMaskInterface`` (a bool ``(B, 1, L, S)`` mask, True =
+may attend, or None when nothing is masked).  Every model whose attention modules dispatch through
+``ALL_ATTENTION_FUNCTIONS`` (BERT, Llama, Mistral, Qwen, ... in transformers 5) then runs each attention
+call with :func:`sparseattn.torch.sparse_attention`; the rest of the model is unchanged.
+
+* Selector and k: ``model.config.sparseattn_selector`` / ``model.config.sparseattn_k`` when set (read on
+  every call, so they can be changed on a loaded model), else the values given to :func:`register`.
+* Masks: padded keys are removed before selection, so they are never attended and take none of a query's
+  ``k`` slots; causal (and left-padded causal) masks become causal selection.  Other mask patterns are
+  applied as a ``-inf`` bias after selection (:mod:`sparseattn.torch` describes the rules).
+* Causality without a mask follows transformers' SDPA path: the module's ``is_causal`` (or the
+  ``is_causal`` keyword), only when ``L > 1`` and no mask is given.
+* Inference only: no backward pass and no dropout.  Run under ``torch.no_grad()`` /
+  ``torch.inference_mode()`` with ``model.eval()``; otherwise the call raises ``ValueError`` saying so.
+  ``output_attentions`` gives no weights (None), as with SDPA.
+* CPU tensors only; float16 / bfloat16 models compute in float32 and get outputs in their dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    import torch
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(f"sparseattn.hf needs torch and transformers >= 5 ({exc}). Install with: "
+                      f"pip install 'sparseattn[hf]'") from exc
+
+from .inputs import check_positive_int
+from .selectors import get_selector, spec_string
+from .torch import sparse_attention
+
+__all__ = ["CONFIG_K", "CONFIG_SELECTOR", "DEFAULT_NAME", "make_attention_function", "register"]
+
+DEFAULT_NAME = "sparseattn"
+CONFIG_SELECTOR = "sparseattn_selector"  # model.config attribute overriding the registered selector
+CONFIG_K = "sparseattn_k"  # model.config attribute overriding the registered k
+
+
+def make_attention_function(selector: str = "topk", k: int = 64, **params: Any):  # noqa: ANN201
+    """The attention function :func:`register` installs, for callers that register it themselves.
+
+    Parameters
+    ----------
+    selector : str
+        Selector name or spec string (``"topk"``, ``"window:width=64"``, ``"cluster:mode=block"``, ...).
+    k : int
+        Keys per query.
+    **params
+        Selector parameters, merged into a single-name ``selector`` (as :func:`sparseattn.get_selector`).
+
+    Returns
+    -------
+    callable
+        ``fn(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs)
+        -> (attn_output, None)``, transformers' attention-function signature (that of its SDPA
+        integration): query (B, H, L, E), key/value (B, H_kv, S, E); ``attn_output`` is (B, L, H, Ev),
+        contiguous, in the query's dtype.
+    """
+    default_spec = spec_string(get_selector(selector, **params))  # validated now, not at the first forward
+    default_k = check_positive_int(k, "k")
+
+    def sparseattn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                     value: torch.Tensor, attention_mask: torch.Tensor | None,
+                                     dropout: float = 0.0, scaling: float | None = None,
+                                     is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if dropout:
+            raise ValueError(f"sparseattn attention has no dropout (got dropout={dropout}, i.e. the module is in "
+                             f"training mode); call model.eval() for inference.")
+        for name in ("softcap", "position_bias"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"sparseattn attention does not support {name!r}; load the model with "
+                                 f"attn_implementation='eager' or 'sdpa'.")
+        config = getattr(module, "config", None)
+        spec = getattr(config, CONFIG_SELECTOR, None)
+        n_keys = getattr(config, CONFIG_K, None)
+        spec = default_spec if spec is None else spec
+        n_keys = default_k if n_keys is None else n_keys  # validated by sparse_attention
+        groups = int(getattr(module, "num_key_value_groups", 1) or 1)
+        q_len, kv_len = query.shape[2], key.shape[2]
+        # The causal rule of transformers' SDPA integration: the flag only without a mask and for L > 1.
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        causal = q_len > 1 and attention_mask is None and causal
+        if causal and kv_len > q_len:  # prefill into a larger empty static cache: keys past L are unused
+            key, value = key[:, :, :q_len], value[:, :, :q_len]
+        out = sparse_attention(query, key, value, spec, k=n_keys, attn_mask=attention_mask, is_causal=causal,
+                               scale=scaling, enable_gqa=groups > 1)
+        return out.transpose(1, 2).contiguous(), None
+
+    return sparseattn_attention_forward
+
+
+def register(selector: str = "topk", k: int = 64, *, name: str = DEFAULT_NAME, **params: Any) -> str:
+    """Register sparse attention with transformers under ``name`` (default ``"sparseattn"``).
+
+    After ``register()``, ``AutoModel.from_pretrained(path, attn_implementation="sparseattn")`` (or
+    ``model.set_attn_implementation("sparseattn")``) runs every attention call with
+    :func:`sparseattn.torch.sparse_attention`.  Registering again under the same name replaces the
+    defaults; other names give several configurations side by side.
+
+    Parameters
+    ----------
+    selector : str
+        Default selector name or spec string; ``model.config.sparseattn_selector`` overrides it.
+    k : int
+        Default keys per query; ``model.config.sparseattn_k`` overrides it.
+    name : str
+        The ``attn_implementation`` name.
+    **params
+        Selector parameters (e.g. ``width=64`` for ``"window"``).
+
+    Returns
+    -------
+    str
+        ``name``, to pass as ``attn_implementation``.
+    """
+    if not isinstance(name, str) or not name or name in ("eager", "sdpa") or name.startswith("flash"):
+        raise ValueError(f"name must be a new attention-implementation name; got {name!r}.")
+    AttentionInterface.register(name, make_attention_function(selector, k, **params))
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
