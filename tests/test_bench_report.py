@@ -152,12 +152,13 @@ def test_cli_errors_are_reported_not_raised(tmp_path, capsys):
     assert "--k must be >= 1" in capsys.readouterr().err
 
 
-def test_unknown_selector_in_compare_is_recorded_as_error(tmp_path, capsys):
+def test_unknown_selector_in_compare_is_refused_before_any_work(tmp_path, capsys):
+    out = tmp_path / "rep"
     rc = main(["compare", "--data", SYNTH, "--selectors", "topk", "no-such-selector", "--repeats", "1",
-               "--out", str(tmp_path), "--format", "json"])
-    assert rc == 1  # an explicitly requested selector failed
-    data = json.loads((tmp_path / "compare.json").read_text())
-    assert "unknown selector 'no-such-selector'" in data["results"][1]["error"]
+               "--out", str(out), "--format", "json"])
+    assert rc == 2  # a usage error: one line, nothing run, nothing written
+    assert "unknown selector 'no-such-selector'" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_selectors_command_lists_guarantees(capsys):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from sparseattn.cli import main
 
 
@@ -70,3 +72,146 @@ def test_no_import_cycle_between_report_suite_and_cli():
     assert "cli" not in graph["report"] | graph["suite"] | graph["bench"]
     assert "suite" not in graph["report"]  # suite may use report's plot helpers; never the reverse
     assert not graph["bench"]
+
+
+def test_version(capsys):
+    import sparseattn
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out == f"sparseattn {sparseattn.__version__}\n"
+
+
+def test_compare_help_documents_own_data(capsys):
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for text in ("FILE.npz", "q.npy,k.npy,v.npy", "query/key/value", "(B, H)", "q_pos", "--quiet"):
+        assert text in out, text
+
+
+@pytest.fixture
+def no_fresh_sdpa(monkeypatch):
+    """Skip compare's fresh-process SDPA re-timing (a subprocess per run; not what these tests check)."""
+    from sparseattn import bench
+
+    def skip(*args, **kwargs):
+        raise RuntimeError("skipped in tests")
+
+    monkeypatch.setattr(bench, "fresh_sdpa_seconds", skip)
+
+
+def _compare_json(capsys, tmp_path, data, name, *extra):
+    import json
+
+    out = tmp_path / name
+    rc = main(["compare", "--data", data, "--selectors", "topk", "window:width=4", "--k", "4", "--repeats", "1",
+               "--format", "json", "--out", str(out), "--quiet", *extra])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    return json.loads((out / "compare.json").read_text())
+
+
+def test_compare_own_npz_2d_3d_4d_matches_the_manifest_format(capsys, tmp_path, monkeypatch, no_fresh_sdpa):
+    """User arrays give the same workload and the same (deterministic) quality as the identical arrays written
+    in the shipped format (npz + manifest with sha256), for (L, E), (H, L, E) and (B, H, L, E)."""
+    import json
+
+    import numpy as np
+
+    from sparseattn import traces
+
+    rng = np.random.default_rng(7)
+    monkeypatch.chdir(tmp_path)
+    for lead in [(), (2,), (2, 2)]:
+        arrays = {"q": rng.standard_normal((*lead, 24, 8)).astype(np.float32),
+                  "k": rng.standard_normal((*lead, 40, 8)).astype(np.float32),
+                  "v": rng.standard_normal((*lead, 40, 6)).astype(np.float32)}
+        tag = f"d{len(lead) + 2}"
+        np.savez(tmp_path / f"{tag}.npz", **arrays)
+        ref_dir = tmp_path / f"ref{tag}"
+        ref_dir.mkdir()
+        digest = traces.write_npz(ref_dir / "t.npz", arrays)
+        (ref_dir / "manifest.json").write_text(json.dumps({"files": {"t": {"file": "t.npz", "sha256": digest}}}))
+        mine = _compare_json(capsys, tmp_path, f"{tag}.npz", f"out{tag}", "--causal")
+        ref = _compare_json(capsys, tmp_path, f"t@{ref_dir}", f"ref{tag}-out", "--causal")
+        assert mine["data"] == f"{tag}.npz" and mine["workload"]["description"] == f"your arrays from {tag}.npz"
+        groups = int(np.prod(lead)) if lead else 1
+        shape = {key: mine["workload"][key] for key in ("groups", "L", "S", "E", "Ev")}
+        assert shape == {"groups": groups, "L": 24, "S": 40, "E": 8, "Ev": 6}
+        assert shape == {key: ref["workload"][key] for key in shape}
+        for a, b in zip(mine["results"], ref["results"], strict=True):
+            assert a["selector"] == b["selector"] and a["quality"] == b["quality"]
+        topk = mine["results"][0]["quality"]
+        assert topk["recall_mean"] == 1.0  # the exact oracle on causal rows (fewer than k keys early on)
+
+
+def test_compare_table_only_writes_no_folder_and_notes_the_warm_up(capsys, tmp_path, no_fresh_sdpa):
+    import re
+
+    out = tmp_path / "never"
+    rc = main(["compare", "--data", "synthetic:n=64,d=8,seed=0", "--selectors", "window:width=4", "--k", "4",
+               "--repeats", "1", "--format", "table", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0 and not out.exists()
+    assert "window" in captured.out
+    err = captured.err.splitlines()
+    assert err[0].startswith("note: Numba compiles the kernels on the first run")
+    assert err[1:3] == ["[1/2] dense baselines", "[2/2] window:width=4"]  # stderr is not a TTY: lines
+    assert re.fullmatch(r"note: kernel warm-up took \d+\.\d s \(\d+\.\d s compiling, the rest loading from the "
+                        r"cache\)", err[3])
+
+
+def test_progress_steps_modes(capsys, monkeypatch):
+    import importlib.util
+    import io
+    import sys
+
+    from sparseattn.cli import progress_steps
+
+    with progress_steps(2, "t", quiet=True) as say:
+        say("a")
+    assert capsys.readouterr().err == ""
+    with progress_steps(2, "t") as say:
+        say("a")
+        say("b")
+    assert capsys.readouterr().err == "[1/2] a\n[2/2] b\n"
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    monkeypatch.setattr(sys, "stderr", tty)
+    with progress_steps(2, "work") as say:
+        say("first")
+        say("second")
+    text = tty.getvalue()
+    if importlib.util.find_spec("rich") is not None:  # rich is in the 'bench' extra
+        assert "work: done" in text and "2/2" in text and "eta" in text and "[1/2]" not in text
+    else:
+        assert text == "[1/2] first\n[2/2] second\n"
+    monkeypatch.setitem(sys.modules, "rich.progress", None)  # rich missing: the line printer, even on a TTY
+    tty2 = Tty()
+    monkeypatch.setattr(sys, "stderr", tty2)
+    with progress_steps(1, "work") as say:
+        say("only")
+    assert tty2.getvalue() == "[1/1] only\n"
+
+
+def test_trace_reports_each_generation_step(capsys, tmp_path, monkeypatch):
+    from sparseattn import traces
+
+    def fake(out_dir, kind, *, progress, **kwargs):
+        for i in range(traces.GENERATE_STEPS):
+            progress(f"step {i}")
+        return tmp_path / f"{kind}.npz"
+
+    monkeypatch.setattr(traces, "generate_traces", fake)
+    assert main(["trace", "store", "--out", str(tmp_path), "--heads", "0,1"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"[{i + 1}/{traces.GENERATE_STEPS}] step {i}" for i in range(traces.GENERATE_STEPS)]
+    assert main(["trace", "store", "--out", str(tmp_path), "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+    assert main(["trace", "store", "--out", str(tmp_path), "--heads", "0,x"]) == 2
+    assert "--heads must be a comma list of integers such as 0,1; got '0,x'" in capsys.readouterr().err

@@ -481,3 +481,133 @@ def test_generate_traces_end_to_end(minilm, tmp_path):
 def test_docstring_examples_run():
     result = doctest.testmod(data)
     assert result.attempted > 0 and result.failed == 0
+
+
+# --------------------------------------------------------------------------------------------------------
+# your own arrays (load_user) and malformed manifests
+# --------------------------------------------------------------------------------------------------------
+def _user_arrays(rng: np.random.Generator, lead: tuple[int, ...], L: int = 6, S: int = 9, E: int = 4,
+                 Ev: int = 3) -> dict[str, np.ndarray]:
+    return {"q": rng.standard_normal((*lead, L, E)).astype(np.float32),
+            "k": rng.standard_normal((*lead, S, E)).astype(np.float32),
+            "v": rng.standard_normal((*lead, S, Ev)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("lead", [(), (3,), (2, 3)])
+def test_load_user_npz_matches_the_same_arrays_in_manifest_format(tmp_path, rng, lead):
+    """2-D, 3-D and 4-D user files load into the same Trace (and bench workload) as a manifest trace."""
+    from sparseattn import bench
+
+    arrays = _user_arrays(rng, lead)
+    np.savez(tmp_path / "mine.npz", **arrays)
+    digest = tr.write_npz(tmp_path / "ref.npz", arrays)
+    (tmp_path / "manifest.json").write_text(json.dumps({"files": {"ref": {"file": "ref.npz", "sha256": digest}}}))
+    mine = data.load_user(str(tmp_path / "mine.npz"))
+    ref = data.load("ref", data_dir=tmp_path)
+    for name in ("q", "k", "v"):
+        np.testing.assert_array_equal(getattr(mine, name), arrays[name])
+        np.testing.assert_array_equal(getattr(mine, name), getattr(ref, name))
+    assert mine.scale == ref.scale == pytest.approx(0.5)  # 1/sqrt(E), E = 4
+    assert mine.meta["kind"] == "user" and mine.meta["sha256"] is None
+    assert data.load(str(tmp_path / "mine.npz")).q.shape == mine.q.shape  # load() takes the path too
+    wl_mine = bench.load_workload(f"mine.npz@{tmp_path}")
+    wl_ref = bench.load_workload(f"ref@{tmp_path}")
+    groups = int(np.prod(lead)) if lead else 1
+    assert wl_mine.shape == wl_ref.shape == {"groups": groups, "L": 6, "S": 9, "E": 4, "Ev": 3}
+    np.testing.assert_array_equal(wl_mine.q, wl_ref.q)
+    np.testing.assert_array_equal(wl_mine.v, wl_ref.v)
+
+
+def test_load_user_folder_npy_list_aliases_positions_and_scale(tmp_path, rng):
+    a = _user_arrays(rng, (2,))
+    folder = tmp_path / "qkv"
+    folder.mkdir()
+    for name, alias in (("q", "query"), ("k", "key"), ("v", "value")):
+        np.save(folder / f"{alias}.npy", a[name])
+    np.save(folder / "q_pos.npy", np.arange(6, dtype=np.int32) + 3)
+    assert data.is_user_data(str(folder)) and not data.is_user_data("window")
+    assert not data.is_user_data("synthetic:n=8,d=2") and not data.is_user_data(str(tmp_path / "nothing"))
+    t = data.load_user(str(folder))
+    np.testing.assert_array_equal(t.k, a["k"])
+    np.testing.assert_array_equal(t.positions["q_pos"], np.arange(3, 9))
+    assert t.positions["q_pos"].dtype == np.int64 and "k_pos" not in t.positions
+    t3 = data.load_user(",".join(str(folder / f"{n}.npy") for n in ("query", "key", "value")))
+    np.testing.assert_array_equal(t3.v, a["v"])
+    np.savez(tmp_path / "s.npz", query=a["q"].astype(np.float16), key=a["k"], value=a["v"], scale=np.float64(0.25))
+    t4 = data.load_user("s.npz", base_dir=tmp_path, dtype=np.float64)
+    assert t4.scale == 0.25 and t4.q.dtype == np.float64
+    np.testing.assert_allclose(t4.q, a["q"], atol=2e-3)
+
+
+def _bad_user_cases(rng: np.random.Generator) -> list[tuple[dict[str, np.ndarray], str]]:
+    a = _user_arrays(rng, ())
+    f = np.float32
+    return [
+        ({"k": a["k"], "v": a["v"]}, r"has no array 'q' \(or 'query'\); found \['k', 'v'\]\. Expected q \(L, E\)"),
+        ({**a, "query": a["q"]}, r"holds both 'q' and 'query'; keep one"),
+        ({**a, "q": np.ones(4, f)}, r"array 'q' has shape \(4,\); expected \(L, E\), \(H, L, E\) or \(B, H, L, E\)"),
+        ({**a, "v": np.ones((1, 1, 1, 9, 3), f)}, r"array 'v' has shape \(1, 1, 1, 9, 3\); expected \(S, Ev\)"),
+        ({**a, "k": np.ones((9, 5), f)}, r"array 'k' has shape \(9, 5\) but 'q' has \(6, 4\); q and k need the same last"),
+        ({**a, "v": np.ones((8, 3), f)}, r"array 'v' has shape \(8, 3\) but 'k' has \(9, 4\); k and v need the same number"),
+        ({**a, "k": np.ones((2, 9, 4), f)}, r"array 'k' has shape \(2, 9, 4\) but 'q' has \(6, 4\); the leading"),
+        ({**a, "q": a["q"].astype(np.complex64)}, r"array 'q' has dtype complex64; expected real numbers"),
+        ({**a, "q": np.ones((0, 4), f)}, r"array 'q' has shape \(0, 4\), which is empty"),
+        ({**a, "k": np.where(np.arange(36).reshape(9, 4) == 5, np.nan, a["k"])},
+         r"array 'k' holds NaN or inf \(first at index \(1, 1\)\)"),
+        ({**a, "q_pos": np.arange(5)}, r"array 'q_pos' has shape \(5,\) .*expected integers of shape \(L,\) = \(6,\)"),
+        ({**a, "k_pos": np.arange(9.0)}, r"array 'k_pos' .*dtype float64; expected integers"),
+        ({**a, "scale": np.float32(-1)}, r"array 'scale' must hold one finite number > 0"),
+    ]
+
+
+def test_load_user_malformed_arrays_name_the_array_and_expected_shape(tmp_path, rng):
+    for i, (arrays, pattern) in enumerate(_bad_user_cases(rng)):
+        path = tmp_path / f"bad{i}.npz"
+        np.savez(path, **arrays)
+        with pytest.raises(ValueError, match=pattern):
+            data.load_user(str(path))
+
+
+def test_load_user_unreadable_files(tmp_path, rng):
+    np.savez(tmp_path / "good.npz", **_user_arrays(rng, ()))
+    raw = (tmp_path / "good.npz").read_bytes()
+    (tmp_path / "trunc.npz").write_bytes(raw[: len(raw) // 2])
+    (tmp_path / "text.npz").write_text("q,k,v\n1,2,3\n")
+    np.save(tmp_path / "one.npy", np.ones((3, 2)))
+    np.savez(tmp_path / "obj.npz", q=np.array([{"a": 1}], dtype=object), k=np.ones((2, 2)), v=np.ones((2, 2)))
+    cases = [("trunc.npz", r"trunc\.npz is a damaged or unreadable \.npz archive \(BadZipFile"),
+             ("text.npz", r"text\.npz is not an \.npz archive \(it starts with b'q,k,v\\n'\); save your arrays "
+                          r"with numpy\.savez"),
+             ("one.npy", r"one\.npy is a single \.npy array; give three files"),
+             ("obj.npz", r"obj\.npz is a damaged or unreadable \.npz archive \(ValueError: Object arrays"),
+             ("one.npy,one.npy", r"a comma list must name exactly three \.npy files"),
+             ("one.npy,text.npz,one.npy", r"text\.npz is not an \.npy file")]
+    for spec, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            data.load_user(spec, base_dir=tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"missing\.npz does not exist; give an \.npz file"):
+        data.load_user("missing.npz", base_dir=tmp_path)
+
+
+@pytest.mark.parametrize("text, pattern", [
+    ('{"files": {"t": {"file": "t.npz"}}}', r"manifest\.json: entry 't' lacks 'sha256'; regenerate"),
+    ("[1, 2]", r"manifest\.json is not a sparseattn manifest \(expected a JSON object .*got list\)"),
+    ('{"files": [1]}', r"manifest\.json is not a sparseattn manifest"),
+    ("{bad json", r"manifest\.json is not valid JSON \(Expecting property name enclosed in double quotes at "
+                  r"line 1, column 2\)"),
+])
+def test_malformed_manifest_names_the_file(tmp_path, text, pattern):
+    (tmp_path / "manifest.json").write_text(text)
+    with pytest.raises(ValueError, match=pattern):
+        data.load("t", data_dir=tmp_path)
+    with pytest.raises(ValueError, match=pattern):
+        data.manifest(tmp_path)
+
+
+def test_synthetic_sizes_without_generating():
+    assert data.synthetic_sizes("synthetic:n=100000000000,d=16,dv=8,n_queries=5") == (5, 10**11, 16, 8)
+    assert data.synthetic_sizes("n=10,d=4,kind=clustered") == (10, 10, 4, 4)
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        data.synthetic_sizes("synthetic:n=0,d=4")
+    with pytest.raises(ValueError, match="unknown parameter"):
+        data.synthetic_sizes("synthetic:n=4,d=4,bogus=1")

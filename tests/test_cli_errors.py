@@ -1,0 +1,225 @@
+"""The command line's failure paths: every user error exits 2 with one line naming the option, before any
+work; unexpected errors exit 1 with one line; Ctrl-C exits 130; bench exits non-zero when a case fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sparseattn import bench, cli, suite
+from sparseattn.cli import main
+
+SMALL = ["--data", "synthetic:n=256,d=16,seed=0", "--repeats", "1", "--quiet"]
+
+
+def run(capsys, argv: list[str]) -> tuple[int, str, str]:
+    try:
+        rc = main(argv)
+    except SystemExit as exc:  # argparse usage errors leave through parser.exit
+        rc = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_user_error(capsys, argv: list[str], *needles: str) -> str:
+    rc, out, err = run(capsys, argv)
+    lines = err.strip().splitlines()
+    assert rc == 2, (rc, err)
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"sparseattn {argv[0]}: error: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    assert "Traceback" not in err and not out
+    return lines[0]
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fails the test if a kernel warm-up, a dense baseline or a selector run starts."""
+    calls = []
+    for name in ("warm_up", "time_dense", "run_selector"):
+        monkeypatch.setattr(bench, name, lambda *a, _n=name, **k: calls.append(_n) or pytest.fail(f"{_n} ran"))
+    return calls
+
+
+@pytest.fixture
+def files(tmp_path, rng):
+    q = rng.standard_normal((32, 8)).astype(np.float32)
+    np.savez(tmp_path / "good.npz", q=q, k=q, v=q)
+    raw = (tmp_path / "good.npz").read_bytes()
+    (tmp_path / "trunc.npz").write_bytes(raw[: len(raw) // 2])
+    np.savez(tmp_path / "noq.npz", k=q, v=q)
+    (tmp_path / "text.npz").write_text("hello world\n")
+    (tmp_path / "afile").write_text("x")
+    for name, text in (("nosha", '{"files": {"t": {"file": "t.npz"}}}'), ("list", "[1, 2]"),
+                       ("badjson", "{bad json")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(text)
+    return tmp_path
+
+
+def test_out_that_is_not_a_folder(capsys, files, no_work):
+    for out in (str(files / "afile"), "/dev/null"):
+        assert_user_error(capsys, ["compare", *SMALL, "--out", out], f"--out {out}: exists and is not a folder")
+    sub = str(files / "afile" / "sub")
+    assert_user_error(capsys, ["compare", *SMALL, "--out", sub], f"--out {sub}:", "afile is a file, not a folder")
+    assert_user_error(capsys, ["bench", "--out", "/dev/null"], "--out /dev/null: exists and is not a folder")
+    assert_user_error(capsys, ["trace", "window", "--out", sub], "is a file, not a folder")
+
+
+@pytest.mark.parametrize("name, needles", [
+    ("trunc.npz", ["--data:", "trunc.npz is a damaged or unreadable .npz archive (BadZipFile"]),
+    ("noq.npz", ["--data:", "has no array 'q' (or 'query'); found ['k', 'v']", "q (L, E)"]),
+    ("text.npz", ["--data:", "text.npz is not an .npz archive", "numpy.savez(FILE, q=q, k=k, v=v)"]),
+    ("missing.npz", ["--data:", "missing.npz does not exist"]),
+    ("t@nosha", ["--data t@nosha:", "entry 't' lacks 'sha256'"]),
+    ("t@list", ["--data t@list:", "manifest.json is not a sparseattn manifest", "got list"]),
+    ("t@badjson", ["--data t@badjson:", "badjson/manifest.json is not valid JSON", "line 1, column 2"]),
+    ("nonsense", ["--data: unknown data 'nonsense': no such file or fixture", "FILE.npz"]),
+])
+def test_bad_data(capsys, files, no_work, monkeypatch, name, needles):
+    monkeypatch.chdir(files)
+    assert_user_error(capsys, ["compare", "--data", name, "--selectors", "window", "--out", "r"], *needles)
+    assert not (files / "r").exists()
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["compare", "--repeats", "0"], ["--repeats must be >= 1; got 0"]),
+    (["compare", "--max-groups", "0"], ["--max-groups must be >= 1; got 0"]),
+    (["compare", "--max-groups", "-3"], ["--max-groups must be >= 1; got -3"]),
+    (["compare", "--k", "1e20"], ["--k must be an integer >= 1; got '1e20'"]),
+    (["compare", "--k", "0"], ["--k must be >= 1; got 0"]),
+    (["compare", "--threads", "0"], ["--threads must be from 1 to", "(the CPUs here); got 0"]),
+    (["compare", "--threads", "999"], ["--threads must be from 1 to", "got 999"]),
+    (["bench", "--threads", "0"], ["--threads must be from 1 to", "(the CPUs here); got 0"]),
+    (["bench", "--threads", "999"], ["--threads must be from 1 to", "got 999"]),
+    (["bench", "--repeats", "0"], ["--repeats must be >= 1; got 0"]),
+    (["explain", "--scale", "abc"], ["--scale must be a number such as 0.5, or 'default'", "'abc'"]),
+    (["explain", "--scale", "nan"], ["--scale must be a finite number"]),
+    (["explain", "--decimals", "-1"], ["--decimals must be from 0 to 17; got -1"]),
+    (["explain", "--query", "9"], ["--query must be between 1 and 3; got 9"]),
+    (["compare", "--format", "pdf"], ["--format: unknown ['pdf']"]),
+])
+def test_bad_values_are_one_line_usage_errors(capsys, no_work, argv, needles):
+    assert_user_error(capsys, argv, *needles, "sparseattn")
+
+
+def test_unknown_option_is_one_line(capsys):
+    rc, _, err = run(capsys, ["compare", "--bogus"])
+    assert rc == 2 and err == "sparseattn: error: unrecognized arguments: --bogus (see `sparseattn --help`)\n"
+
+
+@pytest.mark.parametrize("spec, needles", [
+    ("windw", ["--selectors 'windw': unknown selector 'windw'; available:"]),
+    ("window:width=4,width=8", ["--selectors 'window:width=4,width=8': parameter 'width' of 'window' is given twice"]),
+    ("window:widht=4", ["--selectors 'window:widht=4':", "widht"]),
+    ("window:width=-1", ["--selectors 'window:width=-1':", "width must be > 0"]),
+    ("window:width=abc", ["--selectors 'window:width=abc':", "width must be an integer"]),
+    ("faiss-hnsw:ef_search=100000000000", ["ef_search=100000000000 is too large; use at most 2,147,483,647"]),
+    ("faiss-hnsw:M=100000000000", ["M=100000000000 is too large"]),
+    ("faiss-hnsw:M=1e11", ["--selectors 'faiss-hnsw:M=1e11':", "M must be an integer"]),
+    ("window+topk:block=99999999999", ["'window+topk:block=99999999999': topk: parameter block=99999999999 is too"]),
+])
+def test_bad_selector_specs_fail_before_any_work(capsys, tmp_path, no_work, spec, needles):
+    out = tmp_path / "r"
+    assert_user_error(capsys, ["compare", *SMALL, "--selectors", "window", spec, "--out", str(out)], *needles)
+    assert not out.exists()  # no partial report
+
+
+def test_unavailable_selector_fails_before_any_work(capsys, tmp_path, no_work, monkeypatch):
+    from sparseattn.selectors import selector_classes
+
+    monkeypatch.setattr(selector_classes()["kdtree"], "unavailable_reason",
+                        classmethod(lambda cls: "scipy is missing; pip install scipy"))
+    assert_user_error(capsys, ["compare", *SMALL, "--selectors", "kdtree", "--out", str(tmp_path / "r")],
+                      "--selectors 'kdtree': selector 'kdtree' is unavailable: scipy is missing; pip install scipy")
+
+
+def test_k_and_sizes_checked_against_the_data(capsys, no_work):
+    assert_user_error(capsys, ["compare", *SMALL, "--k", "1000000000"],
+                      "--k 1000000000 exceeds the 256 keys per group of --data synthetic:n=256,d=16,seed=0; use "
+                      "--k <= 256")
+    assert_user_error(capsys, ["compare", "--data", "window", "--k", "513", "--selectors", "window"],
+                      "--k 513 exceeds the 512 keys per group of --data window")
+    assert_user_error(capsys, ["compare", "--data", "synthetic:n=100000000000,d=16", "--selectors", "window"],
+                      "MemoryError: --data synthetic:n=100000000000,d=16 needs about", "GiB are available; lower n")
+    assert_user_error(capsys, ["compare", "--data", "synthetic:n=0,d=16"], "--data synthetic:n=0,d=16: n must be >= 1")
+
+
+def test_safety_net_one_line_exit_1_and_debug_reraises(capsys, monkeypatch):
+    def boom(args):
+        raise RuntimeError("something\nbroke")
+
+    monkeypatch.setattr(cli, "_cmd_selectors", boom)
+    rc, _, err = run(capsys, ["selectors"])
+    assert rc == 1 and err == ("sparseattn selectors: error: RuntimeError: something broke (set SPARSEATTN_DEBUG=1 "
+                               "for the traceback)\n")
+    monkeypatch.setattr(cli, "_cmd_selectors", lambda args: (_ for _ in ()).throw(MemoryError("too big")))
+    rc, _, err = run(capsys, ["selectors"])
+    assert rc == 2 and err == "sparseattn selectors: error: MemoryError: too big\n"
+    monkeypatch.setattr(cli, "_cmd_selectors", lambda args: (_ for _ in ()).throw(KeyboardInterrupt()))
+    rc, _, err = run(capsys, ["selectors"])
+    assert rc == 130 and err == "sparseattn selectors: interrupted\n"
+    monkeypatch.setattr(cli, "_cmd_selectors", boom)
+    monkeypatch.setenv("SPARSEATTN_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="something"):
+        main(["selectors"])
+
+
+def test_ctrl_c_exits_130_with_one_line(tmp_path):
+    env = dict(os.environ, SPARSEATTN_DEBUG="0")
+    cmd = [sys.executable, "-m", "sparseattn.cli", "compare", "--data", "synthetic:n=4096,d=32,seed=0",
+           "--selectors", "topk", "--repeats", "200", "--format", "json", "--out", str(tmp_path / "r")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    seen = []
+    for line in proc.stderr:  # wait until the timed work has started
+        seen.append(line)
+        if line.startswith("[1/2]"):
+            break
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate(timeout=300)
+    err = "".join(seen) + rest
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "sparseattn compare: interrupted"
+    assert "Traceback" not in err
+    assert not (tmp_path / "r").exists()
+
+
+def _tiny_suite(monkeypatch, *cases):
+    monkeypatch.setitem(suite.SUITES, "tiny", {"repeats": 1, "cases": list(cases)})
+
+
+OK_CASE = {"data": "synthetic:n=128,d=16,kind=gaussian,seed=0", "k": 8, "causal": False, "selectors": ["window:width=4"]}
+BAD_CASE = {"data": "synthetic:n=64,d=16,kind=nope", "k": 8, "causal": False, "selectors": ["window"]}
+
+
+def test_bench_every_case_failed_exits_1_and_writes_no_table_or_plots(capsys, tmp_path, monkeypatch):
+    _tiny_suite(monkeypatch, BAD_CASE)
+    rc, out, err = run(capsys, ["bench", "--suite", "tiny", "--out", str(tmp_path), "--quiet", "--threads", "1"])
+    assert rc == 1
+    assert "sparseattn bench: error: every case failed (first: synthetic:n=64,d=16,kind=nope:" in err
+    assert "no table or plots written" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["suite-tiny.json"]
+    assert "nope" in " ".join(json.loads((tmp_path / "suite-tiny.json").read_text())["cases"][0]["error"])
+
+
+def test_bench_case_subprocess_ignores_a_sparseattn_folder_in_cwd(capsys, tmp_path, monkeypatch):
+    """A clone's ``sparseattn/`` folder in cwd must not shadow the package in the per-case subprocess."""
+    (tmp_path / "sparseattn" / "data").mkdir(parents=True)  # a clone: imported as a namespace package
+    monkeypatch.chdir(tmp_path)
+    _tiny_suite(monkeypatch, OK_CASE, BAD_CASE)
+    rc, _, err = run(capsys, ["bench", "--suite", "tiny", "--out", "res", "--quiet", "--threads", "1"])
+    doc = json.loads(Path("res/suite-tiny.json").read_text())
+    assert "error" not in doc["cases"][0], doc["cases"][0]
+    assert doc["cases"][0]["results"][0]["name"] == "window"
+    assert rc == 1 and "1 of 2 cases failed" in err  # the bad case still makes the run fail
+    assert Path("res/suite-tiny.md").read_text().count("| gaussian | 128 |") == 1
+    cmd = suite.case_command(OK_CASE, 1)
+    assert "-m" not in cmd and str(Path(suite.__file__).parent.parent) in cmd[2]
