@@ -29,6 +29,7 @@ from sparseattn.selectors import (
     selector_classes,
     spec_string,
 )
+from sparseattn.selectors.base import first_allowed
 from sparseattn.selectors.lsh import LSHSelector
 from sparseattn.selectors.registry import _REGISTRY
 from sparseattn.selectors.window import SinksSelector, WindowSelector
@@ -420,3 +421,40 @@ def test_fill_small_rows_is_public():
     qpos = np.arange(3, dtype=np.int64)
     got = fill_small_rows(p, 2, True, qpos, qpos)
     assert [got.row(i).tolist() for i in range(3)] == [[0, 1], [0, 1], [2]]
+
+
+# ------------------------------------------------------------------------------------ clone, E = 0
+@pytest.mark.parametrize("name", NAMES)
+def test_clone_is_an_unbuilt_selector_with_the_same_parameters(name):
+    sel = selector_classes()[name](**NON_DEFAULT[name])
+    if name in AVAILABLE and not sel.not_supported_reasons(n_keys=64, dim=8):
+        sel.build(_keys())
+    twin = sel.clone()
+    assert type(twin) is type(sel) and twin is not sel
+    assert twin.get_params() == sel.get_params()
+    assert twin.keys_ is None
+    assert spec_string(twin) == spec_string(sel)
+
+
+def test_clone_of_a_union_clones_every_part():
+    sel = get_selector("window:width=2+sinks:positions=0;3+topk:block=5").build(_keys())
+    twin = sel.clone()
+    assert spec_string(twin) == spec_string(sel)
+    assert all(a is not b and a.keys_ is not None and b.keys_ is None
+               for a, b in zip(sel.children, twin.children, strict=True))
+
+
+@settings(max_examples=60, deadline=None)
+@given(L=st.integers(0, 6), S=st.integers(0, 9), k=st.integers(1, 10), causal=st.booleans(),
+       seed=st.integers(0, 2**16), sorted_keys=st.booleans())
+def test_first_allowed_is_the_smallest_allowed_ids(L, S, k, causal, seed, sorted_keys):
+    """Brute-force oracle: per row, the k smallest ids among keys with position <= the query's."""
+    r = np.random.default_rng(seed)
+    kpos = r.integers(0, 8, S)
+    kpos = np.sort(kpos) if sorted_keys else kpos
+    qpos = r.integers(-1, 9, L)
+    p = first_allowed(L, S, k, causal, qpos.astype(np.int64), kpos.astype(np.int64))
+    assert p.shape == (L, S)
+    for i in range(L):
+        allowed = [j for j in range(S) if not causal or kpos[j] <= qpos[i]]
+        assert p.row(i).tolist() == allowed[:k]

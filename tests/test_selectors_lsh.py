@@ -267,7 +267,7 @@ def test_buckets_match_numpy_oracle(rng):
 
 @pytest.mark.parametrize("order", ["norm", "position"])
 @pytest.mark.parametrize("chunk_size", [0, 1, 4, 16])
-@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("is_causal", [False])  # causal: per-block oracle in tests/test_causality.py
 def test_candidates_match_window_oracle(rng, order, chunk_size, is_causal):
     q, k = gaussian_qk(rng, 40, 90, 6, mean=1.5)
     kw = dict(n_buckets=4, n_hashes=2, n_rounds=3, chunk_size=chunk_size, order=order, seed=5)
@@ -403,17 +403,6 @@ def test_property_angular_valid_and_causal(L, S, kk, is_causal, chunk, rerank, s
         assert no_leak(p, qpos, kpos)
     if rerank:
         assert p.nnz_per_row.max(initial=0) <= kk
-    # Candidates are computed with the causal filter inside: the causal pattern is the causal
-    # restriction of the non-causal one (same slots); only a row left with fewer than kk keys is then
-    # topped up with other allowed keys (Selector.query's fill rule), up to kk.
-    if not rerank and is_causal:
-        full = sel.query(q, kk, query_positions=qpos, key_positions=kpos).causal(qpos, kpos)
-        for i in range(L):
-            got = set(p.indices[p.indptr[i]:p.indptr[i + 1]].tolist())
-            base = set(full.indices[full.indptr[i]:full.indptr[i + 1]].tolist())
-            assert base <= got
-            if got != base:
-                assert len(base) < kk and len(got) <= kk
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])

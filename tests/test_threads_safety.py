@@ -372,3 +372,51 @@ def test_concurrent_attention_is_correct_not_just_repeatable(rng):
     ref = (p / p.sum(axis=1, keepdims=True)) @ v64
     for o in outs:
         np.testing.assert_allclose(o, ref, rtol=1e-4, atol=2e-5)
+
+
+# ---------------------------------------------------------- one selector object, many sparse_attention calls
+def _shared_object_specs() -> list[str]:
+    """A small-size spec of every registered selector (and block-mode cluster routing), as attacked in
+    tests/test_attack.py."""
+    from test_attack import attack_specs
+
+    return [spec for spec in attack_specs() if "+" not in spec]
+
+
+@pytest.mark.parametrize("spec", _shared_object_specs())
+@pytest.mark.parametrize("built", [False, True])
+def test_one_selector_object_from_four_threads_with_their_own_kv(spec, built):
+    """sparse_attention builds private clones: 4 threads x different K/V through one object == serial, and the
+    caller's object keeps its state (unbuilt stays unbuilt; built keeps its keys and index objects)."""
+    _available(spec)
+    r = np.random.default_rng(11)
+    n, d = 600, 16
+    jobs = [(r.standard_normal((96, d)), r.standard_normal((n, d)), r.standard_normal((n, 8)), c)
+            for c in (False, True) for _ in range(2)]  # 4 jobs: own q/K/V each, causal and not
+    sel = get_selector(spec)
+    if built:
+        if sel.not_supported_reasons(n_keys=2 * n, dim=d):
+            pytest.skip(f"{spec} cannot be built on {2 * n} keys")
+        sel.build(r.standard_normal((2 * n, d)))
+    state = dict(sel.__dict__)
+
+    def run(job):
+        q, k, v, causal = job
+        return sa.sparse_attention(q, k, v, sel, k=24, is_causal=causal, return_lse=True)
+
+    serial = [sa.sparse_attention(q, k, v, spec, k=24, is_causal=c, return_lse=True) for q, k, v, c in jobs]
+    barrier = threading.Barrier(WORKERS)
+
+    def go(job):
+        barrier.wait(60)
+        return run(job)
+
+    with ThreadPoolExecutor(WORKERS) as ex:
+        for _ in range(2):
+            got = list(ex.map(go, jobs))
+            for i, ((out, lse), (ref_out, ref_lse)) in enumerate(zip(got, serial, strict=True)):
+                np.testing.assert_allclose(out, ref_out, rtol=0, atol=1e-6, err_msg=f"{spec} job {i}")
+                np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=1e-6, err_msg=f"{spec} job {i}")
+    assert sel.__dict__.keys() == state.keys()
+    assert all(sel.__dict__[key] is value for key, value in state.items()), f"{spec}: the caller's object changed"
+    assert (sel.keys_ is None) == (not built)

@@ -37,6 +37,8 @@ from ..kernels import fused
 from ..kernels.bias import BIAS_DENSE, no_bias_args
 from ..pattern import SparsePattern, stack_patterns
 from ..threads import get_num_threads
+from .merge import _merge_parts
+from .tail import Tail, as_tail, shrink_log_weights, tail_patterns
 
 CHUNK_ROWS = 64  # rows per prange task: big enough to amortise scratch allocation, small for balance
 PARALLEL_MIN_WORK = 1 << 20  # gathered elements below which the serial kernel is faster
@@ -59,9 +61,13 @@ class SparseAttentionResult:
         One (L, S) pattern per flattened (batch, head) group, or a single one shared by all groups; empty
         for selectors that attend by themselves (``selector.attends``, e.g. ``cluster:mode=block``).
     timings : dict
-        ``build``, ``select`` and ``kernel`` seconds (``perf_counter``), summed over groups.
+        ``build``, ``select`` and ``kernel`` seconds (``perf_counter``), summed over groups (and ``tail``
+        with a tail estimate).
     selector : str or None
         The selector's spec string, or None for explicit patterns.
+    tail_patterns : list of SparsePattern
+        With ``tail=``: the sampled tail keys of each group (one pattern per group); else empty.  Keys read
+        per query = selected + sampled.
     """
 
     output: np.ndarray
@@ -69,6 +75,7 @@ class SparseAttentionResult:
     patterns: list[SparsePattern]
     timings: dict[str, float] = field(default_factory=dict)
     selector: str | None = None
+    tail_patterns: list[SparsePattern] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------ public API
@@ -76,7 +83,7 @@ def sparse_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, patt
                      k: int = 64, is_causal: bool = False, scale: float | None = None, bias: Any = None,
                      query_positions: np.ndarray | None = None, key_positions: np.ndarray | None = None,
                      enable_gqa: bool = False, return_lse: bool = False, check_finite: bool = True,
-                     ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+                     tail: int | Tail | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Attention of each query over the keys selected for it.
 
     Parameters
@@ -89,7 +96,12 @@ def sparse_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, patt
         A single (L, S) pattern is shared by every (batch, head) group; a sequence gives one pattern
         per group (flattened leading dims, C order).  A selector (object or string such as
         ``"window:width=64+faiss-hnsw:M=32"``) is built on each group's keys and queried with ``k``;
-        a selector whose ``attends`` is True computes the attention itself.
+        a selector whose ``attends`` is True computes the attention itself.  A selector object is only
+        a template: each call builds private clones (``selector.clone()``: same class, same
+        ``get_params()``) on this call's keys, so the caller's object is never built, rebuilt or
+        otherwise changed, and one object may be passed from several threads at once.  An
+        already-built selector is treated the same way whether it was built on these keys or on
+        others: its index is not reused (to reuse it, call ``selector.query(...)`` and pass the pattern).
     k : int
         Keys per query asked of a selector (ignored for explicit patterns).
     is_causal : bool
@@ -107,6 +119,11 @@ def sparse_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, patt
         Also return the natural-log log-sum-exp of each row's selected scores.
     check_finite : bool
         Reject NaN/Inf in query, key and value (default).  False skips the O(n) check.
+    tail : int or Tail, optional
+        Estimate the unselected keys' contribution from a seeded uniform sample of them (``int`` = samples
+        per query, or ``sparseattn.Tail(samples, seed)``) instead of treating them as zero; see
+        :mod:`sparseattn.attention.tail` for the estimator and its bias.  Causal rows sample only visible
+        keys.  Not for selectors that attend by themselves (``cluster:mode=block`` has ``estimate=``).
 
     Returns
     -------
@@ -128,7 +145,7 @@ def sparse_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, patt
     """
     res = sparse_attention_result(query, key, value, pattern, k=k, is_causal=is_causal, scale=scale, bias=bias,
                                   query_positions=query_positions, key_positions=key_positions,
-                                  enable_gqa=enable_gqa, check_finite=check_finite)
+                                  enable_gqa=enable_gqa, check_finite=check_finite, tail=tail)
     return (res.output, res.lse) if return_lse else res.output
 
 
@@ -146,6 +163,7 @@ def sparse_attention_result(
     key_positions: np.ndarray | None = None,
     enable_gqa: bool = False,
     check_finite: bool = True,
+    tail: int | Tail | None = None,
 ) -> SparseAttentionResult:
     """:func:`sparse_attention` returning a :class:`SparseAttentionResult`: output, lse, patterns, timings.
 
@@ -155,6 +173,9 @@ def sparse_attention_result(
     inp = attention_inputs(query, key, value, scale, is_causal, enable_gqa=enable_gqa,
                            check_finite=check_finite).in_computation_dtype()
     timings = {"build": 0.0, "select": 0.0, "kernel": 0.0}
+    tail = as_tail(tail)
+    if tail is not None and not isinstance(pattern, (SparsePattern, list, tuple)):
+        _refuse_tail_for_attending(pattern)
     if isinstance(pattern, (SparsePattern, list, tuple)):
         patterns = _explicit_patterns(pattern, inp, is_causal, query_positions, key_positions)
         spec = None
@@ -170,7 +191,13 @@ def sparse_attention_result(
     out, lse = _run_kernel(inp, patterns, bias_args, with_bias=bias is not None)
     timings["kernel"] = time.perf_counter() - t0
     check_lse(lse, inp.cdt, inp.scale, nan_is_overflow=check_finite)
-    return SparseAttentionResult(*inp.finish(out, lse), patterns, timings, spec)
+    sampled: list[SparsePattern] = []
+    if tail is not None:
+        t0 = time.perf_counter()
+        out, lse, sampled = _add_tail(inp, patterns, out, lse, bias_args, bias is not None, tail, is_causal,
+                                      query_positions, key_positions, check_finite)
+        timings["tail"] = time.perf_counter() - t0
+    return SparseAttentionResult(*inp.finish(out, lse), patterns, timings, spec, sampled)
 
 
 # --------------------------------------------------------------------------------------- helpers
@@ -227,10 +254,8 @@ def _run_selector(pattern: Any, inp: AttentionInputs, k: int, is_causal: bool, b
     Returns (spec, patterns, direct): ``direct`` is the (G, L, Ev) output and (G, L) lse when the selector
     attends by itself (then ``patterns`` is empty), else None.
     """
-    from ..selectors import get_selector
-
     k = check_positive_int(k, "k")
-    template, spec = _resolve_selector(pattern, inp, is_causal, bias)
+    template, spec = _resolve_selector(pattern, inp, is_causal, bias)  # the caller's object: read, never built
     attends = bool(template.attends)
     qpos = positions(query_positions, inp.L, "query_positions")
     kpos = positions(key_positions, inp.S, "key_positions")
@@ -242,7 +267,7 @@ def _run_selector(pattern: Any, inp: AttentionInputs, k: int, is_causal: bool, b
     for g in range(G):
         kv = int(inp.kv_map[g])
         if kv not in built:
-            sel = get_selector(spec) if built or G > 1 else template
+            sel = template.clone()  # private: the caller's selector is never mutated (thread-safe)
             t0 = time.perf_counter()
             sel.build(inp.k3[kv], check_finite=False)
             timings["build"] += time.perf_counter() - t0
@@ -257,6 +282,34 @@ def _run_selector(pattern: Any, inp: AttentionInputs, k: int, is_causal: bool, b
                                             key_positions=kpos, check_finite=False))
         timings["select"] += time.perf_counter() - t0
     return spec, patterns, ((out, lse) if attends else None)
+
+
+def _refuse_tail_for_attending(pattern: object) -> None:
+    """``tail=`` needs a pattern: refuse selectors that attend by themselves, naming the alternative."""
+    from ..selectors import Selector, get_selector
+
+    if isinstance(pattern, (str, Selector)) and get_selector(pattern).attends:
+        raise ValueError(f"tail= needs a selector that returns a pattern; {pattern!r} attends by itself. For "
+                         f"cluster:mode=block use its estimate= parameter, or mode=topk with tail=.")
+
+
+def _add_tail(inp: AttentionInputs, patterns: list[SparsePattern], out: np.ndarray, lse: np.ndarray,
+              bias_args: tuple, with_bias: bool, tail: Tail, is_causal: bool, query_positions: Any,
+              key_positions: Any, check_finite: bool) -> tuple[np.ndarray, np.ndarray, list[SparsePattern]]:
+    """Merge the selected keys' (out, lse) with the tail estimate (:mod:`sparseattn.attention.tail`)."""
+    qpos = positions(query_positions, inp.L, "query_positions")
+    kpos = positions(key_positions, inp.S, "key_positions")
+    sampled, log_w = tail_patterns(patterns, inp.G, tail, is_causal, qpos, kpos)
+    if tail.shrink > 0:
+        shrunk = log_w + shrink_log_weights(inp.q3, inp.k3, inp.q_map, inp.kv_map, inp.scale, sampled,
+                                            float(tail.shrink))
+        log_w = np.where(log_w > 0, shrunk, log_w)  # a row that read its whole tail stays exact
+    out_t, lse_t = _run_kernel(inp, sampled, bias_args, with_bias=with_bias)
+    check_lse(lse_t, inp.cdt, inp.scale, nan_is_overflow=check_finite)
+    G, L, Ev = out.shape
+    lses = np.stack([lse.reshape(G * L), (lse_t.astype(np.float64) + log_w).reshape(G * L)])
+    m_out, m_lse = _merge_parts((out.reshape(G * L, Ev), out_t.reshape(G * L, Ev)), lses, inp.cdt)
+    return m_out.reshape(G, L, Ev), m_lse.reshape(G, L), sampled
 
 
 def _bias_args(bias: Any, inp: AttentionInputs, query_positions: Any, key_positions: Any) -> tuple:

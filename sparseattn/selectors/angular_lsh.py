@@ -27,9 +27,17 @@ Here queries and keys are distinct (Q != K in general).  Per round:
    * ``chunk_size = 0`` (bucket variant, either order): every key of the query's bucket (rows can get
      large on clustered keys).
 
-2. Causal: keys with position > the query's are skipped while gathering, inside the kernel (the base
-   class filters again), so a row keeps the allowed candidates of its windows.  The slots do not depend
-   on ``is_causal``: a causal row is exactly the non-causal row minus future keys.
+2. Causal (strictly causal: row i depends only on the keys at positions <= its own).  Sorting all keys
+   together would let later keys move earlier ones in and out of a query's window (and shift the mean),
+   so causal queries use dyadic blocks, as :class:`~sparseattn.selectors.base.IndexSelector` does.
+   With the keys ranked by position, query i may see ranks ``[0, c)``; that prefix is cut into an exact
+   tail ``[B*floor(c/B), c)`` (``B = causal_block`` = 1024) and aligned blocks ``[t*2^l*B, (t+1)*2^l*B)``
+   of the binary decomposition of ``floor(c/B)``.  Each block is centred on its own mean, bucketed and
+   sorted exactly as above (built lazily, cached), and the query takes its windows in every block (it
+   sits after the whole block: ``order="position"`` places it at the end of its bucket).  The tail
+   contributes its exact top-k (``rerank=False``: every tail key).  So prefixes shorter than ``B`` are
+   answered exactly, and a longer prefix gets ``<= log2(c/B)`` blocks' windows (more candidates than the
+   non-causal search).  The rotations depend on the seed and E only.
 3. ``rerank=True``: the exact top-k (by inner product) of the union over rounds; ``rerank=False``: the
    whole union (rows of variable size, at most ``2 * chunk_size * n_rounds``; ``k`` is ignored).
 
@@ -49,8 +57,10 @@ S          data        build     query      recall (order="norm")       (order="
 65,536     clustered   0.21 s    2.2 s      0.80                        0.37
 =========  ==========  ========  =========  ==========================  =====================
 
-Causal (same settings): 0.46 / 0.28 / 0.16 on Gaussian and 0.80 / 0.74 / 0.58 on clustered keys at
-S = 4k / 16k / 65k, at slightly lower cost.  With 2 threads the 65k queries took 2.0 s / 1.1 s.  The
+Causal (same settings, the strictly causal block scheme of item 2): recall 0.84 / 0.62 on Gaussian and
+0.97 / 0.96 on clustered keys at S = 4k / 16k (all S queries in 2.4 s / 14 s on Gaussian keys, measured
+with the machine at load ~12; hashing all keys together, which let later keys change earlier rows,
+reached 0.46 / 0.28 and 0.80 / 0.74 at slightly lower cost than non-causal).  With 2 threads the 65k queries took 2.0 s / 1.1 s.  The
 numpy brute-force top-64 takes ~1.2 s per 2,048 queries at S = 65,536 (~40 s for all).  Isotropic
 Gaussian keys are the hard case for every hash; the literal single-hash Reformer
 (``order="position", n_hashes=1, n_buckets=256, n_rounds=8``) reached 0.06 / 0.11 at 65k.
@@ -62,11 +72,12 @@ gathered dot products per query, parallel over blocks of queries.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ..kernels import lsh as lk
+from ..kernels.topk import ORDER_NONE, block_topk, rerank_topk
 from ..pattern import SparsePattern
 from .base import Selector
 from .params import Param, non_negative, positive
@@ -132,12 +143,16 @@ class AngularLSHSelector(Selector):
 
     name = "angular-lsh"
     metric = "inner_product"
+    #: Causal search: size of the exact tail and of the smallest dyadic block (see ``_causal_query``).
+    causal_block: ClassVar[int] = 1024
     guarantee = ("approximate: candidates are, per round, 2*chunk_size consecutive keys (chunk_size=0: the "
                  "query's bucket) of the key order sorted by cross-polytope bucket of the centred keys (inside "
                  "a bucket by decreasing norm, or by id for order=position), placed by the query's bucket, "
                  "unioned over n_rounds; rerank=True returns the exact top-k of the candidates by exactly "
-                 "computed inner product, rerank=False all of them; no recall bound. Causal: future keys are "
-                 "skipped while gathering, never returned.")
+                 "computed inner product, rerank=False all of them; no recall bound. Causal: strictly causal "
+                 "(row i depends only on the keys at positions <= its own): the allowed prefix is an exact "
+                 "tail of < causal_block keys (its top-k; rerank=False: all of it) plus aligned dyadic blocks, "
+                 "each centred, hashed and sorted on its own keys, searched by the same windows.")
     params_spec = {
         "n_buckets": Param(int, 16, "buckets per hash (even): argmax over [xR, -xR], R with n_buckets/2 "
                                     "directions", _even),
@@ -180,11 +195,21 @@ class AngularLSHSelector(Selector):
 
     # ----------------------------------------------------------------------------------------- work
     def _build(self, keys: np.ndarray) -> None:
-        center = self._params["center"]
-        self.mean_ = keys.mean(axis=0, dtype=np.float64).astype(keys.dtype) if center and keys.shape[0] \
-            else np.zeros(keys.shape[1], keys.dtype)
-        centred = np.ascontiguousarray(keys - self.mean_) if center else keys
         self.rotations_ = self.rotations(keys.shape[1], keys.dtype)
+        self.mean_, self.sorted_ids_, self.sorted_buckets_ = self._sorted_keys(keys)
+        self._blocks: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._block_order: np.ndarray | None = None  # key order the cached causal blocks were built in
+
+    def _sorted_keys(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(mean (E,), sorted ids (n_rounds, n) int64, their buckets (n_rounds, n) int64) of (n, E) keys.
+
+        The keys are centred by their own mean (``center``), bucketed, and sorted by bucket, then by
+        decreasing centred norm (``order="norm"``) or by id, ties by id.
+        """
+        center = self._params["center"]
+        mean = keys.mean(axis=0, dtype=np.float64).astype(keys.dtype) if center and keys.shape[0] \
+            else np.zeros(keys.shape[1], keys.dtype)
+        centred = np.ascontiguousarray(keys - mean) if center else keys
         kb = self.buckets(centred)
         if self._params["order"] == "norm":  # by bucket, then largest norm first, then id
             minus_norm = -np.sqrt(np.einsum("ij,ij->i", centred, centred, dtype=np.float64))
@@ -192,8 +217,8 @@ class AngularLSHSelector(Selector):
                 np.zeros(kb.shape, dtype=np.int64)
         else:
             order = np.argsort(kb, axis=1, kind="stable")  # by bucket, ties by id
-        self.sorted_ids_ = np.ascontiguousarray(order, dtype=np.int64)
-        self.sorted_buckets_ = np.ascontiguousarray(np.take_along_axis(kb, order, axis=1))
+        sorted_ids = np.ascontiguousarray(order, dtype=np.int64)
+        return mean, sorted_ids, np.ascontiguousarray(np.take_along_axis(kb, order, axis=1))
 
     def _query(self, q: np.ndarray, k: int, is_causal: bool, qpos: np.ndarray,
                kpos: np.ndarray) -> SparsePattern:
@@ -202,20 +227,132 @@ class AngularLSHSelector(Selector):
         if S == 0 or L == 0:
             return SparsePattern(np.zeros(L + 1, dtype=np.int64), np.zeros(0, dtype=np.int32), S,
                                  validate=False)
+        if is_causal:
+            return self._causal_query(q, k, qpos, kpos)
+        qb = self.buckets(q)
         sorted_kpos = kpos if np.all(kpos[1:] >= kpos[:-1]) else np.sort(kpos)
         prefix = np.searchsorted(sorted_kpos, qpos, side="right").astype(np.int64)
+        if self._params["rerank"]:
+            return SparsePattern.from_padded(self._window_ids(q, qb, self.keys_, self.sorted_ids_,
+                                                              self.sorted_buckets_, prefix, k), S)
+        indptr, indices = self._window_csr(qb, self.sorted_ids_, self.sorted_buckets_, prefix)
+        return SparsePattern(indptr, indices, S, validate=False)
+
+    # ---------------------------------------------------------------------------------- windows
+    def _window_args(self, qb: np.ndarray, sorted_ids: np.ndarray, sorted_buckets: np.ndarray,
+                     prefix: np.ndarray) -> tuple[Any, ...]:
+        """Kernel arguments of the windows of queries with buckets ``qb`` (R, L) in one sorted key order."""
         forward = self._params["order"] == "norm"
-        slots, lo, hi = lk.query_slots(self.buckets(q), self.sorted_buckets_, self.sorted_ids_,
+        slots, lo, hi = lk.query_slots(qb, sorted_buckets, sorted_ids,
                                        np.zeros_like(prefix) if forward else prefix)
         if forward:
             slots = lo  # the query sits before its bucket's largest-norm key
-        chunk = self._params["chunk_size"]
-        args = (slots, lo, hi, self.sorted_ids_, chunk, forward, bool(is_causal), qpos, kpos)
-        if self._params["rerank"]:
-            ids = lk.window_topk(q, self.keys_, *args, k)
-            return SparsePattern.from_padded(ids, S)
+        none = np.zeros(0, dtype=np.int64)
+        return (slots, lo, hi, sorted_ids, self._params["chunk_size"], forward, False, none, none)
+
+    def _window_ids(self, q: np.ndarray, qb: np.ndarray, keys: np.ndarray, sorted_ids: np.ndarray,
+                    sorted_buckets: np.ndarray, prefix: np.ndarray, k: int) -> np.ndarray:
+        """(L, k) int64 ids (local to ``keys``, -1 padded): the exact top-k of each query's windows."""
+        return lk.window_topk(q, keys, *self._window_args(qb, sorted_ids, sorted_buckets, prefix), k)
+
+    def _window_csr(self, qb: np.ndarray, sorted_ids: np.ndarray, sorted_buckets: np.ndarray,
+                    prefix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(indptr (L + 1,) int64, indices int32): every candidate of each query's windows (local ids)."""
+        args = self._window_args(qb, sorted_ids, sorted_buckets, prefix)
         counts = lk.window_counts(*args)
-        indptr = np.zeros(L + 1, dtype=np.int64)
+        indptr = np.zeros(qb.shape[1] + 1, dtype=np.int64)
         np.cumsum(counts, out=indptr[1:])
-        indices = lk.window_fill(*args, indptr)
-        return SparsePattern(indptr, indices, S, validate=False)
+        return indptr, lk.window_fill(*args, indptr)
+
+    # ----------------------------------------------------------------------------------- causal
+    def _causal_block(self, level: int, t: int, order: np.ndarray | None
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(keys, sorted ids, sorted buckets) of causal block ``t`` at ``level`` (keys ranked by position).
+
+        Built from the block's keys alone (own mean, own sort), lazily, cached until the key order changes.
+        """
+        if (order is None) != (self._block_order is None) or (
+                order is not None and not np.array_equal(order, self._block_order)):
+            self._blocks = {}
+            self._block_order = order
+        key = (level, t)
+        if key not in self._blocks:
+            size = self.causal_block << level
+            rows = slice(t * size, (t + 1) * size)
+            keys = self.keys_[rows] if order is None else np.ascontiguousarray(self.keys_[order[rows]])
+            _, sorted_ids, sorted_buckets = self._sorted_keys(keys)
+            self._blocks[key] = (keys, sorted_ids, sorted_buckets)
+        return self._blocks[key]
+
+    def _causal_query(self, q: np.ndarray, k: int, qpos: np.ndarray, kpos: np.ndarray) -> SparsePattern:
+        """Strictly causal search: exact tail plus aligned dyadic blocks, each hashed on its own keys.
+
+        With the keys ranked by position (``order``), query i may see ranks ``[0, c_i)``.  That prefix is
+        cut into an exact tail ``[B*floor(c/B), c)`` (its top-k by inner product) and aligned dyadic blocks
+        ``[t*2^l*B, (t+1)*2^l*B)``, each centred, bucketed and sorted on its own keys; the query takes its
+        windows in every block.  No structure involves a key outside the query's prefix, so row i is a
+        function of the keys at positions <= its own.
+        """
+        S, L = self.keys_.shape[0], q.shape[0]
+        sorted_order = bool(np.all(kpos[1:] >= kpos[:-1]))
+        order = None if sorted_order else np.argsort(kpos, kind="stable").astype(np.int64)
+        rank_ids = np.arange(S, dtype=np.int64) if order is None else order  # global id of each rank
+        prefix = np.searchsorted(kpos if order is None else kpos[order], qpos, side="right").astype(np.int64)
+        B = self.causal_block
+        n_full = prefix // B
+        rerank = self._params["rerank"]
+        qb = self.buckets(q)
+        # Exact tail: its top-k (rerank=False: every key of it, all being candidates).
+        tail = np.full((L, min(k, B) if rerank else min(B, S)), -1, dtype=np.int64)
+        for b in np.unique(n_full):
+            rows = np.nonzero(n_full == b)[0]
+            lo, hi = int(b) * B, min(int(b) * B + B, S)
+            if hi <= lo:
+                continue
+            if not rerank:
+                cols = np.arange(hi - lo)
+                tail[rows, :hi - lo] = np.where(cols[None, :] < (prefix[rows] - lo)[:, None],
+                                                rank_ids[lo:hi][None, :], -1)
+                continue
+            ranks = np.arange(lo, hi, dtype=np.int64)
+            s = q[rows] @ self.keys_[rank_ids[lo:hi]].T
+            kk = min(k, hi - lo)
+            top_s = np.empty((rows.size, kk), dtype=s.dtype)
+            top_i = np.empty((rows.size, kk), dtype=np.int64)
+            block_topk(s, kk, True, prefix[rows] - 1, ranks, rank_ids[lo:hi], top_s, top_i, ORDER_NONE, False)
+            tail[rows, :kk] = top_i
+        pieces = [tail]
+        max_level = int(n_full.max()).bit_length() if L else 0
+        for level in range(max_level):
+            has = ((n_full >> level) & 1) == 1
+            if not has.any():
+                continue
+            t_idx = (n_full >> (level + 1)) << 1  # block index at this level (after clearing lower bits)
+            size = B << level
+            found: list[tuple[np.ndarray, np.ndarray]] = []
+            for t in np.unique(t_idx[has]):
+                rows = np.nonzero(has & (t_idx == t))[0]
+                keys, sorted_ids, sorted_buckets = self._causal_block(level, int(t), order)
+                # the whole block precedes the query: it sits after every key of its bucket
+                at_end = np.full(rows.size, keys.shape[0], dtype=np.int64)
+                qb_rows = np.ascontiguousarray(qb[:, rows])
+                if rerank:
+                    local = self._window_ids(np.ascontiguousarray(q[rows]), qb_rows, keys, sorted_ids,
+                                             sorted_buckets, at_end, k)
+                else:
+                    ptr, idx = self._window_csr(qb_rows, sorted_ids, sorted_buckets, at_end)
+                    local = SparsePattern(ptr, idx, keys.shape[0], validate=False).to_padded() \
+                        if idx.size else np.full((rows.size, 0), -1, dtype=np.int64)
+                local = np.asarray(local, dtype=np.int64)
+                base = int(t) * size
+                found.append((rows, np.where(local >= 0, rank_ids[np.maximum(local, 0) + base], -1)))
+            width = max(ids.shape[1] for _, ids in found)
+            block_ids = np.full((L, width), -1, dtype=np.int64)
+            for rows, ids in found:
+                block_ids[rows, :ids.shape[1]] = ids
+            pieces.append(block_ids)
+        cand = np.concatenate(pieces, axis=1)
+        if rerank:
+            _, ids = rerank_topk(q, self.keys_, cand, k, True)
+            return SparsePattern.from_padded(ids, S)
+        return SparsePattern.from_padded(cand, S)

@@ -9,24 +9,32 @@ carry float32 or PQ error - only *which* keys were found can (and float32 roundi
 scores nearly tie at the k-th place).
 
 FAISS works in float32: float64 keys and queries are converted for the search only (a float32 copy of the
-centred keys is kept); the re-rank stays float64.  FAISS ids are int64 with -1 for "no result"; those are
+centred keys is kept); the re-rank stays float64.  Any finite float64 magnitude works: keys (or a query row)
+whose largest ``|value|`` lies outside ``[2**-40, 2**40]`` are first scaled by a power of two (exact, one
+factor for all keys, one per query row, so no ranking changes; see
+:class:`~sparseattn.selectors.base.IndexSelector`), so nothing overflows or flushes to zero in float32.
+Keys without features (E = 0: every score is 0) build no index; each query gets the ``k`` allowed keys of
+smallest id (the base class's rule).  FAISS ids are int64 with -1 for "no result"; those are
 dropped at the base-class boundary.
 
 Causal search (``is_causal=True``) uses the base class's prefix-exact scheme: the allowed prefix
 ``[0, c)`` is split into an exact tail and aligned dyadic blocks, each with its own index (built lazily,
-cached).  Backend-specific rules for the block indexes:
+cached).  Causal selection is strictly causal: each block is centred and scaled by its own keys and
+indexed with rules that depend on the block's size only, so a query's keys are a function of the keys
+at positions <= its own (changing later keys changes no earlier row).  Backend-specific rules for the
+block indexes:
 
-* ``faiss-flat``: every block is searched exhaustively (``faiss.knn`` over a view of the centred keys,
-  no copy), so causal results are exact too.
+* ``faiss-flat``: every block is searched exhaustively (``faiss.knn`` over the block's centred keys),
+  so causal results are exact too.
 * ``faiss-hnsw``: blocks with fewer than ``hnsw_min_block`` (default 262,144) keys are searched exactly;
   larger blocks get their own HNSW graph with the same parameters.  Measured (n = 65,536, E = 64, k = 64,
   8,192 queries, 1 thread): an exact BLAS scan of 65,536 keys costs 0.13 ms per query against 0.23 ms
   for an HNSW search (ef 128), and each block graph costs ~0.14 ms per key to build, so graphs only pay
   for very large blocks.  With ``hnsw_min_block = 8192`` causal search took 15 s cold / 4.2 s warm at
   recall 0.96, with exact blocks 2.0 s at recall 1.0.  The full graph serves non-causal queries.
-* ``faiss-ivf`` / ``faiss-ivfpq``: a block of ``s`` keys gets ``round(nlist * s / S)`` lists (the same
-  average list length as the full index) and is searched exactly instead when that is fewer than
-  ``min_block_lists`` (32) lists, or, for IVF-PQ, when it has fewer than ``39 * 2**nbits`` keys to train
+* ``faiss-ivf`` / ``faiss-ivfpq``: a block of ``s`` keys gets ``auto_nlist(s)`` lists (at most
+  ``nlist``; never a function of S, which would make earlier rows depend on later keys) and is searched
+  exactly instead when that is fewer than ``min_block_lists`` (32) lists (``s`` < 1,248), or, for IVF-PQ, when it has fewer than ``39 * 2**nbits`` keys to train
   the codebooks on.  An IVF index cannot be trained on fewer points than lists, and for such small blocks
   an exhaustive scan costs about as much as ``nprobe`` lists plus the coarse quantizer anyway.
 
@@ -131,6 +139,10 @@ class _IndexWithVectors(NamedTuple):
     vectors: np.ndarray
 
 
+#: Appended to every FAISS selector's guarantee.
+_RANGE_NOTE = (" Any finite float64 magnitude is searched: keys and each query are scaled by powers of two "
+               "into float32's range first (no ranking change); E = 0: the k allowed keys of smallest id.")
+
 _CENTER = Param(bool, True, "subtract the mean key before indexing (exact for softmax; better recall)")
 
 
@@ -151,7 +163,8 @@ class _FaissSelector(IndexSelector):
         key = (level, t)
         if key not in self._blocks:
             size = self.causal_block << level
-            block = self._c32[t * size:(t + 1) * size]
+            # centred and scaled by the block's own keys (a function of them only: strictly causal)
+            block = _f32(self._block_space(t * size, (t + 1) * size))
             self._blocks[key] = block if self._block_is_exact(size) else self._make_block_index(block)
         return self._blocks[key]
 
@@ -186,8 +199,18 @@ class _FaissSelector(IndexSelector):
         new_keys : float array, shape (N, E)
             Converted to the dtype of the built keys.
 
+        Raises
+        ------
+        ValueError
+            ``new_keys`` of the wrong width, or (after a build on scaled keys, see the module notes) so much
+            larger than the built keys that they leave the float32 range of the index: rebuild with all keys.
+            An IVF selector first built on zero keys is trained on the first keys added, which must then
+            number at least ``nlist`` (the message says so).
+
         Notes
         -----
+        * On a selector built on zero keys, the first ``add`` builds the index on the added keys (and
+          centres on their mean), exactly as ``build(new_keys)`` would.
         * The centring mean stays the one computed by :meth:`build` (the new keys are shifted by it):
           still exact for the softmax, but if the new keys drift, rebuild to re-centre.
         * IVF coarse quantizers (and PQ codebooks) are not retrained: the new keys go into the lists
@@ -206,10 +229,21 @@ class _FaissSelector(IndexSelector):
         if nk.shape[0] == 0:
             return self
         nk = np.ascontiguousarray(nk, dtype=self.keys_.dtype)
-        centered = np.ascontiguousarray(nk - self.mean_) if self._params["center"] else nk
+        if self.index_ is None:  # built on zero keys: index the added ones as build() would
+            reasons = self.not_supported_reasons(n_keys=nk.shape[0], dim=nk.shape[1])
+            if reasons:
+                raise ValueError(f"selector {self.name!r} was built on zero keys, so add() trains it on "
+                                 f"new_keys, which cannot run here: {'; '.join(reasons)}")
+            return self.build(nk, check_finite=False)
+        centered = self._to_index_space(nk)
+        if float(np.abs(centered).max(initial=0.0)) > float(np.finfo(np.float32).max):
+            raise ValueError(f"new_keys reach magnitude {float(np.abs(nk).max()):.3g}, beyond the float32 range "
+                             f"of this index (built on keys scaled by 2**-{self.key_exp_}); call build() with all "
+                             f"the keys instead of add().")
         self.index_.add(_f32(centered))
         self.keys_ = np.concatenate([self.keys_, nk])
-        self.centered_ = np.concatenate([self.centered_, centered]) if self._params["center"] else self.keys_
+        self.centered_ = np.concatenate([self.centered_, centered]) if self._params["center"] or self.key_exp_ \
+            else self.keys_
         self._c32 = _f32(self.centered_)
         return self
 
@@ -229,7 +263,7 @@ class FaissFlatSelector(_FaissSelector):
     guarantee = ("exact maximum-inner-product top-k (causal: over each query's allowed prefix): FAISS "
                  "scores every key in float32 and the k winners are re-scored exactly, so a selection "
                  "can differ from the exact one only between keys whose scores tie within float32 "
-                 "rounding at the k-th place.")
+                 "rounding at the k-th place." + _RANGE_NOTE)
     params_spec = {"center": _CENTER}
 
     def _make_index(self, keys: np.ndarray) -> Any:
@@ -269,7 +303,7 @@ class FaissHNSWSelector(_FaissSelector):
     guarantee = ("approximate: the keys returned are the exact top-k, by exactly computed inner product, "
                  "of the candidates an HNSW graph walk (ef = max(ef_search, k)) finds; no recall bound. "
                  "Causal: never a future key; a query whose allowed prefix holds fewer than hnsw_min_block "
-                 "keys gets the exact top-k of that prefix (up to float32 near-ties).")
+                 "keys gets the exact top-k of that prefix (up to float32 near-ties)." + _RANGE_NOTE)
     params_spec = {
         "M": Param(int, 32, "HNSW graph degree", lambda v: None if v >= 2 else "must be >= 2"),
         "ef_construction": Param(int, 80, "build-time candidate list length", positive),
@@ -325,11 +359,15 @@ class _IVFBase(_FaissSelector):
 
     def _build(self, keys: np.ndarray) -> None:
         self._nlist = self._nlist_for(keys.shape[0])
-        self._avg_list = keys.shape[0] / self._nlist  # keys per list, reused to size block indexes
         super()._build(keys)
 
     def _block_nlist(self, size: int) -> int:
-        return max(1, int(round(size / self._avg_list)))
+        """Lists of a causal block of ``size`` keys: :func:`auto_nlist` of the block, capped by ``nlist``.
+
+        A function of the block size only (never of S), so a block index depends on its keys alone.
+        """
+        nlist = self._params["nlist"]
+        return auto_nlist(size) if nlist is None else min(nlist, auto_nlist(size))
 
     def _block_is_exact(self, size: int) -> bool:
         return self._block_nlist(size) < self.min_block_lists
@@ -378,8 +416,10 @@ class FaissIVFFlatSelector(_IVFBase):
     name = "faiss-ivf"
     guarantee = ("approximate: the exact top-k, by exactly computed inner product, of the keys in the "
                  "nprobe inverted lists whose centroids score highest for the query; no recall bound. "
-                 "Causal: never a future key; a query whose allowed prefix holds fewer than 31 * S / nlist "
-                 "keys (S, nlist as built) gets the exact top-k of that prefix (up to float32 near-ties).")
+                 "Causal: strictly causal (a row depends only on the keys at positions <= its own); a query "
+                 "whose allowed prefix holds fewer than 2,048 keys (or any query if nlist < 32) gets the exact "
+                 "top-k of that prefix (up to float32 near-ties)."
+                 + _RANGE_NOTE)
     params_spec = {
         **_IVF_PARAMS,
         "center": _CENTER,
@@ -414,9 +454,9 @@ class FaissIVFPQSelector(_IVFBase):
     name = "faiss-ivfpq"
     guarantee = ("approximate: the exact top-k, by exactly computed inner product, of the k_factor*k keys "
                  "with the best PQ-approximated scores among the nprobe best-scoring inverted lists; no "
-                 "recall bound. Causal: never a future key; a query whose allowed prefix holds fewer than "
-                 "max(31 * S / nlist, 39 * 2**nbits) keys gets the exact top-k of that prefix (up to float32 "
-                 "near-ties).")
+                 "recall bound. Causal: strictly causal (a row depends only on the keys at positions <= its "
+                 "own); a query whose allowed prefix holds fewer than max(2048, 39 * 2**nbits) keys gets the "
+                 "exact top-k of that prefix (up to float32 near-ties)." + _RANGE_NOTE)
     params_spec = {
         **_IVF_PARAMS,
         "m": Param(int, 8, "PQ sub-quantizers (must divide E)", positive),

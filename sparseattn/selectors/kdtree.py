@@ -13,7 +13,7 @@ import numpy as np
 from scipy.spatial import cKDTree
 
 from ..kernels.topk import rerank_topk
-from .base import IndexSelector
+from .base import IndexSelector, scale_exponent
 from .params import Param, non_negative, positive
 from .registry import register
 
@@ -57,6 +57,12 @@ class KDTreeSelector(IndexSelector):
     Causal queries use the base class's prefix-exact search: each dyadic block of keys gets its own tree
     and its own ``M`` (the lift is computed per block from the block's centred keys).
 
+    Magnitudes: the lift squares norms, so keys (or a query row) whose largest ``|value|`` lies outside
+    ``[2**-40, 2**40]`` are scaled by a power of two first (see
+    :class:`~sparseattn.selectors.base.IndexSelector`): any finite float64 input is searched, exactly as
+    above (one factor for all keys, one per query).  Without features (E = 0) no tree is built and each
+    query gets the ``k`` allowed keys of smallest id (all scores tie at 0).
+
     Performance: kd-trees lose to brute force beyond a few dimensions.  Measured on this machine
     (2 vCPU shared with other jobs, load ~9; one cKDTree worker, BLAS limited to 1 thread; n = 16384
     Gaussian float32 keys and queries, k = 64, non-causal, eps = 0; min of 3 runs on 4096 (d = 8) or 1024
@@ -78,7 +84,8 @@ class KDTreeSelector(IndexSelector):
 
     name = "kdtree"
     guarantee = ("eps=0 and pca_dim=None: exact top-k by inner product (the lift makes L2 nearest exactly "
-                 "max inner product; causal prefixes searched exactly); eps>0: the i-th neighbour within "
+                 "max inner product; causal prefixes searched exactly; any finite float64 magnitude, rescaled "
+                 "by powers of two before the lift); eps>0: the i-th neighbour within "
                  "(1+eps) times the true i-th lifted L2 distance (approximate); pca_dim: approximate "
                  "candidates, exactly re-ranked")
     params_spec = {
@@ -107,7 +114,7 @@ class KDTreeSelector(IndexSelector):
         p = self._params["pca_dim"]
         self.components_: np.ndarray | None = None
         if p is not None:
-            x = keys.astype(np.float64)
+            x = np.ldexp(keys.astype(np.float64), -scale_exponent(keys))  # no overflow in x.T @ x
             if x.shape[0]:
                 x -= x.mean(axis=0)
             _, vecs = np.linalg.eigh(x.T @ x)  # ascending eigenvalues

@@ -18,6 +18,8 @@ from .base import Param, Selector, positive, register
 
 __all__ = ["PagesSelector", "page_min_max"]
 
+_PAIR_BLOCK = 4096  # causal (query, straddling page) pairs bounded at once (memory: pairs * page_size * E)
+
 
 def page_min_max(keys: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Element-wise min and max of each page of ``page_size`` consecutive keys.
@@ -54,14 +56,16 @@ class PagesSelector(Selector):
     Keys are grouped by id into pages of ``page_size`` (``[0, page_size)``, ``[page_size, 2 page_size)``,
     ...).  Each query keeps ``pages`` pages (default ``ceil(k / page_size)``, so about k keys) in
     decreasing bound order, ties to the lower page id, and selects every key of them.  Causal queries rank
-    only pages holding at least one allowed key (the final causal filter drops the rest of a straddling
-    page).  Cost per query: ``2 E`` multiply-max per page, then the selected keys; memory ``2 E`` numbers
+    only pages holding at least one allowed key, and a page straddling the query's position is bounded
+    over its allowed keys only (the final causal filter drops the rest of it), so a row depends only on
+    the keys at positions <= its own.  Cost per query: ``2 E`` multiply-max per page, then the selected keys; memory ``2 E`` numbers
     per page.  ``add`` updates the last page and appends new ones without touching the others.
     """
 
     name = "pages"
     guarantee = ("approximate: ranks pages by a true upper bound of q.k over the page (exact for the page's "
-                 "maximum only when its keys share the extreme coordinates); every key of a chosen page")
+                 "maximum only when its keys share the extreme coordinates); every key of a chosen page. Causal: "
+                 "strictly causal (a straddling page is bounded over its allowed keys only)")
     supports_add = True
     params_spec = {
         "page_size": Param(int, 16, "keys per page", positive),
@@ -107,6 +111,32 @@ class PagesSelector(Selector):
         q = np.ascontiguousarray(as_float_array(queries, "queries", min_ndim=2), dtype=self.keys_.dtype)
         return page_bounds(q, self.pmin_, self.pmax_)
 
+    def _partial_bounds(self, q: np.ndarray, qpos: np.ndarray, kpos: np.ndarray, page_first: np.ndarray,
+                        page_last: np.ndarray, bnd: np.ndarray) -> None:
+        """Causal: bound each page that is only partly allowed over its allowed keys alone, in place.
+
+        A page holding keys on both sides of a query's position would otherwise be ranked with the
+        min / max of keys the query may not see, making the choice of pages depend on later keys.
+        q (b, E), qpos (b,) int64, bnd (b, n_pages) float64 (the full-page bounds, -inf for pages with
+        no allowed key).  With keys sorted by position a row has at most one such page.
+        """
+        ps = self._params["page_size"]
+        S = self.keys_.shape[0]
+        partial = (page_first[None, :] <= qpos[:, None]) & (page_last[None, :] > qpos[:, None])
+        rows, pages = np.nonzero(partial)
+        info = np.finfo(self.keys_.dtype)
+        for c in range(0, rows.size, _PAIR_BLOCK):  # (row, page) pairs, a bounded batch at a time
+            r, pg = rows[c:c + _PAIR_BLOCK], pages[c:c + _PAIR_BLOCK]
+            ids = pg[:, None] * ps + np.arange(ps)[None, :]  # (n, ps)
+            inside = ids < S
+            ids = np.minimum(ids, S - 1)
+            ok = (inside & (kpos[ids] <= qpos[r, None]))[:, :, None]
+            keys = self.keys_[ids]  # (n, ps, E)
+            mn = np.where(ok, keys, info.max).min(axis=1)
+            mx = np.where(ok, keys, info.min).max(axis=1)
+            qr = q[r]
+            bnd[r, pg] = np.maximum(qr * mn, qr * mx).sum(axis=1, dtype=np.float64)
+
     def _query(self, q, k, is_causal, qpos, kpos) -> SparsePattern:
         ps = self._params["page_size"]
         S = self.keys_.shape[0]
@@ -114,10 +144,12 @@ class PagesSelector(Selector):
         want = self._params["pages"] or -(-k // ps)
         P = min(want, n_pages)
         L = q.shape[0]
-        if is_causal:  # the smallest key position of each page: a page is allowed if that one is
+        if is_causal:  # smallest / largest key position of each page: allowed / entirely allowed
             pad = np.full(n_pages * ps, np.iinfo(np.int64).max, np.int64)
             pad[:S] = kpos
             page_first = pad.reshape(n_pages, ps).min(axis=1)
+            pad[S:] = np.iinfo(np.int64).min
+            page_last = pad.reshape(n_pages, ps).max(axis=1)
         chosen = np.empty((L, P), np.int64)
         valid = np.ones((L, P), bool)
         block = self._params["block"]
@@ -126,6 +158,7 @@ class PagesSelector(Selector):
             bnd = page_bounds(q[a:b], self.pmin_, self.pmax_).astype(np.float64)
             if is_causal:
                 bnd[page_first[None, :] > qpos[a:b, None]] = -np.inf
+                self._partial_bounds(q[a:b], qpos[a:b], kpos, page_first, page_last, bnd)
             order = np.argsort(-bnd, axis=1, kind="stable")[:, :P]  # stable: ties to the lower page id
             chosen[a:b] = order
             valid[a:b] = np.take_along_axis(bnd, order, axis=1) > -np.inf
