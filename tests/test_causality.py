@@ -52,8 +52,6 @@ NOT_CAUSAL = {
                "position blocks)",
     "cluster:mode=block": "as cluster: the routed clusters (and so the attended past keys) depend on "
                           "later keys",
-    "kdtree:pca_dim": "the PCA projection searched by every causal block is fitted on all keys, so a "
-                      "block's candidates depend on later keys (needs per-block components)",
 }
 
 

@@ -32,6 +32,7 @@ class _KDIndex:
     m2: float  # max squared norm of the (projected) keys: the lift's M^2
     n: int
     keys: np.ndarray  # (n, E) centred keys in the keys' dtype (exact re-rank after a PCA search)
+    components: np.ndarray | None = None  # (E, p) PCA basis fitted on this block's keys (pca_dim), or None
 
 
 @register
@@ -54,8 +55,9 @@ class KDTreeSelector(IndexSelector):
     searches a p-dimensional PCA projection (its own lift, ``M`` recomputed there) for ``candidates``
     keys per query, then keeps the k best by exact inner product in the full space: approximate.
 
-    Causal queries use the base class's prefix-exact search: each dyadic block of keys gets its own tree
-    and its own ``M`` (the lift is computed per block from the block's centred keys).
+    Causal queries use the base class's prefix-exact search: each dyadic block of keys gets its own tree,
+    its own ``M`` and (with ``pca_dim``) its own PCA basis, all computed from the block's own keys, so a
+    causal query's candidates never depend on later keys.
 
     Magnitudes: the lift squares norms, so keys (or a query row) whose largest ``|value|`` lies outside
     ``[2**-40, 2**40]`` are scaled by a power of two first (see
@@ -111,37 +113,44 @@ class KDTreeSelector(IndexSelector):
 
     # ------------------------------------------------------------------------------------------ build
     def _build(self, keys: np.ndarray) -> None:
-        p = self._params["pca_dim"]
-        self.components_: np.ndarray | None = None
-        if p is not None:
-            x = np.ldexp(keys.astype(np.float64), -scale_exponent(keys))  # no overflow in x.T @ x
-            if x.shape[0]:
-                x -= x.mean(axis=0)
-            _, vecs = np.linalg.eigh(x.T @ x)  # ascending eigenvalues
-            self.components_ = np.ascontiguousarray(vecs[:, ::-1][:, :p])  # (E, p), orthonormal columns
         super()._build(keys)
+        index = getattr(self, "index_", None)
+        self.components_: np.ndarray | None = index.components if isinstance(index, _KDIndex) else None
 
-    def _project(self, x: np.ndarray) -> np.ndarray:
+    def _components(self, keys: np.ndarray) -> np.ndarray | None:
+        """(E, p) top principal directions of an (n, E) block of keys (``pca_dim``), or None."""
+        p = self._params["pca_dim"]
+        if p is None:
+            return None
+        x = np.ldexp(keys.astype(np.float64), -scale_exponent(keys))  # no overflow in x.T @ x
+        if x.shape[0]:
+            x -= x.mean(axis=0)
+        _, vecs = np.linalg.eigh(x.T @ x)  # ascending eigenvalues
+        return np.ascontiguousarray(vecs[:, ::-1][:, :p])  # (E, p), orthonormal columns
+
+    @staticmethod
+    def _project(x: np.ndarray, components: np.ndarray | None) -> np.ndarray:
         x64 = np.asarray(x, dtype=np.float64)
-        return x64 @ self.components_ if self.components_ is not None else x64
+        return x64 @ components if components is not None else x64
 
     def _make_index(self, keys: np.ndarray) -> _KDIndex:
         n = keys.shape[0]
         if n == 0:
             return _KDIndex(None, 0.0, 0, keys)
-        x = self._project(keys)
+        comps = self._components(keys)
+        x = self._project(keys, comps)
         norms2 = np.einsum("ij,ij->i", x, x)
         m2 = float(norms2.max())
         lift = np.sqrt(np.maximum(m2 - norms2, 0.0))
         data = np.ascontiguousarray(np.column_stack([x, lift]))
         tree = cKDTree(data, leafsize=self._params["leafsize"])
-        return _KDIndex(tree, m2, n, keys)
+        return _KDIndex(tree, m2, n, keys, comps)
 
     # ----------------------------------------------------------------------------------------- search
     def _search(self, index: _KDIndex, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         L = queries.shape[0]
         kk = min(k, index.n)
-        pca = self.components_ is not None
+        pca = self._params["pca_dim"] is not None
         if pca:
             cand = self._params["candidates"]
             kk_search = min(max(cand if cand is not None else 4 * k, k), index.n)
@@ -149,7 +158,7 @@ class KDTreeSelector(IndexSelector):
             kk_search = kk
         if kk == 0 or L == 0 or index.tree is None:
             return np.full((L, kk), -np.inf), np.full((L, kk), -1, dtype=np.int64)
-        x = self._project(queries)
+        x = self._project(queries, index.components)
         lifted = np.ascontiguousarray(np.column_stack([x, np.zeros(L)]))
         dist, ids = index.tree.query(lifted, k=kk_search, eps=self._params["eps"], p=2,
                                      workers=self._params["workers"])
