@@ -40,7 +40,10 @@ every selector by a final filter at this boundary, so no selector can leak a fut
 selectors (:class:`IndexSelector`) additionally search *only the allowed prefix* so early queries keep their
 recall: the prefix ``[0, c)`` is split into an exact tail ``[B*floor(c/B), c)`` and aligned dyadic blocks
 ``[t*2^l*B, (t+1)*2^l*B)`` covering the rest, each with its own index (built lazily, cached); candidates
-from all pieces are re-ranked exactly.
+from all pieces are re-ranked exactly.  Each block is centred, scaled and indexed from its own keys only,
+so causal selection is strictly causal: which past keys a row gets never depends on later keys (tested by
+perturbing future keys in ``tests/test_causality.py``; the cluster selector is the documented exception).
+Index backends require non-decreasing ``key_positions`` in causal mode.
 """
 
 from __future__ import annotations
