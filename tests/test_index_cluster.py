@@ -61,6 +61,14 @@ def test_built_attributes(keys, dtype):
     np.maximum.at(radius, index.assignment_, dist)
     assert index.radius_.dtype == np.float64
     np.testing.assert_allclose(index.radius_, radius, rtol=1e-5, atol=1e-5)
+    # estimation statistics: additive sums per cluster, float64, centred coordinates
+    np.testing.assert_array_equal(index.count_, np.diff(index.cluster_ptr_))
+    assert index.key_sum_.shape == (C, E) and index.key_sum_.dtype == np.float64
+    sums = np.zeros((C, E))
+    np.add.at(sums, index.assignment_, kc)
+    np.testing.assert_allclose(index.key_sum_, sums, rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(index.key_sqsum_, np.bincount(index.assignment_, (kc ** 2).sum(axis=1), C),
+                               rtol=1e-5)
     assert index.keys_as(np.float64).dtype == np.float64
     assert index.prefix_budget() == int(np.ceil(3 * S / C))
 

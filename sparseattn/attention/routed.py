@@ -18,6 +18,12 @@ Causal masking keeps the routing pure: keys after the query are masked inside ea
 routed clusters hold no allowed key gets zeros and ``lse = -inf``.  With ``exact_prefix`` a causal query
 that sees at most ``index.prefix_budget()`` keys attends to all of them exactly instead.
 
+Estimation (``estimate``) and the mass-driven budget (``top_p``): the clusters a query does not read
+can be estimated from per-cluster statistics (count, mean key, key spread: kept in the index; mean
+value and a pooled value-on-key regression: summed per call) and merged as one more partial; and the
+routed clusters can be chosen by estimated mass instead of ``q.c`` (see :func:`routed_attention`; the
+kernels are :mod:`sparseattn.kernels.estimate`).  With both off the code path is the plain one above.
+
 Threads: the per-cluster products run on ``n_threads`` workers of :func:`sparseattn.threads.executor`
 with BLAS pinned to one thread each (:func:`sparseattn.threads.worker_threads`); Numba kernels use
 ``n_threads`` too.  Results do not depend on the thread count.
@@ -30,10 +36,11 @@ import numpy as np
 from ..index.cluster import ClusterIndex, cluster_jobs
 from ..inputs import as_float_array, check_bool, check_lse, check_scale, positions, result_dtype
 from ..kernels import cluster as ck
+from ..kernels import estimate as ek
 from ..kernels.merge import merge_partials
 from ..threads import run_jobs, worker_threads
 
-__all__ = ["routed_attention"]
+__all__ = ["mass_routes", "routed_attention"]
 
 # Elements (not bytes) of the per-block buffers: queries are processed in blocks so the gathered query
 # copies and the partial results stay near 2**24 elements (64 MiB in float32).
@@ -52,13 +59,19 @@ _TILE = 1 << 18
 # (small clusters would otherwise get tiles of up to _TILE rows, and the P V scratch with them).
 _MIN_ROWS = 64
 _MAX_ROWS = 4096
+# Rows planned at once by the estimate / top_p path (routing scores, log masses, estimate weights: a few
+# (rows x C) temporaries that then fit in the L2 cache).
+_PLAN_ROWS = 1024
 
 
 def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarray, *,
                      scale: float | None = None, is_causal: bool = False, query_positions: object = None,
                      key_positions: object = None, exact_prefix: bool = True, n_threads: int | None = None,
-                     check_finite: bool = True, stats: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Exact softmax attention of each query over every key of its routed clusters.
+                     check_finite: bool = True, stats: dict | None = None, estimate: int = 0,
+                     top_p: float | None = None, min_keys: int = 0, max_keys: int | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Exact softmax attention of each query over every key of its routed clusters (plus, optionally,
+    an estimate of the clusters it does not read).
 
     Parameters
     ----------
@@ -82,7 +95,23 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
         Reject NaN / Inf in queries and values.
     stats : dict, optional
         When given, ``stats["refined_pairs"]`` is set to the number of (query, cluster) pairs recomputed
-        with a tighter shift (diagnostics).
+        with a tighter shift (diagnostics), and ``stats["keys_read"]`` to an (L,) int64 array: the keys
+        each query attended to exactly (causal: its visible keys in the routed clusters; an exact-prefix
+        row: every key it sees).
+    estimate : int, default 0
+        Estimation zone (see "Estimation" below).  0: off (unread clusters count as zero, the plain
+        routed attention).  N > 0: the next N clusters after the routed ones (in routing order: ``q.c``,
+        or estimated mass with ``top_p``) are estimated.  -1: every cluster not routed is estimated.
+    top_p : float in (0, 1], optional
+        Mass-driven budget instead of ``n_probe``: each query routes clusters in order of estimated mass
+        until the routed estimated mass reaches ``top_p`` of its total estimated mass, with at least
+        ``min_keys`` keys when available and never more than ``max_keys``.  ``top_p = 1``: every cluster
+        with a visible key (within ``max_keys``).
+    min_keys : int, default 0
+        ``top_p`` only: floor of keys read per query (the walk continues past ``top_p`` until reached).
+    max_keys : int, optional
+        ``top_p`` only: cap of keys read per query (default ``4 * n_probe * S / n_clusters``, four times
+        the fixed budget); a query stops at the first cluster that would exceed it.
 
     Returns
     -------
@@ -91,10 +120,23 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
     lse : (L,) array, same dtype: log-sum-exp of the scaled scores over the routed keys
         (``-inf`` for no key).  ``exp(lse - lse_full)`` is the softmax mass the routing kept.
 
+    Estimation: a cluster is summarised by its count n_c, mean key mu_c and mean per-dimension variance
+    sigma_c^2 (kept in the index, :meth:`~sparseattn.index.cluster.ClusterIndex.key_stats`) and its mean
+    value vbar_c (summed per call).  Its softmax numerator sum is estimated as ``n_c exp(s q.mu_c +
+    s^2 |q|^2 sigma_c^2 / 2)`` (second order, isotropic spread: the exp of the mean score
+    under-estimates the mean of the exp), its weighted value sum as that times ``vbar_c + s sigma_c^2 B
+    q``, with B the pooled within-cluster least-squares regression of values on keys (the exponential
+    tilt of a cluster moves its mean key by ``s Sigma_c q`` and, linearly, its mean value by ``B`` times
+    that).  The estimated clusters form one extra partial per query, merged with the routed ones by
+    log-sum-exp.  Causal: an estimated cluster counts only its keys at or before the query, from prefix
+    statistics (sums over each cluster's keys in position order), so no row reads statistics of a future
+    key; the causal estimate is first order with the mean value (``n_c exp(s q.mu_c) vbar_c`` over the
+    visible keys), since the pooled regression B would mix in future keys.
+
     Raises
     ------
     ValueError
-        Wrong shapes, non-finite inputs, or some score ``q . k * scale`` overflowing the computation dtype
+        Wrong shapes, non-finite inputs, bad ``estimate`` / ``top_p`` / ``min_keys`` / ``max_keys``, or some score ``q . k * scale`` overflowing the computation dtype
         (pass float64 or a smaller scale).
     """
     if not index.is_built:
@@ -114,47 +156,66 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
     Ev = v_in.shape[1]
     qpos = positions(query_positions, L, "query_positions")
     kpos = positions(key_positions, S, "key_positions")
+    budget = _check_budget(index, estimate, top_p, min_keys, max_keys)
     out = np.zeros((L, Ev), dtype=dtype)
     lse = np.full(L, -np.inf, dtype=dtype)
+    keys_read = np.zeros(L, dtype=np.int64)
     refined = [0]
     if L == 0:
         if stats is not None:
             stats["refined_pairs"] = 0
+            stats["keys_read"] = keys_read
         return out, lse
+    want_keys = stats is not None
     n = index.threads_ if n_threads is None else int(n_threads)
     with worker_threads(n):
         prefix = np.zeros(0, dtype=np.int64)
         if is_causal and exact_prefix:
             order = np.argsort(kpos, kind="stable")  # keys in position order: one sort for both uses
             prefix = index.prefix_rows(qpos, kpos, kpos[order])
+        if budget is None:
+            def attend_rows(qs, qp):
+                return _attend_routed(index, qs, v_in, sc, is_causal, qp, kpos, n, refined, want_keys)
+        else:
+            def attend_rows(qs, qp):
+                return _attend_estimated(index, qs, v_in, sc, is_causal, qp, kpos, n, refined, *budget)
         if prefix.size:
             # The exact-prefix rows are computed exactly below: the routed pass skips them.
             sub = np.delete(np.arange(L), prefix)
-            out_r, lse_r = _attend_routed(index, q[sub], v_in, sc, is_causal, qpos[sub], kpos, n, refined)
+            out_r, lse_r, kr = attend_rows(q[sub], qpos[sub])
             out[sub] = out_r
             lse[sub] = lse_r
+            keys_read[sub] = kr
+            keys_read[prefix] = np.searchsorted(kpos[order], qpos[prefix], side="right")
             _attend_prefix(index, q, v_in, sc, prefix, qpos, kpos, order, out, lse, n)
         else:
-            out, lse = _attend_routed(index, q, v_in, sc, is_causal, qpos, kpos, n, refined)
+            out, lse, keys_read = attend_rows(q, qpos)
     if stats is not None:
         stats["refined_pairs"] = refined[0]
+        stats["keys_read"] = keys_read
     # Finite inputs whose q.k overflows the dtype leave +inf (or inf - inf = NaN) in lse: an error, as in
     # sparse_attention, never a silent garbage row.  NaN from NaN inputs (check_finite=False) passes.
     check_lse(lse, dtype, sc, nan_is_overflow=check_finite)
     return out, lse
 
 
-def _attend_routed(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refined) -> tuple[np.ndarray, np.ndarray]:
-    """Attention of every row of q over its routed clusters (inside ``worker_threads``)."""
+def _attend_routed(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refined, want_keys
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Attention of every row of q over its routed clusters (inside ``worker_threads``); returns
+    (out, lse, keys read per row: zeros unless ``want_keys``)."""
     S, E = index.keys_.shape
     dtype = q.dtype
     L = q.shape[0]
     Ev = v_in.shape[1]
     out = np.zeros((L, Ev), dtype=dtype)
     lse = np.full(L, -np.inf, dtype=dtype)
+    keys_read = np.zeros(L, dtype=np.int64)
     if L == 0:
-        return out, lse
+        return out, lse, keys_read
     route, route_scores = index._route_rows(q, n_threads)
+    if want_keys:
+        kpos_cs = _positions_in_clusters(index, kpos)[1] if is_causal else np.zeros(1, dtype=np.int64)
+        ek.routed_visible(route, qpos, index.cluster_ptr_, kpos_cs, is_causal, keys_read)
     Kp = index.keys_as(dtype)
     Vp = np.empty((S, Ev), dtype=dtype)
     ck.gather_rows(np.ascontiguousarray(v_in, dtype=dtype), index.perm_, Vp)  # float16 in: upcast
@@ -189,7 +250,7 @@ def _attend_routed(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refined
         refined[0] += _attend_block(index, q, q_norm, q0, q1, route[q0:q1], route_scores[q0:q1], Kp, Vp, sc,
                                     qpos, kpos_p, kmin, kmax, kpos_sorted, lse_shift, out, lse, bufs, scratch,
                                     n_threads)
-    return out, lse
+    return out, lse, keys_read
 
 
 def _attend_prefix(index, q, values, scale, rows, qpos, kpos, order, out, lse, n_threads) -> None:
@@ -292,7 +353,8 @@ def _refine(Qs, pm, po, Kp, Vp, kptr, qptr, clamp, causal_args) -> int:
 
 
 def _attend_block(index, q, q_norm, q0, q1, route, route_scores, Kp, Vp, scale, qpos, kpos_p, kmin, kmax,
-                  kpos_sorted, lse_shift, out, lse, bufs, scratch, n_threads) -> int:
+                  kpos_sorted, lse_shift, out, lse, bufs, scratch, n_threads, kptr=None, radius=None,
+                  extra=None) -> int:
     """Attention of queries q0..q1 over their routed clusters; returns the number of refined pairs.
 
     Per cluster tile: ``s = (scale q) @ (k - mean)^T`` (one GEMM), then one pass
@@ -302,15 +364,19 @@ def _attend_block(index, q, q_norm, q0, q1, route, route_scores, Kp, Vp, scale, 
     sum go to the pair's partial.  A pair whose bound was so loose that every weight is tiny (row sum <
     ``_TINY``: relevant weights could have underflowed) is recomputed with a tighter shift
     (:func:`_refine`).  Partials are then merged per query (:func:`~sparseattn.kernels.merge.merge_partials`).
+    ``kptr`` / ``radius`` (default the index's) may list one more, empty, cluster that pads rows routed
+    to fewer clusters (``top_p``); ``extra = (o, s, m)`` is one more partial per row (the estimate),
+    merged with the routed ones; ``bufs`` then hold ``n_pairs + rows`` partials.
     """
     Ev = Vp.shape[1]
-    p = index.n_probe_
-    kptr = index.cluster_ptr_
+    p = route.shape[1]
+    kptr = index.cluster_ptr_ if kptr is None else kptr
+    radius = index.radius_ if radius is None else radius
     is_causal = kpos_p is not None
-    qptr, src, slot = ck.group_pairs(route, index.n_clusters_)
+    qptr, src, slot = ck.group_pairs(route, kptr.shape[0] - 1)
     n_pairs = src.shape[0]
     Qs, po, pm = (b[:n_pairs] for b in bufs)
-    ck.gather_pairs(q, q_norm, q0, src, p, route, route_scores, index.radius_, scale, Qs, pm)
+    ck.gather_pairs(q, q_norm, q0, src, p, route, route_scores, radius, scale, Qs, pm)
     clamp = _CLAMP[q.dtype.type]
     kernel = ck.attend_clusters_f32 if q.dtype == np.float32 else ck.attend_clusters_f64
     qpos_s = qpos[src // p + q0] if is_causal else np.zeros(1, dtype=np.int64)
@@ -335,5 +401,279 @@ def _attend_block(index, q, q_norm, q0, q1, route, route_scores, Kp, Vp, scale, 
     refined = 0
     if sum(n_low):  # some row sum fell below _TINY: find and recompute those pairs
         refined = _refine(Qs, pm, po, Kp, Vp, kptr, qptr, clamp, causal_args)
+    if extra is not None:  # the estimate: partial n_pairs + i of row i, merged as its (p+1)-th
+        R = q1 - q0
+        po = bufs[1][:n_pairs + R]
+        pm = bufs[2][:n_pairs + R]
+        po[n_pairs:, :Ev] = extra[0]
+        po[n_pairs:, Ev] = extra[1]
+        pm[n_pairs:] = extra[2]
+        slot2 = np.empty((R, p + 1), dtype=np.int64)
+        slot2[:, :p] = slot.reshape(R, p)
+        slot2[:, p] = np.arange(n_pairs, n_pairs + R)
+        slot, p = slot2.reshape(-1), p + 1
     merge_partials((po[:, :Ev],), po[:, Ev], pm, slot, p, lse_shift[q0:q1], out[q0:q1], lse[q0:q1])
     return refined
+
+
+def _check_budget(index: ClusterIndex, estimate: object, top_p: object, min_keys: object, max_keys: object
+                  ) -> tuple[int, float | None, int, int] | None:
+    """Validate the estimation / budget arguments; None when both are off (the plain routed path), else
+    (estimate, top_p, min_keys, max_keys) with the defaults resolved."""
+    if isinstance(estimate, bool) or not isinstance(estimate, (int, np.integer)) or estimate < -1:
+        raise ValueError(f"estimate must be an int >= -1 (0: off, N: the next N clusters, -1: every "
+                         f"unread cluster); got {estimate!r}.")
+    if top_p is not None:
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float, np.floating, np.integer)) \
+                or not 0 < float(top_p) <= 1:
+            raise ValueError(f"top_p must be a float in (0, 1] (or None: fixed n_probe); got {top_p!r}.")
+    for name, val in (("min_keys", min_keys), ("max_keys", max_keys)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 0):
+            raise ValueError(f"{name} must be an int >= 0; got {val!r}.")
+    if min_keys is None:
+        min_keys = 0
+    if max_keys is None:
+        max_keys = 4 * index.prefix_budget()
+    if int(min_keys) > int(max_keys):
+        raise ValueError(f"min_keys={min_keys} must be <= max_keys={max_keys} (the floor and the cap of "
+                         f"keys read per query).")
+    if int(estimate) == 0 and top_p is None:
+        return None
+    return int(estimate), (None if top_p is None else float(top_p)), int(min_keys), int(max_keys)
+
+
+def _positions_in_clusters(index: ClusterIndex, kpos: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    """(order, kpos_cs): cluster-ordered slots re-sorted by key position inside each cluster (None when
+    already so: perm_ is ascending inside a cluster, so sorted positions need nothing) and the positions
+    in that order."""
+    kpos_p = kpos[index.perm_]
+    cid = np.repeat(np.arange(index.n_clusters_), np.diff(index.cluster_ptr_))
+    same = cid[1:] == cid[:-1]
+    if np.all(kpos_p[1:][same] >= kpos_p[:-1][same]):
+        return None, kpos_p
+    order = np.lexsort((kpos_p, cid))
+    return order, kpos_p[order]
+
+
+class _Planner:
+    """Key-side state of the estimate / budget path and the per-row-chunk planning: routing scores, log
+    masses, the route (top ``n_probe`` by ``q . c``, or :func:`~sparseattn.kernels.estimate.mass_route`)
+    and the estimated clusters.  Used by :func:`_attend_estimated` and :func:`mass_routes`."""
+
+    def __init__(self, index: ClusterIndex, dtype: np.dtype, sc: float, is_causal: bool, kpos: np.ndarray,
+                 n_est: int, top_p: float | None, min_keys: int, max_keys: int) -> None:
+        S, E = index.keys_.shape
+        C = self.C = index.n_clusters_
+        self.index, self.sc, self.is_causal = index, sc, is_causal
+        self.top_p, self.min_keys, self.max_keys = top_p, min_keys, max_keys
+        self.all_rest = n_est < 0
+        self.N = 0 if self.all_rest else min(n_est, C)
+        self.Kp = index.keys_as(dtype)
+        self.kptr = index.cluster_ptr_
+        self.logn, self.mu, self.sig2 = index.key_stats()
+        self.sig2_32 = self.sig2.astype(np.float32)
+        self.count = index.count_
+        self.cent = index.centroids_.astype(dtype, copy=False)
+        self.mu_d = None if index.route_by == "mean" else self.mu.astype(dtype)  # "mean": centroids_ = means
+        self.spread = 0.0 if is_causal else 1.0
+        self.no_pos = np.zeros(1, dtype=np.int64)
+        if is_causal:
+            order, self.kpos_cs = _positions_in_clusters(index, kpos)
+            self.order = np.arange(S, dtype=np.int64) if order is None else order.astype(np.int64)
+            self.Gk = ek.cluster_prefix(self.Kp, self.kptr, self.order)
+            sq = np.einsum("ij,ij->i", self.Kp, self.Kp, dtype=np.float64)[:, None]
+            self.Gk2 = ek.cluster_prefix(sq, self.kptr, self.order)[:, 0].copy()
+        self.p = index.n_probe_
+        if top_p is None:
+            self.P = self.p
+            self.n_cand = min(C, self.p + self.N)
+        elif is_causal:
+            # a cluster's visible size depends on the row: every cluster is a candidate (full sort per row)
+            self.P = self.n_cand = C
+        else:
+            # enough candidates to reach max_keys even through the smallest clusters
+            sizes_sorted = np.sort(self.count)
+            self.P = int(min(C, np.searchsorted(np.cumsum(sizes_sorted), max_keys, side="right") + 1))
+            self.n_cand = min(C, self.P + self.N)
+
+    def plan(self, qc: np.ndarray, qpc: np.ndarray, route: np.ndarray, rscore: np.ndarray, est: np.ndarray,
+             kr: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """Plan rows qc (R, E) at positions qpc: fills route (R, P) int32 (padding: C), rscore (R, P) their
+        ``q . c``, est (R, N) and kr (R,) keys read; returns (routing scores (R, C), log masses (R, C)
+        float32 (not computed, causal without top_p), most clusters a row routed)."""
+        C, sc, is_causal, top_p = self.C, self.sc, self.is_causal, self.top_p
+        R = qc.shape[0]
+        sc_c = qc @ self.cent.T
+        A = np.empty((R, C), dtype=np.float32)  # log masses: an estimate, float32 is ample
+        nvis = None
+        if is_causal and top_p is not None:
+            nvis = np.empty((R, C), dtype=np.int64)
+            ek.log_mass_causal(qc, qpc, self.kptr, self.kpos_cs, self.Gk, self.Gk2, sc, self.spread, A, nvis)
+        elif not is_causal:
+            qmu = sc_c if self.mu_d is None else qc @ self.mu_d.T
+            q2 = 0.5 * sc * sc * np.einsum("ij,ij->i", qc, qc, dtype=np.float64)
+            ek.log_mass_rows(qmu, q2, self.logn, self.sig2, sc, self.spread, A)
+        if top_p is None:
+            ids, scs = ck.row_top_p_serial(sc_c, self.n_cand)
+            p = self.p
+            route[:] = ids[:, :p]
+            rscore[:] = scs[:, :p]
+            est[:] = ids[:, p:p + self.N]
+            ek.routed_visible(route, qpc, self.kptr, self.kpos_cs if is_causal else self.no_pos, is_causal, kr)
+            return sc_c, A, p
+        if is_causal:
+            cand = np.empty((R, C), dtype=np.int32)
+            ek.rows_sorted_desc(A, cand)
+        else:
+            cand = ck.row_top_p_serial(A, self.n_cand)[0]
+        sizes = nvis if is_causal else np.broadcast_to(self.count, (R, C))
+        n_route = np.empty(R, dtype=np.int64)
+        ek.mass_route(A, cand, sizes, top_p, self.min_keys, self.max_keys, self.N, C, route, n_route, kr, est)
+        live = route < C
+        rscore[:] = np.where(live, np.take_along_axis(sc_c, np.where(live, route, 0), 1), 0)
+        return sc_c, A, int(n_route.max()) if R else 0
+
+
+def mass_routes(index: ClusterIndex, queries: np.ndarray, *, top_p: float, min_keys: int = 0,
+                max_keys: int | None = None, scale: float | None = None, is_causal: bool = False,
+                query_positions: object = None, key_positions: object = None, n_threads: int | None = None,
+                check_finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """The clusters the mass-driven budget (``top_p`` of :func:`routed_attention`) routes each query to.
+
+    Parameters are those of :func:`routed_attention`.  Returns ``route`` (L, P) int32, clusters in order
+    of estimated mass, ``-1`` padded (P: the most any query routed, at least 1), and ``keys_read`` (L,)
+    int64.  (``exact_prefix`` rows are not special-cased here: these are the routed clusters.)
+    """
+    q = index._queries(queries, check_finite)
+    budget = _check_budget(index, 0, top_p, min_keys, max_keys)
+    if budget is None:
+        raise ValueError("top_p must be given (a float in (0, 1]) to compute mass routes.")
+    sc = check_scale(scale, q.shape[1])
+    L = q.shape[0]
+    qpos = positions(query_positions, L, "query_positions")
+    kpos = positions(key_positions, index.keys_.shape[0], "key_positions")
+    n = index.threads_ if n_threads is None else int(n_threads)
+    is_causal = check_bool(is_causal, "is_causal")
+    with worker_threads(n):
+        plan = _Planner(index, q.dtype, sc, is_causal, kpos, 0, *budget[1:])
+        route = np.empty((L, plan.P), dtype=np.int32)
+        keys = np.zeros(L, dtype=np.int64)
+        used = np.zeros(L, dtype=np.int64)
+
+        def work(a: int, b: int) -> None:
+            used[a] = plan.plan(q[a:b], qpos[a:b], route[a:b], np.zeros((b - a, plan.P), dtype=q.dtype),
+                                np.zeros((b - a, 0), dtype=np.int32), keys[a:b])[2]
+
+        index._row_chunks(L, work, n)
+    route = route[:, :max(1, int(used.max()) if L else 1)]
+    return np.where(route < plan.C, route, -1).astype(np.int32), keys
+
+
+def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refined, n_est, top_p, min_keys,
+                      max_keys) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Routed attention plus the estimate of unread clusters and / or the mass-driven budget (inside
+    ``worker_threads``).  Returns (out, lse, keys read per row).
+
+    Per block of rows: the plan of each row chunk (:class:`_Planner`: routing scores, log masses, route,
+    estimated clusters), the estimated partial (:func:`~sparseattn.kernels.estimate.estimate_weights`
+    and one product with the cluster mean values, :func:`~sparseattn.kernels.estimate.estimate_rows` or
+    ``estimate_rows_causal``) and the routed partials (:func:`_attend_block`), merged together.
+    """
+    S, E = index.keys_.shape
+    dtype = q.dtype
+    L = q.shape[0]
+    Ev = v_in.shape[1]
+    C = index.n_clusters_
+    out = np.zeros((L, Ev), dtype=dtype)
+    lse = np.full(L, -np.inf, dtype=dtype)
+    keys_read = np.zeros(L, dtype=np.int64)
+    if L == 0:
+        return out, lse, keys_read
+    plan = _Planner(index, dtype, sc, is_causal, kpos, n_est, top_p, min_keys, max_keys)
+    all_rest, N, P = plan.all_rest, plan.N, plan.P
+    Kp = plan.Kp
+    Vp = np.empty((S, Ev), dtype=dtype)
+    ck.gather_rows(np.ascontiguousarray(v_in, dtype=dtype), index.perm_, Vp)
+    lse_shift = (q @ index.mean_.astype(dtype)) * sc
+    q_norm = np.sqrt(np.einsum("ij,ij->i", q, q, dtype=np.float64))
+    kptr = index.cluster_ptr_
+    kptr_x = np.append(kptr, kptr[-1])  # cluster C: empty, pads rows routed to fewer clusters
+    radius_x = np.append(index.radius_, 0.0)
+    sig2 = plan.sig2
+    if is_causal:
+        Gv = ek.cluster_prefix(Vp, kptr, plan.order)
+        kpos_p = kpos[index.perm_]
+        nonempty = np.diff(kptr) > 0
+        kmin = np.zeros(C, dtype=np.int64)
+        kmax = np.zeros(C, dtype=np.int64)
+        kmin[nonempty] = np.minimum.reduceat(kpos_p, kptr[:-1][nonempty])
+        kmax[nonempty] = np.maximum.reduceat(kpos_p, kptr[:-1][nonempty])
+        kpos_sorted = bool(np.all(kpos[1:] >= kpos[:-1]))
+        vbar = vbar32 = B = None
+    else:
+        kpos_p = kmin = kmax = None
+        kpos_sorted = False
+        count = index.count_
+        vsum = ek.cluster_sums(Vp, kptr)
+        safe = np.maximum(count, 1).astype(np.float64)[:, None]
+        vbar = vsum / safe
+        vbar32 = vbar.astype(np.float32)
+        # Pooled within-cluster regression of values on keys, B = X / sigma^2 with X the pooled
+        # cross-covariance sum_j (v_j - vbar_c)(k_j - mu_c)^T / S and sigma^2 the pooled variance.
+        xcov = (Vp.T @ Kp).astype(np.float64) - vsum.T @ (index.key_sum_ / safe)
+        var_pool = float(np.sum(count * sig2)) / max(S, 1)
+        B = (xcov / (S * var_pool)).astype(dtype) if var_pool > 0 else np.zeros((Ev, E), dtype=dtype)
+    block = min(L, max(1, _BLOCK_BUDGET // ((P + 1) * (E + Ev + 2) + 3 * C)))
+    n_buf = block * P + block
+    bufs = (np.empty((n_buf, E), dtype=dtype), np.empty((n_buf, Ev + 1), dtype=dtype),
+            np.empty(n_buf, dtype=dtype))
+    nk_max = int(np.diff(kptr).max())
+    scratch = [(np.empty(max(_TILE, _MIN_ROWS * nk_max), dtype=dtype),
+                np.empty(_MAX_ROWS * Ev, dtype=dtype)) for _ in range(max(1, n_threads))]
+    for q0 in range(0, L, block):
+        q1 = min(L, q0 + block)
+        R = q1 - q0
+        qb = q[q0:q1]
+        qpb = qpos[q0:q1]
+        route = np.empty((R, P), dtype=np.int32)
+        rscore = np.zeros((R, P), dtype=dtype)
+        est = np.full((R, N), -1, dtype=np.int32)
+        o_e = np.empty((R, Ev), dtype=np.float64)
+        s_e = np.empty(R, dtype=np.float64)
+        m_e = np.empty(R, dtype=np.float64)
+        ws2 = np.empty(R, dtype=np.float64)
+        kr = keys_read[q0:q1]
+        n_used = np.zeros(R, dtype=np.int64)  # most clusters a row of a chunk routed (at its first row)
+
+        def work(a0: int, b0: int, qb=qb, qpb=qpb, route=route, rscore=rscore, est=est, o_e=o_e, s_e=s_e,
+                 m_e=m_e, ws2=ws2, kr=kr, n_used=n_used) -> None:
+            # sub-chunks of _PLAN_ROWS rows: the (rows x C) temporaries stay small and cache-resident
+            # instead of fresh multi-MB arrays (page faults on first touch) per chunk
+            for a in range(a0, b0, _PLAN_ROWS):
+                b = min(b0, a + _PLAN_ROWS)
+                n_used[a0] = max(n_used[a0], sub(a, b, qb, qpb, route, rscore, est, o_e, s_e, m_e, ws2, kr))
+
+        def sub(a, b, qb, qpb, route, rscore, est, o_e, s_e, m_e, ws2, kr) -> int:
+            qc = qb[a:b]
+            _, A, used = plan.plan(qc, qpb[a:b], route[a:b], rscore[a:b], est[a:b], kr[a:b])
+            if is_causal:
+                ek.estimate_rows_causal(qc, qpb[a:b], route[a:b], est[a:b], all_rest, kptr, plan.kpos_cs, plan.Gk,
+                                        plan.Gk2, Gv, sc, plan.spread, o_e[a:b], s_e[a:b], m_e[a:b], ws2[a:b])
+            elif all_rest:  # every unread cluster: float32 weights, then one BLAS product with the means
+                W = np.empty((b - a, C), dtype=np.float32)
+                ek.estimate_weights(A, route[a:b], plan.sig2_32, W, s_e[a:b], m_e[a:b], ws2[a:b])
+                o_e[a:b] = W @ vbar32 + (sc * ws2[a:b])[:, None] * (qc @ B.T)
+            else:
+                ek.estimate_rows(A, route[a:b], est[a:b], all_rest, vbar, sig2, o_e[a:b], s_e[a:b], m_e[a:b],
+                                 ws2[a:b])
+                o_e[a:b] += (sc * ws2[a:b])[:, None] * (qc @ B.T)
+            return used
+
+        index._row_chunks(R, work, n_threads)
+        if top_p is not None:  # drop the padding columns no row of the block uses
+            P_blk = max(1, int(n_used.max()))
+            route, rscore = np.ascontiguousarray(route[:, :P_blk]), np.ascontiguousarray(rscore[:, :P_blk])
+        refined[0] += _attend_block(index, q, q_norm, q0, q1, route, rscore, Kp, Vp, sc, qpos, kpos_p, kmin,
+                                    kmax, kpos_sorted, lse_shift, out, lse, bufs, scratch, n_threads,
+                                    kptr=kptr_x, radius=radius_x, extra=(o_e, s_e, m_e))
+    return out, lse, keys_read

@@ -21,7 +21,9 @@ values: attention over the routed clusters is :func:`sparseattn.attention.routed
 
 Seam for a growing index (KV-cache decode, not implemented): routed attention reads the index only
 through ``_route_rows``, ``keys_as``, ``prefix_budget`` / ``prefix_rows``, ``keys_``, ``mean_``, ``perm_``,
-``cluster_ptr_``, ``radius_``, ``n_clusters_``, ``n_probe_``, ``threads_`` and ``is_built``.  A segmented index would keep one such cluster-ordered segment per
+``cluster_ptr_``, ``radius_``, ``n_clusters_``, ``n_probe_``, ``threads_`` and ``is_built`` (and, for
+``estimate`` / ``top_p``, ``key_stats``, ``count_``, ``key_sum_``, ``route_by``, ``centroids_``).  The
+estimation statistics are additive sums, updated in O(new keys) by :meth:`ClusterIndex.update_stats`.  A segmented index would keep one such cluster-ordered segment per
 build (plus an exact tail of recent keys) and routed attention would run once per segment, merging the
 segments' partials with the same log-sum-exp kernel (:mod:`sparseattn.kernels.merge`).
 
@@ -41,6 +43,7 @@ import numpy as np
 
 from ..inputs import as_float_array, positions
 from ..kernels import cluster as ck
+from ..kernels import estimate as ek
 from ..kernels import topk as topk_core
 from ..pattern import SparsePattern
 from ..threads import run_jobs, worker_threads
@@ -128,6 +131,20 @@ class ClusterIndex:
         Centred keys in cluster order.
     radius_ : (C,) float64
         Largest distance of a member key to its routing vector (for score bounds).
+    count_ : (C,) int64
+        Keys per cluster (the statistics below are additive sums: see :meth:`update_stats`).
+    key_sum_ : (C, E) float64
+        Sum of each cluster's centred keys.
+    key_sqsum_ : (C,) float64
+        Sum of each cluster's squared centred key norms.
+
+    Estimation statistics: ``count_``, ``key_sum_`` and ``key_sqsum_`` give each cluster's mean key and
+    mean per-dimension variance (:meth:`key_stats`), from which routed attention estimates the softmax
+    mass of clusters it does not read (``estimate`` / ``top_p`` of
+    :func:`~sparseattn.attention.routed.routed_attention`).  They are sums, so keys added later update
+    them in O(new keys) with :meth:`update_stats` (the seam for a growing index; the key store itself has
+    no add path).  Value statistics are not kept here (the index knows no values): routed attention
+    sums the values per cluster at each call.
 
     Examples
     --------
@@ -256,6 +273,7 @@ class ClusterIndex:
                 self.centroids_ = ck.cluster_means(kp, self.cluster_ptr_,
                                                    np.ascontiguousarray(self.centroids_, dtype=kp.dtype))
             self.radius_ = ck.cluster_radius(kp, self.cluster_ptr_, self.centroids_)
+            self._init_stats(kp)
         self.keys_perm_ = kp
         self._keys_cast: dict[np.dtype, np.ndarray] = {kp.dtype: kp}
         self.keys_ = keys
@@ -361,6 +379,60 @@ class ClusterIndex:
         self.centroids_ = np.ascontiguousarray(np.concatenate(cents))
         self.parent_ = np.concatenate(parents)
         return out
+
+    # ------------------------------------------------------------------------------------ statistics
+    def _init_stats(self, kp: np.ndarray) -> None:
+        """count_, key_sum_, key_sqsum_ from the centred keys in cluster order kp (S, E)."""
+        kptr = self.cluster_ptr_
+        self.count_ = np.diff(kptr).astype(np.int64)
+        self.key_sum_ = ek.cluster_sums(kp, kptr)
+        sq = np.einsum("ij,ij->i", kp, kp, dtype=np.float64)[:, None]
+        self.key_sqsum_ = ek.cluster_sums(sq, kptr)[:, 0]
+        self._key_stats: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def update_stats(self, keys: np.ndarray, assignment: np.ndarray) -> None:
+        """Add keys to the estimation statistics (``count_``, ``key_sum_``, ``key_sqsum_``), O(len(keys)).
+
+        keys (m, E) float, raw (not centred: ``mean_`` is subtracted here); assignment (m,) int cluster
+        of each key in [0, n_clusters_).  Only the statistics change (the key store, routing vectors and
+        radii do not): this is the update a growing index would make for keys appended to a cluster.
+        """
+        self._check_built()
+        k = np.asarray(keys, dtype=np.float64)
+        a = np.asarray(assignment)
+        if k.ndim != 2 or k.shape[1] != self.keys_.shape[1]:
+            raise ValueError(f"keys must have shape (m, E={self.keys_.shape[1]}); got {k.shape}.")
+        if a.shape != (k.shape[0],) or not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"assignment must be an int array of shape ({k.shape[0]},), one cluster per key; "
+                             f"got {a.dtype} {a.shape}.")
+        C = self.n_clusters_
+        if a.size and (a.min() < 0 or a.max() >= C):
+            raise ValueError(f"assignment values must lie in [0, {C}) (n_clusters_); got range "
+                             f"[{a.min()}, {a.max()}].")
+        kc = k - self.mean_.astype(np.float64)
+        self.count_ += np.bincount(a, minlength=C).astype(np.int64)
+        np.add.at(self.key_sum_, a, kc)
+        self.key_sqsum_ += np.bincount(a, weights=np.einsum("ij,ij->i", kc, kc), minlength=C)
+        self._key_stats = None
+
+    def key_stats(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(log count (C,), mean key (C, E), mean per-dimension variance (C,)), float64, centred coordinates.
+
+        Empty clusters: log count ``-inf``, mean and variance 0.  Computed once and cached until
+        :meth:`update_stats` (read-only arrays).
+        """
+        self._check_built()
+        if getattr(self, "_key_stats", None) is not None:
+            return self._key_stats  # type: ignore[return-value]
+        n = self.count_.astype(np.float64)
+        safe = np.maximum(n, 1.0)
+        mu = self.key_sum_ / safe[:, None]
+        var = np.maximum(self.key_sqsum_ / safe - np.einsum("ij,ij->i", mu, mu), 0.0) / self.key_sum_.shape[1]
+        logn = np.where(n > 0, np.log(safe), -np.inf)
+        for a in (logn, mu, var):
+            a.flags.writeable = False
+        self._key_stats = (logn, mu, var)
+        return self._key_stats
 
     # ---------------------------------------------------------------------------------------- helpers
     def keys_as(self, dtype: np.dtype) -> np.ndarray:

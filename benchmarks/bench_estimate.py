@@ -1,0 +1,235 @@
+"""Estimation of unread clusters and the mass-driven budget of cluster:mode=block, on real MiniLM keys.
+
+Run:  python benchmarks/bench_estimate.py [--repeats 3] [--quality-rows 2048] [--skip-65k]
+
+Data: the shipped 16,384-key store (every head: 0-3, all 2,048 queries) and the 65,536-key store
+``store65k`` in ``~/.cache/sparseattn/traces`` when present (heads 0 and 5; timing over all 65,536
+queries, quality on ``--quality-rows`` evenly spaced ones; see ``bench_cluster_goals.py`` for how to
+generate it).  Index: ``ClusterIndex`` defaults (C = round(sqrt(S)), spherical k-means, routed by mean).
+
+Per head and n_probe, with ``estimate`` off (0) and on (-1: every unread cluster):
+
+* keys read per query (``stats["keys_read"]``), output relative error ``||o - o*|| / ||o*||`` against
+  float64 dense attention (mean over rows), softmax mass of the keys read exactly (``exp(lse - lse*)``
+  of the estimate-off run, which reads the same keys), attend time (median of ``--repeats``).
+* estimation cost: attend time with estimate=-1 minus with estimate=0, relative to the latter.
+
+``top_p = 0.9`` (``max_keys`` = S, no cap; and the default cap): fraction of rows whose exactly read keys
+hold >= 0.9 of the true softmax mass, mean keys read, and the fixed budget (smallest n_probe of a sweep)
+reaching the same mean mass, with its keys read.
+
+Results: ``results/estimate.json`` (all numbers) and ``results/estimate.md`` (tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+import sparseattn as sa
+from sparseattn.attention.routed import routed_attention
+from sparseattn.index import ClusterIndex
+
+TRACE_DIR = os.path.expanduser("~/.cache/sparseattn/traces")
+SWEEP = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def dense_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """float64 dense attention (output (L, Ev), lse (L,)), in chunks of rows."""
+    k64, v64 = k.astype(np.float64), v.astype(np.float64)
+    outs, lses = [], []
+    for a in range(0, q.shape[0], 256):
+        s = q[a:a + 256].astype(np.float64) @ k64.T * scale
+        m = s.max(axis=1, keepdims=True)
+        w = np.exp(s - m)
+        z = w.sum(axis=1)
+        outs.append((w @ v64) / z[:, None])
+        lses.append(m[:, 0] + np.log(z))
+    return np.concatenate(outs), np.concatenate(lses)
+
+
+def rel_err(o: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    return np.linalg.norm(o.astype(np.float64) - ref, axis=1) / np.linalg.norm(ref, axis=1)
+
+
+def timed(fns: dict, repeats: int) -> dict:
+    """name -> (median wall s, min wall s, median process CPU s) of each function, run interleaved
+    ``repeats`` rounds.  On a shared, loaded machine interleaving keeps the cases comparable, and the
+    CPU time of this process (all its threads) is far less sensitive to other processes than wall time."""
+    ts: dict = {name: [] for name in fns}
+    cpu: dict = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            fn()
+            ts[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    return {name: (float(np.median(ts[name])), float(np.min(ts[name])), float(np.median(cpu[name])))
+            for name in fns}
+
+
+def run_head(name: str, head: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, probes: list[int],
+             repeats: int, quality_rows: int) -> dict:
+    S = k.shape[0]
+    rows = np.unique(np.linspace(0, q.shape[0] - 1, min(quality_rows, q.shape[0])).astype(np.int64))
+    qq = q[rows]
+    ref, lse_full = dense_ref(qq, k, v, scale)
+    res: dict = {"data": name, "head": head, "S": S, "L_time": int(q.shape[0]), "L_quality": int(rows.size),
+                 "fixed": [], "top_p": []}
+    t0 = time.perf_counter()
+    ClusterIndex().build(k)
+    res["build_s"] = time.perf_counter() - t0
+    sweep: dict[int, dict] = {}
+    C = ClusterIndex().sizes(S)[0]
+    for p in sorted(set(SWEEP) | set(probes)):
+        if p > C:
+            continue
+        idx = ClusterIndex(n_probe=p).build(k)  # same seed: the same clusters for every n_probe
+        st: dict = {}
+        o0, l0 = routed_attention(idx, qq, v, scale=scale, stats=st)
+        mass = np.exp(l0.astype(np.float64) - lse_full)
+        sweep[p] = {"n_probe": p, "keys_read": float(st["keys_read"].mean()), "mass_mean": float(mass.mean()),
+                    "rows_mass_ge_0.9": float(np.mean(mass >= 0.9)), "err_off": float(rel_err(o0, ref).mean())}
+        if p not in probes:
+            continue
+        row = dict(sweep[p])
+        o1, _ = routed_attention(idx, qq, v, scale=scale, estimate=-1)
+        row["err_on"] = float(rel_err(o1, ref).mean())
+        o8, _ = routed_attention(idx, qq, v, scale=scale, estimate=8)
+        row["err_on_next8"] = float(rel_err(o8, ref).mean())
+        row["err_ratio"] = row["err_on"] / row["err_off"]
+        routed_attention(idx, q[:64], v, scale=scale, estimate=-1)  # warm-up (JIT)
+        tm = timed({"off": lambda idx=idx: routed_attention(idx, q, v, scale=scale),
+                    "on": lambda idx=idx: routed_attention(idx, q, v, scale=scale, estimate=-1),
+                    "next8": lambda idx=idx: routed_attention(idx, q, v, scale=scale, estimate=8),
+                    "off_1t": lambda idx=idx: routed_attention(idx, q, v, scale=scale, n_threads=1),
+                    "on_1t": lambda idx=idx: routed_attention(idx, q, v, scale=scale, estimate=-1, n_threads=1)},
+                   repeats)
+        for case, (med, mn, cpu) in tm.items():
+            row[f"time_{case}_s"] = med
+            row[f"time_{case}_min_s"] = mn
+            row[f"cpu_{case}_s"] = cpu
+        row["est_cost_frac_1t"] = (row["time_on_1t_min_s"] - row["time_off_1t_min_s"]) / row["time_off_1t_min_s"]
+        row["est_cost_frac_cpu"] = (row["cpu_on_s"] - row["cpu_off_s"]) / row["cpu_off_s"]
+        row["est_cost_frac_cpu_1t"] = (row["cpu_on_1t_s"] - row["cpu_off_1t_s"]) / row["cpu_off_1t_s"]
+        row["est_cost_frac"] = (row["time_on_s"] - row["time_off_s"]) / row["time_off_s"]
+        row["est_cost_frac_min"] = (row["time_on_min_s"] - row["time_off_min_s"]) / row["time_off_min_s"]
+        res["fixed"].append(row)
+        print(f"{name} h{head} n_probe={p}: keys {row['keys_read']:.0f} mass {row['mass_mean']:.3f} err off "
+              f"{row['err_off']:.4f} on {row['err_on']:.4f} (x{row['err_ratio']:.2f}; next8 {row['err_on_next8']:.4f}) "
+              f"time off {row['time_off_s']:.4f} on {row['time_on_s']:.4f} (+{100 * row['est_cost_frac']:.1f} %; "
+              f"min {row['time_off_min_s']:.4f} / {row['time_on_min_s']:.4f}: +{100 * row['est_cost_frac_min']:.1f} %; "
+              f"1 thread min {row['time_off_1t_min_s']:.4f} / {row['time_on_1t_min_s']:.4f}: "
+              f"+{100 * row['est_cost_frac_1t']:.1f} %; CPU s {row['cpu_off_s']:.4f} / {row['cpu_on_s']:.4f}: "
+              f"+{100 * row['est_cost_frac_cpu']:.1f} %, 1 thread {row['cpu_off_1t_s']:.4f} / {row['cpu_on_1t_s']:.4f}: "
+              f"+{100 * row['est_cost_frac_cpu_1t']:.1f} %)",
+              flush=True)
+    res["sweep"] = list(sweep.values())
+    res["n_clusters"] = C
+    idx = ClusterIndex().build(k)
+    for top_p, cap_name, cap in ((0.9, "S", S), (0.9, "default", None), (0.95, "S", S), (0.98, "S", S)):
+        st: dict = {}
+        o0, l0 = routed_attention(idx, qq, v, scale=scale, top_p=top_p, max_keys=cap, stats=st)
+        mass = np.exp(l0.astype(np.float64) - lse_full)
+        o1, _ = routed_attention(idx, qq, v, scale=scale, top_p=top_p, max_keys=cap, estimate=-1)
+        kr = st["keys_read"]
+        reach = [s for s in sweep.values() if s["mass_mean"] >= mass.mean()]
+        fixed = min(reach, key=lambda s: s["keys_read"]) if reach else None
+        frac = float(np.mean(mass >= 0.9))
+        reach = [s for s in sweep.values() if s["rows_mass_ge_0.9"] >= frac]
+        fixed_rows = min(reach, key=lambda s: s["keys_read"]) if reach else None
+        row = {"top_p": top_p, "max_keys": cap if cap is not None else 4 * idx.prefix_budget(),
+               "cap": cap_name, "keys_read_mean": float(kr.mean()),
+               "keys_read_p10": float(np.percentile(kr, 10)), "keys_read_p90": float(np.percentile(kr, 90)),
+               "mass_mean": float(mass.mean()), "rows_mass_ge_0.9": float(np.mean(mass >= 0.9)),
+               "err_off": float(rel_err(o0, ref).mean()), "err_on": float(rel_err(o1, ref).mean()),
+               "fixed_same_mass": fixed, "fixed_same_rows": fixed_rows}
+        row["time_s"], _, row["cpu_s"] = timed({"t": lambda cap=cap, top_p=top_p: routed_attention(
+            idx, q, v, scale=scale, top_p=top_p, max_keys=cap, estimate=-1)}, repeats)["t"]
+        res["top_p"].append(row)
+        fx = (f"fixed n_probe={fixed['n_probe']} keys {fixed['keys_read']:.0f} mass {fixed['mass_mean']:.3f}"
+              if fixed else "no fixed budget reaches it")
+        if fixed_rows:
+            fx += (f"; rows>=0.9 as often: fixed n_probe={fixed_rows['n_probe']} keys "
+                   f"{fixed_rows['keys_read']:.0f} ({fixed_rows['rows_mass_ge_0.9']:.3f})")
+        print(f"{name} h{head} top_p={top_p} cap={row['max_keys']}: keys {row['keys_read_mean']:.0f} "
+              f"(p10 {row['keys_read_p10']:.0f}, p90 {row['keys_read_p90']:.0f}) mass {row['mass_mean']:.3f} "
+              f"rows>=0.9 {row['rows_mass_ge_0.9']:.3f} err off {row['err_off']:.4f} on {row['err_on']:.4f}; {fx}",
+              flush=True)
+    return res
+
+
+def write_md(results: list[dict], path: str, command: str) -> None:
+    lines = ["# Estimation of unread clusters and the mass-driven budget (cluster:mode=block)", "",
+             f"Command: `{command}`. Real MiniLM keys (layer 3); error vs float64 dense attention (mean over "
+             "rows); mass = true softmax mass of the keys read exactly; time = attend over every query "
+             "(median of interleaved repeats, wall and CPU seconds of this process; the machine is shared, so "
+             "the CPU-time ratio is the steadier measure of the estimation's own cost). `estimate=-1`: every unread cluster estimated; `next8`: the next 8 clusters.", "",
+             "## Fixed budget (n_probe), estimate off / on", "",
+             "| data | head | C | n_probe | keys/q | mass | err off | err on | on/off | err next8 | "
+             "time off s | time on s | est. cost (wall) | CPU off s | CPU on s | est. cost (CPU) | "
+             "CPU 1 thread off s | on s | est. cost (CPU, 1 thread) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for f in r["fixed"]:
+            lines.append(f"| {r['data']} | {r['head']} | {r['n_clusters']} | {f['n_probe']} | {f['keys_read']:.0f} | "
+                         f"{f['mass_mean']:.3f} | {f['err_off']:.4f} | {f['err_on']:.4f} | {f['err_ratio']:.2f} | "
+                         f"{f['err_on_next8']:.4f} | {f['time_off_s']:.4f} | {f['time_on_s']:.4f} | "
+                         f"{100 * f['est_cost_frac']:+.1f} % | {f['cpu_off_s']:.4f} | {f['cpu_on_s']:.4f} | "
+                         f"{100 * f['est_cost_frac_cpu']:+.1f} % | {f['cpu_off_1t_s']:.4f} | "
+                         f"{f['cpu_on_1t_s']:.4f} | {100 * f['est_cost_frac_cpu_1t']:+.1f} % |")
+    lines += ["", "## top_p against the fixed budgets reaching the same mean mass / the same share of rows "
+              "with mass >= 0.9", "",
+              "| data | head | top_p | max_keys | keys/q mean (p10-p90) | mass | rows mass >= 0.9 | err off | err on | "
+              "time s | fixed n_probe | fixed keys/q | fixed mass | fixed n_probe (rows) | keys/q | rows >= 0.9 |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for t in r["top_p"]:
+            fx = t["fixed_same_mass"]
+            fxs = (f"{fx['n_probe']} | {fx['keys_read']:.0f} | {fx['mass_mean']:.3f}" if fx else "- | - | -")
+            fr = t["fixed_same_rows"]
+            fxs += (f" | {fr['n_probe']} | {fr['keys_read']:.0f} | {fr['rows_mass_ge_0.9']:.3f}" if fr
+                    else " | - | - | -")
+            lines.append(f"| {r['data']} | {r['head']} | {t['top_p']} | {t['max_keys']} | {t['keys_read_mean']:.0f} "
+                         f"({t['keys_read_p10']:.0f}-{t['keys_read_p90']:.0f}) | {t['mass_mean']:.3f} | "
+                         f"{t['rows_mass_ge_0.9']:.3f} | {t['err_off']:.4f} | {t['err_on']:.4f} | {t['time_s']:.4f} | {fxs} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quality-rows", type=int, default=2048)
+    ap.add_argument("--skip-65k", action="store_true")
+    ap.add_argument("--heads16k", default="0,1,2,3")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "estimate"))
+    args = ap.parse_args()
+    command = "python benchmarks/bench_estimate.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out",) and v not in (False,))
+    results = []
+    t = sa.data.load("store", dtype=np.float32)
+    for h in [int(x) for x in args.heads16k.split(",")]:
+        results.append(run_head("store16k", int(t.meta.get("heads", [0, 1, 2, 3])[h]), t.q[h], t.k[h], t.v[h],
+                                t.scale, [4, 8, 16], args.repeats, args.quality_rows))
+    if not args.skip_65k and os.path.exists(os.path.join(TRACE_DIR, "manifest.json")):
+        t = sa.data.load("store65k", data_dir=TRACE_DIR, dtype=np.float32)
+        heads = t.meta.get("heads", list(range(t.q.shape[0])))
+        for h in range(t.q.shape[0]):
+            results.append(run_head("store65k", int(heads[h]), t.q[h], t.k[h], t.v[h], t.scale, [4, 8, 16],
+                                    args.repeats, args.quality_rows))
+    elif not args.skip_65k:
+        print(f"store65k not found in {TRACE_DIR}: skipped")
+    with open(args.out + ".json", "w") as f:
+        json.dump({"command": command, "results": results}, f, indent=1)
+    write_md(results, args.out + ".md", command)
+    print(f"wrote {args.out}.json and .md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""Estimation of unread clusters (``estimate``) and the mass-driven budget (``top_p``) of routed attention.
+
+Oracle: dense softmax attention in float64 numpy (optionally masked), and brute-force key counts.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparseattn import get_selector
+from sparseattn.attention.routed import mass_routes, routed_attention
+from sparseattn.index import ClusterIndex
+from sparseattn.kernels import cluster as ck
+
+
+def _clustered(seed: int = 3, S: int = 1500, L: int = 200, E: int = 12, Ev: int = 6, n_cent: int = 24,
+               spread: float = 0.6, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    cent = rng.standard_normal((n_cent, E)) * 1.2
+    k = cent[rng.integers(0, n_cent, S)] + spread * rng.standard_normal((S, E))
+    q = cent[rng.integers(0, n_cent, L)] + spread * rng.standard_normal((L, E))
+    v = 0.3 * k @ rng.standard_normal((E, Ev)) + rng.standard_normal((S, Ev))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def _dense(q, k, v, scale, mask=None):
+    s = q.astype(np.float64) @ k.astype(np.float64).T * scale
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
+    m = s.max(axis=1, keepdims=True)
+    w = np.exp(s - m)
+    z = w.sum(axis=1)
+    return (w @ v.astype(np.float64)) / z[:, None], m[:, 0] + np.log(z)
+
+
+def _err(o, ref):
+    return float(np.mean(np.linalg.norm(o.astype(np.float64) - ref, axis=1) / np.linalg.norm(ref, axis=1)))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype, tol", [(np.float32, 2e-5), (np.float64, 1e-11)])
+def test_every_cluster_routed_is_exact(is_causal, dtype, tol):
+    """n_probe = C leaves nothing to estimate; top_p = 1 (no cap) routes every cluster: dense attention."""
+    q, k, v = _clustered(dtype=dtype, L=150, S=900)
+    qpos = np.arange(150) * 6
+    mask = np.arange(900)[None, :] <= qpos[:, None] if is_causal else None
+    ref, ref_lse = _dense(q, k, v, 0.4, mask)
+    full = ClusterIndex(n_clusters=12, n_probe=12).build(k)
+    out, lse = routed_attention(full, q, v, scale=0.4, is_causal=is_causal, query_positions=qpos, estimate=-1)
+    np.testing.assert_allclose(out, ref, atol=tol)
+    np.testing.assert_allclose(lse, ref_lse, rtol=tol, atol=tol)
+    index = ClusterIndex(n_clusters=12, n_probe=2).build(k)
+    st_: dict = {}
+    out, lse = routed_attention(index, q, v, scale=0.4, is_causal=is_causal, query_positions=qpos, top_p=1.0,
+                                max_keys=900, estimate=-1, stats=st_)
+    np.testing.assert_allclose(out, ref, atol=tol)
+    np.testing.assert_allclose(lse, ref_lse, rtol=tol, atol=tol)
+    visible = (qpos + 1).clip(max=900) if is_causal else np.full(150, 900)
+    np.testing.assert_array_equal(st_["keys_read"], visible)
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10_000), L=st.integers(1, 40), E=st.integers(1, 9), C=st.integers(1, 9),
+       scale=st.floats(0.01, 3.0), mag=st.floats(0.1, 5.0))
+def test_estimate_with_all_clusters_routed_matches_dense_any_shape(seed, L, E, C, scale, mag):
+    rng = np.random.default_rng(seed)
+    S = 60
+    k = mag * rng.standard_normal((S, E))
+    q = mag * rng.standard_normal((L, E))
+    v = rng.standard_normal((S, 3))
+    index = ClusterIndex(n_clusters=C, n_probe=C).build(k)
+    out, lse = routed_attention(index, q, v, scale=scale, estimate=-1)
+    ref, ref_lse = _dense(q, k, v, scale)
+    np.testing.assert_allclose(out, ref, atol=1e-10)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_estimation_lowers_error_at_equal_routed_clusters_clustered(is_causal):
+    q, k, v = _clustered(S=3000, L=300, spread=0.8)
+    qpos = np.arange(300) * 10
+    mask = np.arange(3000)[None, :] <= qpos[:, None] if is_causal else None
+    ref, _ = _dense(q, k, v, 0.35, mask)
+    index = ClusterIndex(n_clusters=40, n_probe=4).build(k)
+    errs = {}
+    for est in (0, 6, -1):
+        s: dict = {}
+        out, _ = routed_attention(index, q, v, scale=0.35, is_causal=is_causal, query_positions=qpos,
+                                  estimate=est, stats=s)
+        errs[est] = (_err(out, ref), s["keys_read"])
+    np.testing.assert_array_equal(errs[0][1], errs[-1][1])  # estimation reads no extra key exactly
+    assert errs[6][0] < errs[0][0]
+    assert errs[-1][0] < 0.5 * errs[0][0], errs
+
+
+def test_estimation_lowers_error_on_real_keys():
+    sa_data = pytest.importorskip("sparseattn.data")
+    try:
+        t = sa_data.load("store", head=0, dtype=np.float32)
+    except (FileNotFoundError, ValueError) as exc:  # pragma: no cover - data directory missing
+        pytest.skip(f"shipped store fixture unavailable: {exc}")
+    q, k, v = t.q[:256], t.k[:4096], t.v[:4096]
+    ref, _ = _dense(q, k, v, t.scale)
+    index = ClusterIndex(n_probe=6).build(k)
+    off, _ = routed_attention(index, q, v, scale=t.scale)
+    on, _ = routed_attention(index, q, v, scale=t.scale, estimate=-1)
+    assert _err(on, ref) < 0.5 * _err(off, ref)
+
+
+@pytest.mark.parametrize("kw", [{"estimate": -1}, {"estimate": 3}, {"top_p": 0.6, "estimate": -1}])
+def test_causal_rows_never_read_future_keys_statistics(kw):
+    """Future keys and values x50 (index clustering kept, statistics recomputed): past rows unchanged."""
+    q, k, v = _clustered(S=1200, L=160, dtype=np.float64)
+    qpos = np.arange(160) * 7 + 3
+    t = 600
+    index = ClusterIndex(n_clusters=16, n_probe=3).build(k)
+    base, base_lse = routed_attention(index, q, v, scale=0.5, is_causal=True, query_positions=qpos,
+                                      exact_prefix=False, **kw)
+    other = copy.deepcopy(index)
+    future = index.perm_ > t  # default key positions: id = position
+    kp = other.keys_perm_.copy()
+    kp[future] *= 50.0
+    other.keys_perm_ = kp
+    other._keys_cast = {kp.dtype: kp}
+    other._init_stats(kp)
+    # the score bounds must hold for the new keys (only the shifts change: rounding-level differences)
+    other.radius_ = ck.cluster_radius(kp, other.cluster_ptr_, other.centroids_)
+    v2 = v.copy()
+    v2[t + 1:] *= 50.0
+    out, lse = routed_attention(other, q, v2, scale=0.5, is_causal=True, query_positions=qpos, exact_prefix=False,
+                                **kw)
+    past = qpos <= t
+    assert past.sum() > 50 and not np.allclose(out[~past], base[~past])
+    np.testing.assert_allclose(out[past], base[past], rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(lse[past], base_lse[past], rtol=1e-10, atol=1e-10)
+
+
+def test_keys_read_matches_routed_clusters():
+    q, k, v = _clustered()
+    index = ClusterIndex(n_clusters=20, n_probe=3).build(k)
+    ids, _ = index.route(q)
+    sizes = np.diff(index.cluster_ptr_)
+    for est in (0, -1):
+        s: dict = {}
+        routed_attention(index, q, v, estimate=est, stats=s)
+        np.testing.assert_array_equal(s["keys_read"], sizes[ids].sum(axis=1))
+    qpos = np.arange(q.shape[0]) * 8
+    s = {}
+    routed_attention(index, q, v, is_causal=True, query_positions=qpos, exact_prefix=False, stats=s)
+    brute = [sum(int(np.sum(np.flatnonzero(index.assignment_ == c) <= qpos[i])) for c in ids[i])
+             for i in range(q.shape[0])]
+    np.testing.assert_array_equal(s["keys_read"], brute)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_top_p_keys_read_bounds(is_causal):
+    q, k, v = _clustered(S=2000, L=200)
+    qpos = np.arange(200) * 10
+    index = ClusterIndex(n_clusters=30, n_probe=4).build(k)
+    sizes = np.diff(index.cluster_ptr_)
+    for lo, hi in ((0, 150), (300, 2000), (200, 400)):
+        s: dict = {}
+        routed_attention(index, q, v, is_causal=is_causal, query_positions=qpos, exact_prefix=False, top_p=0.3,
+                         min_keys=lo, max_keys=hi, estimate=-1, stats=s)
+        kr = s["keys_read"]
+        assert kr.max() <= hi
+        visible = np.minimum(qpos + 1, 2000) if is_causal else np.full(200, 2000)
+        # the floor holds unless the row sees fewer keys or the cap stopped it (within one cluster of it)
+        short = kr < np.minimum(lo, visible)
+        assert np.all(kr[short] > hi - sizes.max())
+        if hi == 2000:
+            assert not short.any()
+
+
+def test_top_p_reads_more_keys_for_flat_rows():
+    q, k, v = _clustered(S=2000, L=200, spread=0.5)
+    index = ClusterIndex(n_clusters=30, n_probe=4).build(k)
+    peaky, flat = {}, {}
+    routed_attention(index, q * 4.0, v, top_p=0.9, max_keys=2000, stats=peaky)
+    routed_attention(index, q * 0.05, v, top_p=0.9, max_keys=2000, stats=flat)
+    assert peaky["keys_read"].mean() < 0.5 * flat["keys_read"].mean()
+    # more top_p, more keys (the walk over the same mass order only goes further)
+    a, b = {}, {}
+    routed_attention(index, q, v, top_p=0.5, max_keys=2000, stats=a)
+    routed_attention(index, q, v, top_p=0.95, max_keys=2000, stats=b)
+    assert np.all(a["keys_read"] <= b["keys_read"]) and a["keys_read"].mean() < b["keys_read"].mean()
+
+
+def test_stats_update_incrementally():
+    _, k, _ = _clustered(dtype=np.float64)
+    index = ClusterIndex(n_clusters=10, n_probe=2).build(k)
+    logn, mu, var = index.key_stats()
+    kc = k - index.mean_
+    for c in range(10):  # brute force per cluster
+        members = kc[index.assignment_ == c]
+        np.testing.assert_allclose(mu[c], members.mean(axis=0), atol=1e-12)
+        np.testing.assert_allclose(var[c], members.var(axis=0).mean(), rtol=1e-9, atol=1e-12)
+        assert logn[c] == np.log(len(members))
+    grown = copy.deepcopy(index)
+    grown.count_[:] = 0
+    grown.key_sum_[:] = 0
+    grown.key_sqsum_[:] = 0
+    half = k.shape[0] // 2
+    grown.update_stats(k[:half], index.assignment_[:half])
+    grown.update_stats(k[half:], index.assignment_[half:])
+    np.testing.assert_array_equal(grown.count_, index.count_)
+    np.testing.assert_allclose(grown.key_sum_, index.key_sum_, rtol=1e-10, atol=1e-9)
+    np.testing.assert_allclose(grown.key_sqsum_, index.key_sqsum_, rtol=1e-10)
+    with pytest.raises(ValueError, match=r"assignment values must lie in \[0, 10\)"):
+        index.update_stats(k[:2], np.array([0, 10]))
+    with pytest.raises(ValueError, match="keys must have shape"):
+        index.update_stats(k[:2, :3], np.array([0, 1]))
+
+
+def test_argument_errors():
+    q, k, v = _clustered(L=5)
+    index = ClusterIndex(n_clusters=8, n_probe=2).build(k)
+    with pytest.raises(ValueError, match="estimate must be an int >= -1"):
+        routed_attention(index, q, v, estimate=-2)
+    with pytest.raises(ValueError, match=r"top_p must be a float in \(0, 1\]"):
+        routed_attention(index, q, v, top_p=0.0)
+    with pytest.raises(ValueError, match=r"top_p must be a float in \(0, 1\]"):
+        routed_attention(index, q, v, top_p=1.5)
+    with pytest.raises(ValueError, match="min_keys=50 must be <= max_keys=10"):
+        routed_attention(index, q, v, top_p=0.5, min_keys=50, max_keys=10)
+    with pytest.raises(ValueError, match="max_keys must be an int >= 0"):
+        routed_attention(index, q, v, top_p=0.5, max_keys=-1)
+
+
+def test_selector_parameters():
+    q, k, v = _clustered(S=2000, L=100)
+    ref, _ = _dense(q, k, v, 0.3)
+    off = get_selector("cluster:mode=block,n_clusters=30,n_probe=3").build(k)
+    on = get_selector("cluster:mode=block,n_clusters=30,n_probe=3,estimate=-1").build(k)
+    e_off = _err(off.attend(q, v, scale=0.3)[0], ref)
+    e_on = _err(on.attend(q, v, scale=0.3)[0], ref)
+    assert e_on < 0.5 * e_off
+    np.testing.assert_array_equal(on.last_keys_read_, off.last_keys_read_)
+    on.set_params(top_p=0.8, max_keys=500)
+    on.attend(q, v, scale=0.3)
+    assert on.last_keys_read_.shape == (100,) and on.last_keys_read_.max() <= 500
+    with pytest.raises(ValueError, match="estimate"):
+        get_selector("cluster:mode=block,estimate=-3")
+    with pytest.raises(ValueError, match="top_p"):
+        get_selector("cluster:mode=block,top_p=2")
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_block_query_with_top_p_is_the_attended_key_set(is_causal):
+    """Block-mode query() returns the mass-routed keys; attend() (estimate off) is exact attention over them."""
+    q, k, v = _clustered(S=1500, L=120, dtype=np.float64)
+    qpos = np.arange(120) * 12
+    sel = get_selector("cluster:mode=block,n_clusters=25,n_probe=3,top_p=0.7,max_keys=600,exact_prefix=false")
+    sel.build(k)
+    pat = sel.query(q, 1, is_causal=is_causal, query_positions=qpos)
+    out, _ = sel.attend(q, v, is_causal=is_causal, query_positions=qpos)
+    np.testing.assert_array_equal(pat.nnz_per_row, sel.last_keys_read_)
+    mask = np.zeros((120, 1500), dtype=bool)
+    for i in range(120):
+        mask[i, pat.row(i)] = True
+    if is_causal:
+        assert not np.any(mask & (np.arange(1500) > qpos[:, None]))  # no future key in the pattern
+    live = mask.any(axis=1)
+    ref, _ = _dense(q[live], k, v, 1 / np.sqrt(12), mask[live])
+    np.testing.assert_allclose(out[live], ref, atol=1e-10)
+    route, keys = mass_routes(sel.index_, q, top_p=0.7, max_keys=600, is_causal=is_causal, query_positions=qpos)
+    np.testing.assert_array_equal(keys, sel.last_keys_read_)
+    sizes = np.diff(sel.index_.cluster_ptr_)
+    for i in range(120):
+        r = route[i][route[i] >= 0]
+        assert len(set(r.tolist())) == r.size
+        if not is_causal:
+            assert sizes[r].sum() == keys[i]
