@@ -160,11 +160,7 @@ def test_attack_subprocess_survives_every_case(attack_run):
 
 #: Findings outside the selector boundary, reported to the owner of the code named; kept strict: the test
 #: below fails when one stops reproducing, so the entry gets removed with the fix.
-KNOWN_FINDINGS = {
-    "cluster:mode=block |q|~1e+300 |k|~1e-300 float64 causal=False":
-        "routed attention (sparseattn/attention/routed.py, index/cluster.py): queries beyond ~1e154 give "
-        "lse = -inf and zero output although the scores are O(1)",
-}
+KNOWN_FINDINGS: dict[str, str] = {}
 
 
 def test_attack_cases_give_valid_results_or_named_errors(attack_run):

@@ -324,6 +324,21 @@ class Selector(ABC):
                 break
         return isinstance(metric, str) and metric.startswith("inner_product")
 
+    def _check_query_range(self, q: np.ndarray) -> None:
+        """ValueError for float64 queries whose squared norms overflow float64 (``|x| > 2**498``) at a selector
+        with ``index_dtype``: it scores them without rescaling (any larger query row gave zeros).  Queries
+        within that range go on to the score-overflow check."""
+        if self.index_dtype is None or q.size == 0 or q.dtype != np.float64:
+            return
+        limit = math.ldexp(1.0, np.finfo(np.float64).maxexp // 2 - 14)
+        big = float(np.abs(q).max())
+        if big > limit:
+            raise ValueError(f"queries has values of magnitude up to {big:.3g}; selector {self.name!r} needs "
+                             f"|x| <= {limit:.3g} (so that squared norms stay finite in float64). Rescale the "
+                             f"queries (multiplying the queries by c and the attention scale by 1/c leaves the "
+                             f"softmax unchanged), or use topk, window, faiss-* or kdtree, which take any "
+                             f"finite magnitude.")
+
     def _check_index_range(self, x: np.ndarray, name: str) -> None:
         """ValueError when ``x`` holds values outside the finite range of ``index_dtype``."""
         if self.index_dtype is None or x.size == 0:
@@ -426,6 +441,8 @@ class Selector(ABC):
         k = check_positive_int(k, "k")
         check_bool(is_causal, "is_causal")
         q = np.ascontiguousarray(q, dtype=self.keys_.dtype)
+        if not getattr(self, "_featureless", False):
+            self._check_query_range(q)
         L, S = q.shape[0], self.keys_.shape[0]
         qpos = positions(query_positions, L, "query_positions")
         kpos = positions(key_positions, S, "key_positions")
@@ -516,6 +533,7 @@ def _guard_attend(attend: Callable[..., Any]) -> Callable[..., Any]:
                 is_causal: bool = False, query_positions: object = None, key_positions: object = None,
                 check_finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
         if not getattr(self, "_featureless", False):
+            self._check_query_range(as_float_array(queries, "queries", min_ndim=0, check_finite=False))
             return attend(self, queries, values, scale=scale, is_causal=is_causal,
                           query_positions=query_positions, key_positions=key_positions,
                           check_finite=check_finite)
