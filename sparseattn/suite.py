@@ -163,6 +163,8 @@ def summary_table(json_path: str, *, k: int = 64, min_recall: float = 0.9) -> st
     """Markdown table of a suite JSON: per workload at ``k``, the fastest selector whose mean recall@k is at
     least ``min_recall`` and the selector keeping the most softmax mass among those faster than torch SDPA
     end to end ("—": none qualifies, or SDPA was not measured).  Made from the JSON only."""
+    from .report import selector_label
+
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int (the suite's k column); got {k!r}.")
     if not 0.0 <= float(min_recall) <= 1.0:
@@ -186,26 +188,11 @@ def summary_table(json_path: str, *, k: int = 64, min_recall: float = 0.9) -> st
             if r is None:
                 cells += ["—"] * 4
                 continue
-            name = _short_spec(r["selector"])
+            name = selector_label(r["selector"])
             speed = f"{r['speedup_vs_sdpa']:.3g}x" if r.get("speedup_vs_sdpa") else "—"
             cells += [f"`{name}`", speed, f"{r['quality']['recall_mean']:.3f}", f"{r['quality']['mass_recall_mean']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |\n")
     return "".join(lines)
-
-
-def _short_spec(spec: str, width: int = 44) -> str:
-    """A selector spec without its default-valued parameters (``mode`` is always kept), cut to ``width``."""
-    from .selectors import get_selector, spec_string
-
-    name, _, params = spec.partition(":")
-    if params and "+" not in spec:
-        try:
-            defaults = set(spec_string(get_selector(name)).partition(":")[2].split(","))
-        except (KeyError, ValueError, TypeError):  # an unknown or unavailable selector: keep the spec
-            defaults = set()
-        kept = [t for t in params.split(",") if t.startswith("mode=") or t not in defaults]
-        spec = f"{name}:{','.join(kept)}" if kept else name
-    return spec if len(spec) <= width else spec[:width - 1] + "…"
 
 
 def _workload_label(case: dict[str, Any]) -> tuple[str, str]:
@@ -218,7 +205,7 @@ def _workload_label(case: dict[str, Any]) -> tuple[str, str]:
 
 def plot_suite(json_path: str, out_dir: str) -> list[str]:
     """time vs n (log-log, dense included), mass recall vs speed-up (Pareto), recall vs k; from JSON."""
-    from .report import pareto_axes, pyplot, save_figure
+    from .report import pareto_axes, pyplot, save_figure, selector_labels, selector_styles
 
     plt = pyplot()
     if plt is None:
@@ -226,6 +213,9 @@ def plot_suite(json_path: str, out_dir: str) -> list[str]:
     with open(json_path) as f:
         cases = [c for c in json.load(f)["cases"] if "results" in c]
     paths = []
+    # one short label and one (colour, marker) per selector spec, the same in every plot
+    specs = sorted({r["selector"] for c in cases for r in c["results"] if "total_s" in r})
+    labels, styles = selector_labels(specs), selector_styles(specs)
     # 1. time vs n on synthetic data (non-causal), one line per selector + dense baselines.
     synth = [c for c in cases if c["data"].startswith("synthetic") and not c["is_causal"]]
     for kind in ("gaussian", "clustered"):
@@ -242,25 +232,27 @@ def plot_suite(json_path: str, out_dir: str) -> list[str]:
             pts = [(c["workload"]["S"], r["total_s"]) for c in sub for r in c["results"]
                    if r.get("selector") == name and "total_s" in r]
             if pts:
-                ax.plot(*zip(*pts, strict=True), "o-", ms=3, label=name[:40])
+                color, marker = styles[name]
+                ax.plot(*zip(*pts, strict=True), "-", marker=marker, color=color, ms=4, label=labels[name])
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("n (keys = queries)")
         ax.set_ylabel("seconds, build + select + kernel (median)")
         ax.set_title(f"time vs n, synthetic {kind}, d=64, k=64")
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.grid(alpha=0.3, which="both")
         paths.append(save_figure(fig, out_dir, f"time_vs_n_{kind}.png"))
     # 2. Pareto: mass recall vs speed-up, every case.
     fig, ax = plt.subplots(figsize=(7, 5))
-    for c in cases:
+    for name in specs:  # colour and marker by selector; every case of the suite is one point
         pts = [((r.get("speedup_vs_sdpa") or r.get("speedup_vs_dense")), r["quality"]["mass_recall_mean"])
-               for r in c["results"] if "total_s" in r]
+               for c in cases for r in c["results"] if r.get("selector") == name and "total_s" in r]
         if pts:
-            label = c["data"].replace("synthetic:", "")[:30] + f" k={c['k']}" + (" causal" if c["is_causal"] else "")
-            ax.scatter(*zip(*pts, strict=True), s=12, label=label)
+            color, marker = styles[name]
+            ax.scatter(*zip(*pts, strict=True), s=16, color=color, marker=marker, alpha=0.8, label=labels[name])
     pareto_axes(ax, "speed-up over exact attention, end to end", "softmax mass recall")
-    ax.legend(fontsize=5, ncol=2)
+    ax.set_title("mass recall vs speed-up, all suite cases")
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     paths.append(save_figure(fig, out_dir, "pareto.png"))
     # 3. recall vs k on the store.
     ks = sorted((c for c in cases if c["data"] == "store" and not c["is_causal"]), key=lambda c: c["k"])
@@ -272,13 +264,14 @@ def plot_suite(json_path: str, out_dir: str) -> list[str]:
                    for r in c["results"] if r.get("selector") == name and "total_s" in r]
             if len(pts) > 1:
                 x, rec, mass = zip(*pts, strict=True)
-                ax.plot(x, rec, "o-", ms=3, label=f"{name[:30]} recall@k")
-                ax.plot(x, mass, "x:", ms=3, label=f"{name[:30]} mass")
+                color, marker = styles[name]
+                ax.plot(x, rec, "-", marker=marker, color=color, ms=4, label=f"{labels[name]} recall@k")
+                ax.plot(x, mass, ":", marker=marker, color=color, ms=4, mfc="none", label=f"{labels[name]} mass")
         ax.set_xscale("log")
         ax.set_xlabel("k")
         ax.set_ylabel("recall@k / softmax mass recall")
         ax.set_title("store (16,384 real keys): recall vs k")
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.grid(alpha=0.3)
         paths.append(save_figure(fig, out_dir, "recall_vs_k.png"))
     return paths
