@@ -185,3 +185,16 @@ def test_shrink_keeps_a_whole_tail_exact_and_bad_shrink_is_named():
     for bad in (-1.0, float("inf"), "x"):
         with pytest.raises(ValueError, match="shrink"):
             Tail(4, shrink=bad)
+
+
+def test_keys_read_are_reported_for_patterns_tails_and_block_mode():
+    q, k, v = data(16, 300, seed=12)
+    res = sa.sparse_attention_result(q, k, v, "topk", k=8, tail=20, is_causal=True)
+    want = res.patterns[0].nnz_per_row + res.tail_patterns[0].nnz_per_row
+    np.testing.assert_array_equal(res.keys_read, want)
+    qh, kh, vh = (np.stack([x, x]) for x in (q, k, v))  # (2, L, E): one row of counts per head
+    res = sa.sparse_attention_result(qh, kh, vh, "cluster:mode=block,n_clusters=4,n_probe=1")
+    assert res.keys_read.shape == (2, 16) and (res.keys_read > 0).all() and (res.keys_read < 300).all()
+    sel = sa.get_selector("cluster:mode=block,n_clusters=4,n_probe=1").build(k)
+    sel.attend(q, v)
+    np.testing.assert_array_equal(res.keys_read[0], sel.last_keys_read_)

@@ -68,6 +68,9 @@ class SparseAttentionResult:
     tail_patterns : list of SparsePattern
         With ``tail=``: the sampled tail keys of each group (one pattern per group); else empty.  Keys read
         per query = selected + sampled.
+    keys_read : int64 array (..., L)
+        Keys each query read exactly: its pattern row (plus the sampled tail keys), or, for a selector that
+        attends by itself, the keys of its routed clusters (the selector's per-row count).
     """
 
     output: np.ndarray
@@ -76,6 +79,7 @@ class SparseAttentionResult:
     timings: dict[str, float] = field(default_factory=dict)
     selector: str | None = None
     tail_patterns: list[SparsePattern] = field(default_factory=list)
+    keys_read: np.ndarray | None = None
 
 
 # ------------------------------------------------------------------------------------ public API
@@ -183,9 +187,10 @@ def sparse_attention_result(
         spec, patterns, direct = _run_selector(pattern, inp, k, is_causal, bias, query_positions, key_positions,
                                                timings)
         if direct is not None:
-            out, lse = direct
+            out, lse, read = direct
             check_lse(lse, inp.cdt, inp.scale, nan_is_overflow=check_finite)
-            return SparseAttentionResult(*inp.finish(out, lse), [], timings, spec)
+            return SparseAttentionResult(*inp.finish(out, lse), [], timings, spec,
+                                         keys_read=read.reshape(*inp.lead, inp.L))
     bias_args = _bias_args(bias, inp, query_positions, key_positions)
     t0 = time.perf_counter()
     out, lse = _run_kernel(inp, patterns, bias_args, with_bias=bias is not None)
@@ -197,7 +202,13 @@ def sparse_attention_result(
         out, lse, sampled = _add_tail(inp, patterns, out, lse, bias_args, bias is not None, tail, is_causal,
                                       query_positions, key_positions, check_finite)
         timings["tail"] = time.perf_counter() - t0
-    return SparseAttentionResult(*inp.finish(out, lse), patterns, timings, spec, sampled)
+    read = np.empty((inp.G, inp.L), dtype=np.int64)
+    for g in range(inp.G):
+        read[g] = (patterns[0] if len(patterns) == 1 else patterns[g]).nnz_per_row
+        if sampled:
+            read[g] += sampled[g].nnz_per_row
+    return SparseAttentionResult(*inp.finish(out, lse), patterns, timings, spec, sampled,
+                                 read.reshape(*inp.lead, inp.L))
 
 
 # --------------------------------------------------------------------------------------- helpers
@@ -248,11 +259,11 @@ def _resolve_selector(pattern: Any, inp: AttentionInputs, is_causal: bool, bias:
 
 def _run_selector(pattern: Any, inp: AttentionInputs, k: int, is_causal: bool, bias: Any, query_positions: Any,
                   key_positions: Any, timings: dict[str, float]
-                  ) -> tuple[str, list[SparsePattern], tuple[np.ndarray, np.ndarray] | None]:
+                  ) -> tuple[str, list[SparsePattern], tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
     """Build the selector once per distinct K/V group and query it (or let it attend) for every group.
 
-    Returns (spec, patterns, direct): ``direct`` is the (G, L, Ev) output and (G, L) lse when the selector
-    attends by itself (then ``patterns`` is empty), else None.
+    Returns (spec, patterns, direct): ``direct`` is the (G, L, Ev) output, (G, L) lse and (G, L) keys read
+    when the selector attends by itself (then ``patterns`` is empty), else None.
     """
     k = check_positive_int(k, "k")
     template, spec = _resolve_selector(pattern, inp, is_causal, bias)  # the caller's object: read, never built
@@ -263,6 +274,7 @@ def _run_selector(pattern: Any, inp: AttentionInputs, k: int, is_causal: bool, b
     patterns: list[SparsePattern] = []
     out = np.empty((G, inp.L, inp.Ev), dtype=inp.cdt) if attends else None
     lse = np.empty((G, inp.L), dtype=inp.cdt) if attends else None
+    read = np.empty((G, inp.L), dtype=np.int64) if attends else None
     built: dict[int, Any] = {}
     for g in range(G):
         kv = int(inp.kv_map[g])
@@ -277,11 +289,16 @@ def _run_selector(pattern: Any, inp: AttentionInputs, k: int, is_causal: bool, b
         if attends:
             out[g], lse[g] = built[kv].attend(qg, inp.v3[kv], scale=inp.scale, is_causal=is_causal,
                                               query_positions=qpos, key_positions=kpos, check_finite=False)
+            counts = getattr(built[kv], "last_keys_read_", None)
+            if counts is not None and np.shape(counts) == (inp.L,):
+                read[g] = counts
+            else:  # a selector without its own count attends every allowed key
+                read[g] = (np.searchsorted(np.sort(kpos), qpos, side="right") if is_causal else inp.S)
         else:
             patterns.append(built[kv].query(qg, k, is_causal=is_causal, query_positions=qpos,
                                             key_positions=kpos, check_finite=False))
         timings["select"] += time.perf_counter() - t0
-    return spec, patterns, ((out, lse) if attends else None)
+    return spec, patterns, ((out, lse, read) if attends else None)
 
 
 def _refuse_tail_for_attending(pattern: object) -> None:
