@@ -53,3 +53,14 @@ def assert_exact_topk(p, q, k, kk, rtol=1e-5, **kw):
 def no_leak(p, qpos, kpos):
     """True when no selected key sits after its query (causal)."""
     return not (p.to_mask() & (kpos[None, :] > qpos[:, None])).any()
+
+
+def dense64(q, k, v, scale, mask=None):
+    """Float64 softmax attention oracle: (L, Ev) output and (L,) lse; ``mask`` (L, S) bool, True = may attend."""
+    s = q.astype(np.float64) @ k.astype(np.float64).T * scale
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
+    m = s.max(axis=1, keepdims=True)
+    w = np.exp(s - m)
+    z = w.sum(axis=1)
+    return (w @ v.astype(np.float64)) / z[:, None], m[:, 0] + np.log(z)

@@ -9,6 +9,7 @@ import copy
 
 import numpy as np
 import pytest
+from helpers import dense64
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,14 +29,6 @@ def _clustered(seed: int = 3, S: int = 1500, L: int = 200, E: int = 12, Ev: int 
     return q.astype(dtype), k.astype(dtype), v.astype(dtype)
 
 
-def _dense(q, k, v, scale, mask=None):
-    s = q.astype(np.float64) @ k.astype(np.float64).T * scale
-    if mask is not None:
-        s = np.where(mask, s, -np.inf)
-    m = s.max(axis=1, keepdims=True)
-    w = np.exp(s - m)
-    z = w.sum(axis=1)
-    return (w @ v.astype(np.float64)) / z[:, None], m[:, 0] + np.log(z)
 
 
 def _err(o, ref):
@@ -49,7 +42,7 @@ def test_every_cluster_routed_is_exact(is_causal, dtype, tol):
     q, k, v = _clustered(dtype=dtype, L=150, S=900)
     qpos = np.arange(150) * 6
     mask = np.arange(900)[None, :] <= qpos[:, None] if is_causal else None
-    ref, ref_lse = _dense(q, k, v, 0.4, mask)
+    ref, ref_lse = dense64(q, k, v, 0.4, mask)
     full = ClusterIndex(n_clusters=12, n_probe=12).build(k)
     out, lse = routed_attention(full, q, v, scale=0.4, is_causal=is_causal, query_positions=qpos, estimate=-1)
     np.testing.assert_allclose(out, ref, atol=tol)
@@ -75,7 +68,7 @@ def test_estimate_with_all_clusters_routed_matches_dense_any_shape(seed, L, E, C
     v = rng.standard_normal((S, 3))
     index = ClusterIndex(n_clusters=C, n_probe=C).build(k)
     out, lse = routed_attention(index, q, v, scale=scale, estimate=-1)
-    ref, ref_lse = _dense(q, k, v, scale)
+    ref, ref_lse = dense64(q, k, v, scale)
     np.testing.assert_allclose(out, ref, atol=1e-10)
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-10, atol=1e-10)
 
@@ -85,7 +78,7 @@ def test_estimation_lowers_error_at_equal_routed_clusters_clustered(is_causal):
     q, k, v = _clustered(S=3000, L=300, spread=0.8)
     qpos = np.arange(300) * 10
     mask = np.arange(3000)[None, :] <= qpos[:, None] if is_causal else None
-    ref, _ = _dense(q, k, v, 0.35, mask)
+    ref, _ = dense64(q, k, v, 0.35, mask)
     index = ClusterIndex(n_clusters=40, n_probe=4).build(k)
     errs = {}
     for est in (0, 6, -1):
@@ -105,7 +98,7 @@ def test_estimation_lowers_error_on_real_keys():
     except (FileNotFoundError, ValueError) as exc:  # pragma: no cover - data directory missing
         pytest.skip(f"shipped store fixture unavailable: {exc}")
     q, k, v = t.q[:256], t.k[:4096], t.v[:4096]
-    ref, _ = _dense(q, k, v, t.scale)
+    ref, _ = dense64(q, k, v, t.scale)
     index = ClusterIndex(n_probe=6).build(k)
     off, _ = routed_attention(index, q, v, scale=t.scale)
     on, _ = routed_attention(index, q, v, scale=t.scale, estimate=-1)
@@ -234,7 +227,7 @@ def test_argument_errors():
 
 def test_selector_parameters():
     q, k, v = _clustered(S=2000, L=100)
-    ref, _ = _dense(q, k, v, 0.3)
+    ref, _ = dense64(q, k, v, 0.3)
     off = get_selector("cluster:mode=block,n_clusters=30,n_probe=3").build(k)
     on = get_selector("cluster:mode=block,n_clusters=30,n_probe=3,estimate=-1").build(k)
     e_off = _err(off.attend(q, v, scale=0.3)[0], ref)
@@ -266,7 +259,7 @@ def test_block_query_with_top_p_is_the_attended_key_set(is_causal):
     if is_causal:
         assert not np.any(mask & (np.arange(1500) > qpos[:, None]))  # no future key in the pattern
     live = mask.any(axis=1)
-    ref, _ = _dense(q[live], k, v, 1 / np.sqrt(12), mask[live])
+    ref, _ = dense64(q[live], k, v, 1 / np.sqrt(12), mask[live])
     np.testing.assert_allclose(out[live], ref, atol=1e-10)
     route, keys = mass_routes(sel.index_, q, top_p=0.7, max_keys=600, is_causal=is_causal, query_positions=qpos)
     np.testing.assert_array_equal(keys, sel.last_keys_read_)

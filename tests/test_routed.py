@@ -7,6 +7,7 @@ import threading
 import numba
 import numpy as np
 import pytest
+from helpers import dense64
 
 from sparseattn.attention.routed import routed_attention
 from sparseattn.index import ClusterIndex
@@ -22,13 +23,6 @@ def _data(seed: int = 5, S: int = 700, L: int = 120, dtype=np.float32):
     return q.astype(dtype), k.astype(dtype), v.astype(dtype)
 
 
-def _dense(q, k, v, scale, mask=None):
-    s = q.astype(np.float64) @ k.astype(np.float64).T * scale
-    if mask is not None:
-        s = np.where(mask, s, -np.inf)
-    m = s.max(axis=1, keepdims=True)
-    w = np.exp(s - m)
-    return (w @ v.astype(np.float64)) / w.sum(axis=1, keepdims=True), (m + np.log(w.sum(axis=1, keepdims=True)))[:, 0]
 
 
 @pytest.mark.parametrize("dtype, tol", [(np.float32, 1e-5), (np.float64, 1e-12)])
@@ -38,7 +32,7 @@ def test_every_cluster_probed_is_exact_attention(dtype, tol, is_causal):
     index = ClusterIndex(n_clusters=8, n_probe=8).build(k)
     out, lse = routed_attention(index, q, v, scale=0.5, is_causal=is_causal)
     mask = np.tril(np.ones((700, 700), dtype=bool)) if is_causal else None
-    ref, ref_lse = _dense(q, k, v, 0.5, mask)
+    ref, ref_lse = dense64(q, k, v, 0.5, mask)
     assert out.dtype == dtype and lse.dtype == dtype and out.shape == (700, 5)
     np.testing.assert_allclose(out, ref, atol=tol)
     np.testing.assert_allclose(lse, ref_lse, rtol=tol, atol=tol)

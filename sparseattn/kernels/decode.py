@@ -80,6 +80,20 @@ def widen_bf16(typingctx, x):
     return None
 
 
+@njit(cache=True, inline="always")
+def _raise_max(m_run, m_new, l_run, acc):
+    """Online softmax: when ``m_new`` exceeds the running maximum, rescale the running sum and the
+    accumulator to it; returns (maximum, sum)."""
+    if m_new > m_run:
+        if m_run > -np.inf:
+            alpha = np.float32(np.exp(m_run - m_new))
+            l_run *= alpha
+            for e in range(acc.shape[0]):
+                acc[e] *= alpha
+        m_run = m_new
+    return m_run, l_run
+
+
 def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mode, n_probe,
          cent, cptr, n_cent, pmin, pmax, page_size, scale, n_est, cvmean, cminpos, cmaxpos, out, lse, nread,
          nest):
@@ -197,13 +211,7 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mo
             if cmax == np.inf:
                 overflow = True
                 break
-            if cmax > m_run:
-                if m_run > -np.inf:
-                    alpha = np.float32(np.exp(m_run - cmax))
-                    l_run *= alpha
-                    for e in range(Ev):
-                        acc[e] *= alpha
-                m_run = cmax
+            m_run, l_run = _raise_max(m_run, cmax, l_run, acc)
             exp_shifted_f32(sc, n, m_run, sc)  # masked keys: exp(-inf) = 0
             for u in range(n):
                 w = sc[u]
@@ -225,13 +233,7 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mo
         if s == np.inf:
             overflow = True
             break
-        if s > m_run:
-            if m_run > -np.inf:
-                alpha = np.float32(np.exp(m_run - s))
-                l_run *= alpha
-                for e in range(Ev):
-                    acc[e] *= alpha
-            m_run = s
+        m_run, l_run = _raise_max(m_run, s, l_run, acc)
         w = np.float32(np.exp(s - m_run))
         l_run += w
         vm = cvmean[g, c]

@@ -79,7 +79,7 @@ import numpy as np
 from ..kernels import lsh as lk
 from ..kernels.topk import ORDER_NONE, block_topk, rerank_topk
 from ..pattern import SparsePattern
-from .base import Selector
+from .base import Selector, scatter_rows
 from .params import Param, non_negative, positive
 from .registry import register
 
@@ -346,11 +346,7 @@ class AngularLSHSelector(Selector):
                 local = np.asarray(local, dtype=np.int64)
                 base = int(t) * size
                 found.append((rows, np.where(local >= 0, rank_ids[np.maximum(local, 0) + base], -1)))
-            width = max(ids.shape[1] for _, ids in found)
-            block_ids = np.full((L, width), -1, dtype=np.int64)
-            for rows, ids in found:
-                block_ids[rows, :ids.shape[1]] = ids
-            pieces.append(block_ids)
+            pieces.append(scatter_rows(found, L))
         cand = np.concatenate(pieces, axis=1)
         if rerank:
             _, ids = rerank_topk(q, self.keys_, cand, k, True)

@@ -508,6 +508,16 @@ def first_allowed(L: int, S: int, k: int, is_causal: bool, qpos: np.ndarray, kpo
     return SparsePattern.from_padded(ids, S)
 
 
+def scatter_rows(found: list[tuple[np.ndarray, np.ndarray]], n_rows: int) -> np.ndarray:
+    """(n_rows, width) int64 candidate ids, -1 padded, from ``(rows, ids)`` pieces (``ids`` (len(rows), w_i));
+    width is the widest piece.  Used to gather the per-block candidates of causal searches."""
+    width = max((ids.shape[1] for _, ids in found), default=0)
+    out = np.full((n_rows, width), -1, dtype=np.int64)
+    for rows, ids in found:
+        out[rows, :ids.shape[1]] = ids
+    return out
+
+
 def _guard_add(add: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a subclass's ``add``: E = 0 selectors append without the backend; keys checked for range."""
     @functools.wraps(add)
@@ -764,11 +774,7 @@ class IndexSelector(Selector):
                 offset = int(t) * (B << level)
                 found.append((rows, np.where(ids >= 0, ids + offset, -1)))
             # Backends may return more than k candidates (e.g. for their own re-rank): size by the widest.
-            width = max(ids.shape[1] for _, ids in found)
-            block_ids = np.full((L, width), -1, dtype=np.int64)
-            for rows, ids in found:
-                block_ids[rows, :ids.shape[1]] = ids
-            pieces.append(block_ids)
+            pieces.append(scatter_rows(found, L))
         cand = np.concatenate(pieces, axis=1)
         _, ids = rerank_topk(q, self.keys_, cand, k, False)
         return ids
