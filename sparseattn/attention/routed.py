@@ -64,6 +64,20 @@ _MAX_ROWS = 4096
 _PLAN_ROWS = 1024
 
 
+def _buffers(n_buf: int, E: int, Ev: int, kptr: np.ndarray, n_threads: int, dtype: np.dtype
+             ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], list[tuple[np.ndarray, np.ndarray]]]:
+    """Buffers allocated once and reused by every query block (fresh multi-MB arrays are page-faulted on
+    first touch: up to 40 ms per block with two threads faulting at once): gathered queries (n_buf, E),
+    partial outputs and sums (n_buf, Ev + 1), shifts (n_buf,); and each worker's tile scratch: scores
+    (tile x largest cluster) and the tile's P V (tile x Ev)."""
+    bufs = (np.empty((n_buf, E), dtype=dtype), np.empty((n_buf, Ev + 1), dtype=dtype),
+            np.empty(n_buf, dtype=dtype))
+    nk_max = int(np.diff(kptr).max())
+    scratch = [(np.empty(max(_TILE, _MIN_ROWS * nk_max), dtype=dtype),
+                np.empty(_MAX_ROWS * Ev, dtype=dtype)) for _ in range(max(1, n_threads))]
+    return bufs, scratch
+
+
 def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarray, *,
                      scale: float | None = None, is_causal: bool = False, query_positions: object = None,
                      key_positions: object = None, exact_prefix: bool = True, n_threads: int | None = None,
@@ -236,15 +250,7 @@ def _attend_routed(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refined
         kpos_sorted = False
     p = index.n_probe_
     block = min(L, max(1, _BLOCK_BUDGET // (p * (E + Ev + 2))))  # Qs, po, pm
-    # Buffers allocated once and reused by every block: fresh multi-MB arrays are page-faulted on first
-    # touch, which cost up to 40 ms per block with two threads faulting at once.
-    n_buf = block * p
-    bufs = (np.empty((n_buf, E), dtype=dtype), np.empty((n_buf, Ev + 1), dtype=dtype),
-            np.empty(n_buf, dtype=dtype))
-    # Each worker's tile scratch: scores (tile x nk) and the tile's P V (tile x Ev).
-    nk_max = int(np.diff(kptr).max())
-    scratch = [(np.empty(max(_TILE, _MIN_ROWS * nk_max), dtype=dtype),
-                np.empty(_MAX_ROWS * Ev, dtype=dtype)) for _ in range(max(1, n_threads))]
+    bufs, scratch = _buffers(block * p, E, Ev, kptr, n_threads, dtype)
     for q0 in range(0, L, block):
         q1 = min(L, q0 + block)
         refined[0] += _attend_block(index, q, q_norm, q0, q1, route[q0:q1], route_scores[q0:q1], Kp, Vp, sc,
@@ -624,12 +630,7 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
         var_pool = float(np.sum(count * sig2)) / max(S, 1)
         B = (xcov / (S * var_pool)).astype(dtype) if var_pool > 0 else np.zeros((Ev, E), dtype=dtype)
     block = min(L, max(1, _BLOCK_BUDGET // ((P + 1) * (E + Ev + 2) + 3 * C)))
-    n_buf = block * P + block
-    bufs = (np.empty((n_buf, E), dtype=dtype), np.empty((n_buf, Ev + 1), dtype=dtype),
-            np.empty(n_buf, dtype=dtype))
-    nk_max = int(np.diff(kptr).max())
-    scratch = [(np.empty(max(_TILE, _MIN_ROWS * nk_max), dtype=dtype),
-                np.empty(_MAX_ROWS * Ev, dtype=dtype)) for _ in range(max(1, n_threads))]
+    bufs, scratch = _buffers(block * P + block, E, Ev, kptr, n_threads, dtype)
     for q0 in range(0, L, block):
         q1 = min(L, q0 + block)
         R = q1 - q0
