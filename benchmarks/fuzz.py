@@ -40,6 +40,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,12 +77,8 @@ class CaseFailure(Exception):
 
 # Failures matching a known, reported bug (kept as strict xfail tests) are counted apart from new ones:
 # id -> (description, predicate on (kind, status, message)).
-KNOWN_BUGS = {
-    "faiss-no-keys": (
-        "faiss-flat/faiss-hnsw query (non-causal) and faiss-ivf build crash inside FAISS when S = 0",
-        lambda kind, status, msg: kind == "selector" and status == "crash" and msg.startswith("[faiss-")
-        and " S=0 " in msg),
-}
+# bug id -> (description, predicate(kind, status, message)); empty: every reported bug is fixed
+KNOWN_BUGS: dict[str, tuple[str, Callable[[str, str, str], bool]]] = {}
 
 
 def known_bug(kind: str, status: str, msg: str) -> str | None:
