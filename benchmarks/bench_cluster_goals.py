@@ -1,6 +1,6 @@
 """The cluster-routing selector against exact attention at the sizes issue 3 sets goals for.
 
-Run:  python benchmarks/bench_cluster_goals.py [--repeats 3] [--skip-large] [--real NAME@DIR]
+Run:  python benchmarks/bench_cluster_goals.py [--repeats 3] [--skip-large] [--causal-only] [--real NAME@DIR]
 
 Goals (end to end = build + select + attention, against torch SDPA measured in the same case):
 >= 10x at n = 65,536 with recall@64 >= 0.9 on real keys; >= 30x at 262,144; faster than SDPA from 4,096.
@@ -51,6 +51,7 @@ def main() -> None:
     default_real = os.path.expanduser("~/.cache/sparseattn/traces")
     ap.add_argument("--real", default=f"store65k@{default_real}",
                     help="real-key trace NAME@DIR (skipped when its manifest is missing)")
+    ap.add_argument("--causal-only", action="store_true", help="only the causal cases")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cluster-goals"))
     args = ap.parse_args()
     real = args.real
@@ -59,6 +60,8 @@ def main() -> None:
         real = None
     results = []
     for case in cases(real, args.skip_large):
+        if args.causal_only and not case["causal"]:
+            continue
         specs = [_BLOCK if p is None else f"{_BLOCK},n_probe={p}" for p in case["probes"]]
         t0 = time.perf_counter()
         res = bench.compare(case["data"], specs, k=64, is_causal=case["causal"], repeats=args.repeats,

@@ -11,12 +11,15 @@ Data path (one folder or module per stage)::
                           sparse.py  sparse_attention over a pattern or a selector's choice
                           dense.py   scaled_dot_product_attention, the exact reference
                           routed.py  attention over the clusters each query is routed to
+                          segmented.py  strictly causal routed attention over position segments
                           merge.py   partial results combined by log-sum-exp
       -> metrics.py     recall@k, softmax mass and output error against the dense reference
 
 The cluster index sits beside the selectors: ``index/cluster.py`` (ClusterIndex) clusters the keys only;
 the ``cluster`` selector turns its routing into a pattern, and ``attention/routed.py`` attends over the
 routed clusters directly (no pattern), merging per-cluster partial results with ``attention/merge.py``.
+Causal queries use ``index/segments.py`` instead (the keys in position order cut into dyadic segments,
+each clustered on its own keys) and ``attention/segmented.py``, so no row depends on a later key.
 
 Around the path: ``inputs`` (validation shared by every stage), ``positional`` (RoPE, ALiBi, T5 biases),
 ``threads`` (Numba, FAISS and BLAS thread counts), ``data`` (real and synthetic Q/K/V), ``traces``

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import Phase, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sparseattn as sa
@@ -29,8 +29,13 @@ CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
     "angular-lsh": ("angular-lsh:n_rounds=4,chunk_size=3", {"causal_block": 8}),
     "angular-lsh:order=position": ("angular-lsh:n_rounds=3,chunk_size=2,order=position,rerank=False",
                                    {"causal_block": 4}),
-    "cluster": ("cluster:n_clusters=4,n_probe=2", {}),
-    "cluster:mode=block": ("cluster:n_clusters=4,n_probe=2,mode=block", {}),
+    "cluster": ("cluster:n_clusters=4,n_probe=2", {"causal_block": 4}),
+    "cluster:mode=block": ("cluster:n_clusters=4,n_probe=2,mode=block", {"causal_block": 4}),
+    "cluster:mode=block,exact_prefix=False": ("cluster:n_clusters=4,n_probe=2,mode=block,exact_prefix=False",
+                                              {"causal_block": 4}),
+    "cluster:mode=block,estimate=-1": ("cluster:n_clusters=4,n_probe=1,mode=block,estimate=-1",
+                                       {"causal_block": 4}),
+    "cluster:mode=block,top_p=0.5": ("cluster:n_clusters=4,n_probe=1,mode=block,top_p=0.5", {"causal_block": 4}),
     "faiss-flat": ("faiss-flat", {"causal_block": 8}),
     "faiss-hnsw": ("faiss-hnsw:hnsw_min_block=16,M=4", {"causal_block": 8}),
     "faiss-ivf": ("faiss-ivf:nprobe=1", _IVF_SMALL),
@@ -45,15 +50,6 @@ CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
     "window": ("window:width=5", {}),
     "window+faiss-ivf": ("window:width=3+faiss-ivf:nprobe=1", {}),
 }
-
-NOT_CAUSAL = {
-    "cluster": "k-means, centring, splitting and routing vectors are computed over all keys, so the "
-               "clusters a past row is routed to depend on later keys (needs segmented clustering by "
-               "position blocks)",
-    "cluster:mode=block": "as cluster: the routed clusters (and so the attended past keys) depend on "
-                          "later keys",
-}
-
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_faiss_thread():
@@ -73,12 +69,10 @@ def _available(name: str) -> bool:
     return cls.unavailable_reason() is None
 
 
-def _cases(causal: bool) -> list:
+def _cases() -> list:
     out = []
     for name in CONFIGS:
-        if (name not in NOT_CAUSAL) != causal:
-            continue
-        marks = [pytest.mark.xfail(strict=True, raises=AssertionError, reason=NOT_CAUSAL[name])] if name in NOT_CAUSAL else []
+        marks = []
         if not _available(name):
             marks.append(pytest.mark.skip(reason=selector_classes()[name.split(":")[0]].unavailable_reason()))
         out.append(pytest.param(name, marks=marks, id=name))
@@ -146,18 +140,10 @@ def problems(draw):
     return q, k, v, kk, qpos, kpos, qp, kp, split, fresh, rng
 
 
-@pytest.mark.parametrize("name", _cases(causal=True))
+@pytest.mark.parametrize("name", _cases())
 @settings(max_examples=25)
 @given(problem=problems())
 def test_future_keys_do_not_change_past_rows(name, problem):
-    _check(name, problem)
-
-
-@pytest.mark.parametrize("name", _cases(causal=False))
-@settings(max_examples=25, phases=(Phase.explicit, Phase.generate))  # no shrinking of the expected failure
-@given(problem=problems())
-def test_not_yet_causal_selectors_leak(name, problem):
-    """Selectors known to leak (xfail, strict): this starts passing, and fails loudly, once they are fixed."""
     _check(name, problem)
 
 

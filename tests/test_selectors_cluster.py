@@ -108,6 +108,52 @@ def causal_mask(L, S, qpos=None, kpos=None):
     return kpos[None, :] <= qpos[:, None]
 
 
+def segment_oracle_mask(sel: ClusterSelector, q: np.ndarray, qpos=None, kpos=None) -> np.ndarray:
+    """(L, S) bool: the keys strictly causal selection reads, recomputed row by row with numpy.
+
+    Keys in position order; a row seeing c keys reads ``order[e:c]`` exactly, e = 0 when ``exact_prefix``
+    and c <= ceil(n_probe S / C), else B floor(c / B); ``[0, e)`` is the binary decomposition into aligned
+    segments of B 2^l keys, and in each segment the keys of the ``n_probe`` clusters of largest q.c of
+    that segment's own index (its sizes checked against the documented scaling; its routing against a
+    float64 recomputation as in :func:`oracle_mask`).
+    """
+    import math
+
+    L, S = q.shape[0], sel.keys_.shape[0]
+    qpos = np.arange(L) if qpos is None else np.asarray(qpos)
+    kpos = np.arange(S) if kpos is None else np.asarray(kpos)
+    seg = sel.segments(kpos)
+    order = np.argsort(kpos, kind="stable")
+    B = seg.block_
+    C, p = sel.n_clusters_, sel.n_probe_
+    budget = math.ceil(p * S / C)
+    mask = np.zeros((L, S), dtype=bool)
+    for i in range(L):
+        c = int((kpos <= qpos[i]).sum())
+        e = 0 if (sel.params["exact_prefix"] and c <= budget and sel.params["mode"] == "block") else c // B * B
+        mask[i, order[e:c]] = True
+        start = 0
+        for level in reversed(range((e // B).bit_length())):
+            if not (e // B >> level) & 1:
+                continue
+            size = B << level
+            index, ids = seg.segment(level, start // size)
+            np.testing.assert_array_equal(ids, order[start:start + size])
+            C_s = max(1, min(size, round(C * size / S)))
+            assert index.n_clusters_ == C_s and index.n_probe_ == min(C_s, max(1, math.ceil(p * size / S)))
+            scores = q[i].astype(np.float64) @ index.centroids_.astype(np.float64).T
+            route = index.route(q[i:i + 1].astype(index.keys_.dtype))[0][0]
+            routed = np.zeros(C_s, dtype=bool)
+            routed[route] = True
+            assert routed.sum() == index.n_probe_
+            if index.n_probe_ < C_s:
+                tol = 1e-5 * (1 + np.abs(scores).max())
+                assert scores[~routed].max() - tol < scores[routed].min()
+            mask[i, ids[routed[index.assignment_]]] = True
+            start += size
+    return mask
+
+
 # ------------------------------------------------------------------------------------------ block mode
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("assign", ["ip", "l2"])
@@ -143,34 +189,18 @@ def test_full_probe_is_exact_full_attention(rng):
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
 
 
-def prefix_oracle(sel: ClusterSelector, mask: np.ndarray, qpos, kpos) -> np.ndarray:
-    """``exact_prefix``: a row that sees 1..ceil(n_probe*S/C) keys attends to every visible key."""
-    L, S = mask.shape
-    qpos = np.arange(L) if qpos is None else np.asarray(qpos)
-    kpos = np.arange(S) if kpos is None else np.asarray(kpos)
-    visible = kpos[None, :] <= qpos[:, None]
-    n_vis = visible.sum(axis=1)
-    rows = (n_vis > 0) & (n_vis <= int(np.ceil(sel.n_probe_ * S / sel.n_clusters_)))
-    if sel.params["exact_prefix"]:
-        mask = mask.copy()
-        mask[rows] = visible[rows]
-    return mask
-
-
 def test_block_causal_matches_oracle_and_does_not_leak(rng):
     S, L = 1000, 1000
     q, k, v = clustered(rng, S, L)
     sel = ClusterSelector(n_clusters=16, n_probe=4, mode="block", exact_prefix=False).build(k)
-    mask = oracle_mask(sel, q, k) & causal_mask(L, S)
+    mask = segment_oracle_mask(sel, q)
+    assert not (mask & ~causal_mask(L, S)).any()
+    assert mask.sum(axis=1).mean() < 0.6 * causal_mask(L, S).sum(axis=1).mean()  # routed, not dense
     out, lse = sel.attend(q, v, is_causal=True)
     ref, ref_lse = masked_attention(q, k, v, mask, 0.25)
-    # rows with no routed allowed key: exactly zeros and -inf (the first rows, typically)
-    empty = ~mask.any(axis=1)
-    assert empty.any()
-    np.testing.assert_array_equal(out[empty], 0.0)
-    np.testing.assert_array_equal(lse[empty], -np.inf)
     np.testing.assert_allclose(out, ref, atol=1e-5)
-    np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=1e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
+    np.testing.assert_array_equal(sel.last_keys_read_, mask.sum(axis=1))
     # no leak: poisoning the values of every key after position 499 leaves rows 0..499 unchanged
     v2 = v.copy()
     v2[500:] = 1e6
@@ -188,7 +218,7 @@ def test_exact_prefix_rows_see_every_visible_key_and_lift_early_recall(rng):
     q, k, v = clustered(rng, S, L)
     sel = ClusterSelector(n_clusters=16, n_probe=4, mode="block").build(k)
     assert sel.params["exact_prefix"] is True
-    mask = prefix_oracle(sel, oracle_mask(sel, q, k) & causal_mask(L, S), None, None)
+    mask = segment_oracle_mask(sel, q)
     out, lse = sel.attend(q, v, is_causal=True)
     ref, ref_lse = masked_attention(q, k, v, mask, 0.25)
     np.testing.assert_allclose(out, ref, atol=1e-5)
@@ -221,7 +251,7 @@ def test_property_block_causal_equals_masked_oracle(S, L, C, p, sorted_keys, pre
     qpos = rng.integers(-2, S + 2, L)
     sel = ClusterSelector(n_clusters=C, n_probe=p, mode="block", exact_prefix=prefix).build(k)
     out, lse = sel.attend(q, v, is_causal=True, query_positions=qpos, key_positions=kpos)
-    mask = prefix_oracle(sel, oracle_mask(sel, q, k) & causal_mask(L, S, qpos, kpos), qpos, kpos)
+    mask = segment_oracle_mask(sel, q, qpos, kpos)
     ref, ref_lse = masked_attention(q, k, v, mask, 0.25)
     np.testing.assert_allclose(out, ref, atol=2e-5)
     finite = np.isfinite(ref_lse)
@@ -236,7 +266,7 @@ def test_block_causal_with_cache_positions(rng):
     qpos = np.arange(S - L, S)  # L new tokens after a cache (bottom-right alignment)
     sel = ClusterSelector(n_clusters=10, n_probe=3, mode="block").build(k)
     out, lse = sel.attend(q, v, is_causal=True, query_positions=qpos, key_positions=kpos, scale=0.5)
-    mask = prefix_oracle(sel, oracle_mask(sel, q, k) & causal_mask(L, S, qpos, kpos), qpos, kpos)
+    mask = segment_oracle_mask(sel, q, qpos, kpos)
     ref, _ = masked_attention(q, k, v, mask, 0.5)
     np.testing.assert_allclose(out, ref, atol=1e-5)
     none_visible = np.full(L, -1)
@@ -258,9 +288,7 @@ def test_many_blocks_and_tiles(rng, monkeypatch):
     sel = ClusterSelector(n_clusters=5, n_probe=2, mode="block").build(k)
     for is_causal in (False, True):
         out, lse = sel.attend(q, v, is_causal=is_causal)
-        mask = oracle_mask(sel, q, k)
-        if is_causal:
-            mask = prefix_oracle(sel, mask & causal_mask(260, 700), None, None)
+        mask = segment_oracle_mask(sel, q) if is_causal else oracle_mask(sel, q, k)
         ref, _ = masked_attention(q, k, v, mask, 0.25)
         np.testing.assert_allclose(out, ref, atol=1e-5)
     sel_t = ClusterSelector(n_clusters=5, n_probe=2).build(k)
@@ -304,9 +332,7 @@ def test_loose_shift_bound_is_refined_exactly(rng, dtype, scale, atol, is_causal
     sel = ClusterSelector(n_clusters=6, n_probe=2, mode="block", exact_prefix=False).build(k)
     out, lse = sel.attend(q, v, scale=scale, is_causal=is_causal)
     assert sel.last_refined_pairs_ > 0
-    mask = oracle_mask(sel, q, k)
-    if is_causal:
-        mask &= causal_mask(L, S)
+    mask = segment_oracle_mask(sel, q) if is_causal else oracle_mask(sel, q, k)
     ref, ref_lse = masked_attention(q, k, v, mask, scale)
     np.testing.assert_allclose(out, ref, atol=atol)
     finite = np.isfinite(ref_lse)
@@ -398,12 +424,13 @@ def test_topk_equals_exact_topk_of_routed_keys(rng, is_causal):
     q, k, _ = clustered(rng, S, L)
     sel = ClusterSelector(n_clusters=20, n_probe=3).build(k)
     pattern = sel.query(q, kk, is_causal=is_causal)
-    mask = oracle_mask(sel, q, k)
-    if is_causal:
-        mask &= causal_mask(L, S)
+    if is_causal:  # the candidates: the exact tail and the routed keys of each causal segment
+        mask = segment_oracle_mask(sel, q)
         # Documented rule (Selector.query): a row with at most kk allowed keys holds all of them.
         few = causal_mask(L, S).sum(axis=1) <= kk
         mask[few] = causal_mask(L, S)[few]
+    else:
+        mask = oracle_mask(sel, q, k)
     s = q.astype(np.float64) @ k.astype(np.float64).T
     s_masked = np.where(mask, s, -np.inf)
     per_row = pattern.nnz_per_row
@@ -572,9 +599,7 @@ def test_property_block_attend_is_exact_on_routed_keys(S, L, C, seed, causal):
     v = rng.standard_normal((S, 3)).astype(np.float32)
     sel = ClusterSelector(n_clusters=C, n_probe=p, mode="block").build(k)
     out, lse = sel.attend(q, v, is_causal=causal)
-    mask = oracle_mask(sel, q, k)
-    if causal:
-        mask = prefix_oracle(sel, mask & causal_mask(L, S), None, None)
+    mask = segment_oracle_mask(sel, q) if causal else oracle_mask(sel, q, k)
     ref, ref_lse = masked_attention(q, k, v, mask, 5 ** -0.5)
     np.testing.assert_allclose(out, ref, atol=1e-5)
     np.testing.assert_array_equal(np.isinf(lse), np.isinf(ref_lse))

@@ -4,6 +4,8 @@
   selector) gives it, through the fused Numba kernel;
 * :mod:`.routed` — attention over the routed clusters of a :class:`~sparseattn.ClusterIndex` (no
   pattern is materialised);
+* :mod:`.segmented` — strictly causal routed attention over a
+  :class:`~sparseattn.index.SegmentedClusterIndex` (exact tail + per-segment routed attention);
 * :mod:`.dense` — the exact reference, SDPA-compatible;
 * :mod:`.merge` — the exact log-sum-exp merge of attention over disjoint key sets.
 """

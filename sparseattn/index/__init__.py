@@ -3,8 +3,13 @@
 * :class:`~sparseattn.index.cluster.ClusterIndex`: spherical k-means over the centred keys, keys stored in
   cluster order, query -> cluster routing and the exact top-k among the routed clusters' keys.  Routed
   attention over such an index is :func:`sparseattn.attention.routed.routed_attention`.
+* :class:`~sparseattn.index.segments.SegmentedClusterIndex`: the strictly causal form: keys in position
+  order, an exact tail and aligned dyadic segments, each a ClusterIndex over its own keys only
+  (:func:`~sparseattn.index.segments.dyadic_cover` is the decomposition every causal index search uses).
+  Attention over it is :func:`sparseattn.attention.segmented.segmented_attention`.
 """
 
 from .cluster import ClusterIndex
+from .segments import SegmentedClusterIndex
 
-__all__ = ["ClusterIndex"]
+__all__ = ["ClusterIndex", "SegmentedClusterIndex"]

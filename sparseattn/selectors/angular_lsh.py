@@ -76,10 +76,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ..index.segments import dyadic_cover, scatter_rows
 from ..kernels import lsh as lk
 from ..kernels.topk import ORDER_NONE, block_topk, rerank_topk
 from ..pattern import SparsePattern
-from .base import Selector, scatter_rows
+from .base import Selector
 from .params import Param, non_negative, positive
 from .registry import register
 
@@ -322,17 +323,11 @@ class AngularLSHSelector(Selector):
             block_topk(s, kk, True, prefix[rows] - 1, ranks, rank_ids[lo:hi], top_s, top_i, ORDER_NONE, False)
             tail[rows, :kk] = top_i
         pieces = [tail]
-        max_level = int(n_full.max()).bit_length() if L else 0
-        for level in range(max_level):
-            has = ((n_full >> level) & 1) == 1
-            if not has.any():
-                continue
-            t_idx = (n_full >> (level + 1)) << 1  # block index at this level (after clearing lower bits)
+        for level, blocks in dyadic_cover(n_full * B, B):
             size = B << level
             found: list[tuple[np.ndarray, np.ndarray]] = []
-            for t in np.unique(t_idx[has]):
-                rows = np.nonzero(has & (t_idx == t))[0]
-                keys, sorted_ids, sorted_buckets = self._causal_block(level, int(t), order)
+            for t, rows in blocks:
+                keys, sorted_ids, sorted_buckets = self._causal_block(level, t, order)
                 # the whole block precedes the query: it sits after every key of its bucket
                 at_end = np.full(rows.size, keys.shape[0], dtype=np.int64)
                 qb_rows = np.ascontiguousarray(qb[:, rows])
@@ -344,7 +339,7 @@ class AngularLSHSelector(Selector):
                     local = SparsePattern(ptr, idx, keys.shape[0], validate=False).to_padded() \
                         if idx.size else np.full((rows.size, 0), -1, dtype=np.int64)
                 local = np.asarray(local, dtype=np.int64)
-                base = int(t) * size
+                base = t * size
                 found.append((rows, np.where(local >= 0, rank_ids[np.maximum(local, 0) + base], -1)))
             pieces.append(scatter_rows(found, L))
         cand = np.concatenate(pieces, axis=1)

@@ -42,8 +42,9 @@ recall: the prefix ``[0, c)`` is split into an exact tail ``[B*floor(c/B), c)`` 
 ``[t*2^l*B, (t+1)*2^l*B)`` covering the rest, each with its own index (built lazily, cached); candidates
 from all pieces are re-ranked exactly.  Each block is centred, scaled and indexed from its own keys only,
 so causal selection is strictly causal: which past keys a row gets never depends on later keys (tested by
-perturbing future keys in ``tests/test_causality.py``; the cluster selector is the documented exception).
-Index backends require non-decreasing ``key_positions`` in causal mode.
+perturbing future keys in ``tests/test_causality.py``).  The cluster selector does the same with its own
+segments (:mod:`sparseattn.index.segments`).  Index backends require non-decreasing ``key_positions`` in
+causal mode.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
+from ..index.segments import dyadic_cover, scatter_rows
 from ..inputs import as_float_array, check_bool, check_positive_int, check_scale, positions
 from ..kernels.topk import ORDER_NONE, block_topk, rerank_topk
 from ..pattern import SparsePattern
@@ -508,16 +510,6 @@ def first_allowed(L: int, S: int, k: int, is_causal: bool, qpos: np.ndarray, kpo
     return SparsePattern.from_padded(ids, S)
 
 
-def scatter_rows(found: list[tuple[np.ndarray, np.ndarray]], n_rows: int) -> np.ndarray:
-    """(n_rows, width) int64 candidate ids, -1 padded, from ``(rows, ids)`` pieces (``ids`` (len(rows), w_i));
-    width is the widest piece.  Used to gather the per-block candidates of causal searches."""
-    width = max((ids.shape[1] for _, ids in found), default=0)
-    out = np.full((n_rows, width), -1, dtype=np.int64)
-    for rows, ids in found:
-        out[rows, :ids.shape[1]] = ids
-    return out
-
-
 def _guard_add(add: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a subclass's ``add``: E = 0 selectors append without the backend; keys checked for range."""
     @functools.wraps(add)
@@ -739,7 +731,6 @@ class IndexSelector(Selector):
         q_index = self._index_queries(q)  # what the block indexes search with (exact tail and re-rank: q)
         prefix = np.searchsorted(kpos, qpos, side="right").astype(np.int64)  # allowed keys [0, c)
         n_full = prefix // B  # whole blocks before the exact tail
-        max_level = int(n_full.max()).bit_length() if L else 0
         pieces: list[np.ndarray] = []
         # Exact tail [B*floor(c/B), c): brute force, grouped by block.
         tail = np.full((L, min(k, B)), -1, dtype=np.int64)
@@ -757,21 +748,14 @@ class IndexSelector(Selector):
             block_topk(s, kk, True, prefix[rows] - 1, key_ids, key_ids, top_s, top_i, ORDER_NONE, False)
             tail[rows, :kk] = top_i
         pieces.append(tail)
-        # Dyadic blocks covering [0, B*floor(c/B)): bit l of n_full selects block t = (n_full >> l) - 1
-        # at level l after clearing lower bits, i.e. a binary decomposition of the prefix.
-        for level in range(max_level):
-            has = ((n_full >> level) & 1) == 1
-            if not has.any():
-                continue
-            starts = ((n_full >> (level + 1)) << (level + 1))  # in units of B
-            t_idx = starts >> level  # block index at this level
+        # Dyadic blocks covering [0, B*floor(c/B)): a binary decomposition of the rest of the prefix.
+        for level, blocks in dyadic_cover(n_full * B, B):
             found: list[tuple[np.ndarray, np.ndarray]] = []
-            for t in np.unique(t_idx[has]):
-                rows = np.nonzero(has & (t_idx == t))[0]
-                index = self._block_index(level, int(t))
+            for t, rows in blocks:
+                index = self._block_index(level, t)
                 _, ids = self._search(index, q_index[rows], min(k, B << level))
                 ids = np.asarray(ids, dtype=np.int64)
-                offset = int(t) * (B << level)
+                offset = t * (B << level)
                 found.append((rows, np.where(ids >= 0, ids + offset, -1)))
             # Backends may return more than k candidates (e.g. for their own re-rank): size by the widest.
             pieces.append(scatter_rows(found, L))

@@ -38,9 +38,17 @@ the next GEMM 160x slower): a relative change below ``2e-15 * n_keys``.  The res
 attention restricted to the routed keys up to floating-point rounding (tests: 1e-5 in float32, 1e-12 in
 float64).
 
-Causal masking keeps the routing pure: keys after the query are masked inside each cluster; a query
-whose routed clusters hold no allowed key gets zeros and ``lse = -inf`` (union with a window selector if
-local keys must always be seen).
+Causal (strictly): a causal query never uses the index over all keys, whose k-means, centring and routing
+vectors see later keys.  The keys, in position order, are cut into an exact tail and aligned dyadic
+segments, each clustered on its own keys only (:class:`~sparseattn.index.segments.SegmentedClusterIndex`,
+built on first causal use and kept); a query attends exactly to its tail and, in each segment of its
+prefix, to the keys of its routed clusters there (:func:`~sparseattn.attention.segmented.segmented_attention`),
+or (``mode="topk"``) takes the exact top-k of those candidates.  Each segment reads the fraction
+``n_probe / n_clusters`` of its keys, so a query reads about ``n_probe * c / n_clusters`` routed keys of
+its ``c`` visible ones, plus its tail.  A row's output depends only on keys and values at or before its
+position (``tests/test_causality.py``).  Measured on the shipped 16k store (queries spread over the
+sequence, defaults): 843-871 keys read per query against 527-761 for masked global routing, output error
+0.110-0.522 against 0.113-0.499 (``benchmarks/results/causal-cluster.md``).
 
 Threads: the per-cluster products run on ``n_threads`` worker threads with BLAS held to one thread each
 (on a machine whose other core is busy, multi-threaded BLAS on these small products is 10x slower);
@@ -52,17 +60,20 @@ single-threaded (FAISS's OpenMP pool is set to 1 thread for it and restored afte
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import numba
 import numpy as np
 
 from ..attention.routed import mass_routes, routed_attention
+from ..attention.segmented import segment_routes, segmented_attention
 from ..index.cluster import ASSIGN, ROUTE_BY, ClusterIndex
+from ..index.segments import SegmentedClusterIndex
+from ..inputs import check_bool, positions
 from ..kernels import cluster as ck
 from ..pattern import SparsePattern
 from ..threads import worker_threads
-from .base import Selector, fill_small_rows
+from .base import Selector
 from .params import Param, non_negative, positive
 from .registry import register
 
@@ -154,11 +165,10 @@ class ClusterSelector(Selector):
     n_threads : int, optional
         Worker threads (default: Numba's current thread count).
     exact_prefix : bool, default True
-        Causal block attention (``attend`` and block-mode ``query``) only: a query that can see at most ``ceil(n_probe * S / n_clusters)`` keys (the routed
-        keys of an average query) attends to all of them exactly, instead of through routing.  Why:
-        routing ignores positions, so the first queries, which see few keys, found them scattered over
-        clusters they were not routed to (measured at S = 4,096 on clustered keys: recall@64 0.80
-        causal against 0.93 without causality).  Costs at most as much as routing those rows.
+        Causal block attention (``attend`` and block-mode ``query``) only: a query that can see at most
+        ``ceil(n_probe * S / n_clusters)`` keys (the routed keys of an average query) attends to all of
+        them exactly, instead of through its tail and segments.  Costs at most as much as routing those
+        rows.  (Off, such a row still reads its exact tail exactly.)
     split : float, default 0 (off)
         When > 0, every cluster holding more than ``split * S / n_clusters`` keys after assignment is
         split by a k-means of its members into ``ceil(size / (S / n_clusters))`` parts, each member
@@ -228,13 +238,17 @@ class ClusterSelector(Selector):
 
     name = "cluster"
     metric = "inner_product"
+    #: Smallest causal segment (and bound of the exact tail); None: about half an average query's routed
+    #: keys (see :class:`~sparseattn.index.segments.SegmentedClusterIndex`).
+    causal_block: ClassVar[int | None] = None
     requires = ("faiss", "install faiss-cpu")
     guarantee = ("k-means clusters of the (centred) keys, each query routed to its n_probe clusters of "
                  "largest q.c. mode=topk: exact top-k by inner product among the routed clusters' keys. "
                  "mode=block: attend() is exact softmax attention restricted to all keys of the routed "
                  "clusters (query() returns that key set). n_probe = n_clusters is exact full attention. "
-                 "Causal: masked inside clusters; a query seeing at most n_probe*S/C keys attends to all "
-                 "of them (exact_prefix); no key -> zeros and lse = -inf. estimate != 0 adds an estimate of "
+                 "Causal: strictly causal (exact tail + dyadic position segments, each clustered on its "
+                 "own keys); a query seeing at most n_probe*S/C keys attends to all of them (exact_prefix); "
+                 "no key -> zeros and lse = -inf. estimate != 0 adds an estimate of "
                  "unread clusters from per-cluster statistics (not exact); top_p routes by estimated mass.")
     params_spec = {
         "n_clusters": Param(int, None, "k-means clusters C (default round(sqrt(S)))", positive),
@@ -307,9 +321,37 @@ class ClusterSelector(Selector):
 
     # ----------------------------------------------------------------------------------------- work
     def _build(self, keys: np.ndarray) -> None:
-        self.index_ = self._make_index().build(keys)
+        self._make_index().sizes(keys.shape[0])  # size errors now; the k-means when first needed
+        self._index: ClusterIndex | None = None
+        self._segmented: SegmentedClusterIndex | None = None
         self.last_refined_pairs_ = 0
         self.last_keys_read_ = np.zeros(0, dtype=np.int64)
+
+    @property
+    def index_(self) -> ClusterIndex:
+        """The ClusterIndex over all keys, built on first use (non-causal queries, the attributes above):
+        strictly causal queries use :meth:`segments` instead and never need it."""
+        self._require_built("index_")
+        index = self._index
+        if index is None:
+            index = self._index = self._make_index().build(self.keys_)
+        return index
+
+    def segments(self, key_positions: object = None) -> SegmentedClusterIndex:
+        """The causal index: the keys in position order in dyadic segments, each clustered on its own
+        keys (:class:`~sparseattn.index.segments.SegmentedClusterIndex`, segments built when first
+        used and kept while the key positions stay the same).
+
+        key_positions : int array (S,), optional; default ``arange(S)``.
+        """
+        self._require_built("segments")
+        kpos = positions(key_positions, self.keys_.shape[0], "key_positions")
+        seg = self._segmented
+        if seg is None or not seg.same_layout(self.keys_, kpos):
+            seg = SegmentedClusterIndex(block=self.causal_block,
+                                        **{p: self._params[p] for p in _INDEX_PARAMS}).build(self.keys_, kpos)
+            self._segmented = seg
+        return seg
 
     def route(self, queries: np.ndarray, *, check_finite: bool = True) -> np.ndarray:
         """The clusters each query is routed to.
@@ -330,31 +372,34 @@ class ClusterSelector(Selector):
 
     def _query(self, q: np.ndarray, k: int, is_causal: bool, qpos: np.ndarray, kpos: np.ndarray
                ) -> SparsePattern:
-        index = self.index_
         n = self.n_threads
+        prm = self._params
+        if is_causal:
+            seg = self.segments(kpos)
+            q = np.ascontiguousarray(q, dtype=self.keys_.dtype)
+            if prm["mode"] != "block":
+                return seg.search(q, min(k, self.keys_.shape[0]), qpos, n)
+            routes = None
+            if prm["top_p"] is not None:
+                with worker_threads(n):
+                    routes = segment_routes(seg, q, qpos, exact_prefix=prm["exact_prefix"], top_p=prm["top_p"],
+                                            min_keys=prm["min_keys"], max_keys=prm["max_keys"], n_threads=n)
+            return seg.routed_keys(q, qpos, prm["exact_prefix"], n, routes)
+        index = self.index_
         with worker_threads(n):
-            prm = self._params
             if prm["mode"] == "block" and prm["top_p"] is not None:
                 # the mass-driven routes attend() reads (at the default scale 1/sqrt(E))
                 mr = mass_routes(index, q, top_p=prm["top_p"], min_keys=prm["min_keys"], max_keys=prm["max_keys"],
-                                 is_causal=is_causal, query_positions=qpos, key_positions=kpos, n_threads=n,
-                                 check_finite=False)[0]
+                                 n_threads=n, check_finite=False)[0]
                 C = index.n_clusters_
                 route = np.where(mr < 0, C, mr).astype(np.int32)
                 kptr = np.append(index.cluster_ptr_, index.cluster_ptr_[-1])  # cluster C: empty padding
-                indptr, indices = ck.routed_pattern(route, kptr, index.perm_, bool(is_causal), qpos, kpos)
-                pattern = SparsePattern(indptr, indices, index.keys_.shape[0], validate=False)
-                if is_causal and prm["exact_prefix"]:
-                    pattern = fill_small_rows(pattern, index.prefix_budget(), True, qpos, kpos)
-                return pattern
+                indptr, indices = ck.routed_pattern(route, kptr, index.perm_, False, qpos, kpos)
+                return SparsePattern(indptr, indices, index.keys_.shape[0], validate=False)
             route = index._route_rows(q, n)[0]
-            if self._params["mode"] == "block":
-                pattern = index.routed_keys(route, is_causal, qpos, kpos)
-                if is_causal and self._params["exact_prefix"]:
-                    # the rows attend() computes exactly over every visible key
-                    pattern = fill_small_rows(pattern, index.prefix_budget(), True, qpos, kpos)
-                return pattern
-            return index._search(q, route, min(k, index.keys_.shape[0]), is_causal, qpos, kpos, n)
+            if prm["mode"] == "block":
+                return index.routed_keys(route, False, qpos, kpos)
+            return index._search(q, route, min(k, index.keys_.shape[0]), False, qpos, kpos, n)
 
     def attend(self, queries: np.ndarray, values: np.ndarray, *, scale: float | None = None,
                is_causal: bool = False, query_positions: object = None, key_positions: object = None,
@@ -371,11 +416,17 @@ class ClusterSelector(Selector):
         self._require_built("attend")
         stats: dict[str, Any] = {}
         prm = self._params
-        out = routed_attention(self.index_, queries, values, scale=scale, is_causal=is_causal,
-                               query_positions=query_positions, key_positions=key_positions,
-                               exact_prefix=prm["exact_prefix"], n_threads=self.n_threads,
-                               check_finite=check_finite, stats=stats, estimate=prm["estimate"],
-                               top_p=prm["top_p"], min_keys=prm["min_keys"], max_keys=prm["max_keys"])
+        budget = dict(estimate=prm["estimate"], top_p=prm["top_p"], min_keys=prm["min_keys"],
+                      max_keys=prm["max_keys"])
+        if check_bool(is_causal, "is_causal"):
+            seg = self.segments(key_positions)
+            out = segmented_attention(seg, queries, values, scale=scale, query_positions=query_positions,
+                                      exact_prefix=prm["exact_prefix"], n_threads=self.n_threads,
+                                      check_finite=check_finite, stats=stats, **budget)
+        else:
+            out = routed_attention(self.index_, queries, values, scale=scale, query_positions=query_positions,
+                                   key_positions=key_positions, n_threads=self.n_threads,
+                                   check_finite=check_finite, stats=stats, **budget)
         self.last_refined_pairs_ = stats.get("refined_pairs", 0)
         self.last_keys_read_ = stats["keys_read"]
         return out

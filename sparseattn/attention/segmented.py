@@ -1,0 +1,171 @@
+"""Strictly causal routed attention over a :class:`~sparseattn.index.segments.SegmentedClusterIndex`.
+
+Each query's visible prefix is its exact part (the exact tail, or the whole prefix for a short one with
+``exact_prefix``) plus whole dyadic segments (:meth:`SegmentedClusterIndex.cover`).  The exact part is
+one exact softmax over those keys (:func:`sparseattn.kernels.cluster.attend_prefix_rows_f32`); each
+segment is a plain, non-causal :func:`~sparseattn.attention.routed.routed_attention` over the segment's
+own index (the query sees all of the segment), with the same ``estimate`` / ``top_p`` options applied per
+segment; the parts are merged by log-sum-exp (:func:`sparseattn.attention.merge.merge_pair`).  Every
+visible key is in exactly one part, and no part reads or was built from a key after the query: the output
+of a row depends only on the keys and values at or before its position.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..index.segments import SegmentedClusterIndex
+from ..inputs import as_float_array, check_lse, check_scale, positions, result_dtype
+from ..kernels import cluster as ck
+from ..threads import run_jobs, worker_threads
+from .merge import merge_pair
+from .routed import _CLAMP, _check_budget, mass_routes, routed_attention
+
+__all__ = ["segment_routes", "segmented_attention"]
+
+
+def segmented_attention(index: SegmentedClusterIndex, queries: np.ndarray, values: np.ndarray, *,
+                        scale: float | None = None, query_positions: object = None, exact_prefix: bool = True,
+                        n_threads: int | None = None, check_finite: bool = True, stats: dict | None = None,
+                        estimate: int = 0, top_p: float | None = None, min_keys: int = 0,
+                        max_keys: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Causal attention of each query over its exact part and its routed clusters in each of its segments.
+
+    Parameters
+    ----------
+    index : SegmentedClusterIndex
+        Built over the keys (S, E) and their positions.
+    queries : float array, shape (L, E)
+    values : float array, shape (S, Ev)
+        One value row per key, in the keys' order.
+    scale : float, optional
+        Score scale (default ``1/sqrt(E)``).
+    query_positions : int array (L,), optional
+        Default ``arange(L)`` (top-left alignment).  Key j is visible to query i iff its position is
+        ``<=`` the query's.
+    exact_prefix : bool, default True
+        A query seeing at most ``index.prefix_budget_`` keys attends to all of them exactly.
+    n_threads : int, optional
+        Worker threads (default: the index parameters' ``n_threads``, else Numba's thread count).
+    check_finite : bool, default True
+        Reject NaN / Inf in queries and values.
+    stats : dict, optional
+        Receives ``keys_read`` (L,) int64 (keys each query attended to exactly) and ``refined_pairs``.
+    estimate, top_p, min_keys, max_keys
+        As for :func:`~sparseattn.attention.routed.routed_attention`, applied within each segment (the
+        estimate covers the segment's unread clusters; ``top_p`` is reached in every segment, so also
+        overall; ``min_keys`` / ``max_keys`` bound the keys read per segment).
+
+    Returns
+    -------
+    output : (L, Ev) array, float64 if any input is float64, else float32; zeros for a query seeing no key.
+    lse : (L,) array, same dtype; ``-inf`` for a query seeing no key.
+    """
+    if index.keys_ is None:
+        raise RuntimeError("SegmentedClusterIndex is not built: call build(keys, key_positions) first.")
+    keys = index.keys_
+    S, E = keys.shape
+    q_in = as_float_array(queries, "queries", min_ndim=2, check_finite=check_finite)
+    v_in = as_float_array(values, "values", min_ndim=2, check_finite=check_finite)
+    if q_in.ndim != 2 or q_in.shape[1] != E:
+        raise ValueError(f"queries must have shape (L, E={E}); got {q_in.shape}.")
+    if v_in.ndim != 2 or v_in.shape[0] != S:
+        raise ValueError(f"values must have shape (S={S}, Ev), one row per key; got {v_in.shape}.")
+    sc = check_scale(scale, E)
+    dtype = result_dtype(q_in, keys, v_in)
+    q = np.ascontiguousarray(q_in, dtype=dtype)
+    v = np.ascontiguousarray(v_in, dtype=dtype)
+    L, Ev = q.shape[0], v.shape[1]
+    qpos = positions(query_positions, L, "query_positions")
+    out = np.zeros((L, Ev), dtype=dtype)
+    lse = np.full(L, -np.inf, dtype=dtype)
+    keys_read = np.zeros(L, dtype=np.int64)
+    refined = 0
+    n = index._template.threads_ if n_threads is None else int(n_threads)
+    visible, exact_from, segs = index.cover(qpos, exact_prefix)
+    _check_budget(_SizesOnly(index), estimate, top_p, min_keys, max_keys)  # once, even with no segment
+    with worker_threads(n):
+        _attend_exact(q, keys, v, sc, index.order_, visible, exact_from, out, lse, n)
+        keys_read += visible - exact_from
+        for level, blocks in segs:
+            for t, rows in blocks:
+                seg, ids = index.segment(level, t)
+                st: dict[str, Any] = {}
+                o, lo = routed_attention(seg, q[rows], v[ids], scale=sc, n_threads=n, check_finite=False,
+                                         stats=st, estimate=estimate, top_p=top_p, min_keys=min_keys,
+                                         max_keys=max_keys)
+                acc_o, acc_l = merge_pair(out[rows], lse[rows], o, lo)
+                out[rows] = acc_o
+                lse[rows] = acc_l
+                keys_read[rows] += st["keys_read"]
+                refined += int(st.get("refined_pairs", 0))
+    if stats is not None:
+        stats["keys_read"] = keys_read
+        stats["refined_pairs"] = refined
+    check_lse(lse, dtype, sc, nan_is_overflow=check_finite)
+    return out, lse
+
+
+class _SizesOnly:
+    """What :func:`_check_budget` reads of an index (its ``prefix_budget``), for argument checks."""
+
+    def __init__(self, index: SegmentedClusterIndex) -> None:
+        self._budget = index.prefix_budget_
+
+    def prefix_budget(self) -> int:
+        return self._budget
+
+
+def segment_routes(index: SegmentedClusterIndex, queries: np.ndarray, query_positions: np.ndarray, *,
+                   exact_prefix: bool, top_p: float, min_keys: int, max_keys: int | None, n_threads: int
+                   ) -> dict[tuple[int, int], np.ndarray]:
+    """The mass-driven routes (``top_p``) of each segment's rows: ``(level, t) -> (rows, p) int32``, -1 = none
+    (what :func:`segmented_attention` reads; :func:`~sparseattn.attention.routed.mass_routes` per segment)."""
+    _, _, segs = index.cover(query_positions, exact_prefix)
+    routes: dict[tuple[int, int], np.ndarray] = {}
+    for level, blocks in segs:
+        for t, rows in blocks:
+            seg, _ = index.segment(level, t)
+            routes[(level, t)] = mass_routes(seg, queries[rows], top_p=top_p, min_keys=min_keys,
+                                             max_keys=max_keys, n_threads=n_threads, check_finite=False)[0]
+    return routes
+
+
+def _attend_exact(q: np.ndarray, keys: np.ndarray, v: np.ndarray, scale: float, order: np.ndarray,
+                  visible: np.ndarray, exact_from: np.ndarray, out: np.ndarray, lse: np.ndarray,
+                  n_threads: int) -> None:
+    """Exact attention of every row over the keys ``order[exact_from[i]:visible[i]]`` (its exact part),
+    written into ``out`` / ``lse`` (rows with an empty exact part are left alone).  Rows sharing a start
+    share one gathered key block; inside ``worker_threads``."""
+    dtype = q.dtype
+    kernel = ck.attend_prefix_rows_f32 if dtype == np.float32 else ck.attend_prefix_rows_f64
+    clamp = _CLAMP[dtype.type]
+    live = visible > exact_from
+    keys = np.ascontiguousarray(keys, dtype=dtype)
+    for lo in np.unique(exact_from[live]):
+        rows = np.flatnonzero(live & (exact_from == lo))
+        n_vis = (visible[rows] - lo).astype(np.int64)
+        B = int(n_vis.max())
+        ids = order[int(lo):int(lo) + B]
+        Ks = np.empty((B, keys.shape[1]), dtype=dtype)
+        ck.gather_rows(keys, ids, Ks)
+        Vs = np.empty((B, v.shape[1]), dtype=dtype)
+        ck.gather_rows(v, ids, Vs)
+        Qs = q[rows] * dtype.type(scale)
+        o = np.empty((rows.size, v.shape[1]), dtype=dtype)
+        lr = np.empty(rows.size, dtype=dtype)
+        # contiguous row shares of about equal work (sum of exact-part lengths)
+        T = max(1, min(n_threads, rows.size // 16))
+        cost = np.cumsum(n_vis)
+        cuts = [0] + [int(np.searchsorted(cost, cost[-1] * j / T)) for j in range(1, T)] + [rows.size]
+        shares = [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
+
+        def work(j: int, Qs=Qs, n_vis=n_vis, Ks=Ks, Vs=Vs, o=o, lr=lr, shares=shares, B=B) -> None:
+            a, b = shares[j]
+            kernel(Qs[a:b], n_vis[a:b], Ks, Vs, clamp, np.empty(B, dtype=dtype), o[a:b], lr[a:b])
+
+        run_jobs(work, range(len(shares)), n_threads)
+        out[rows] = o
+        lse[rows] = lr
