@@ -26,6 +26,19 @@ E = 32) when ``~/.cache/sparseattn/traces/manifest.json`` exists.
 
 Writes benchmarks/results/decode.json, decode.md and decode_latency.png (log-log p50 latency vs n); with
 ``--out X/decode-NAME.json``: decode-NAME.md and decode_latency-NAME.png.
+
+Memory-cap policies (``--cap-policies``, alone: ``python benchmarks/bench_decode.py --cap-policies
+--steps 64``): on the real store65k trace (2 heads, E = 32), ``policy="streaming"`` against
+``policy="h2o"`` at the same ``max_keys`` (``--cap-sizes``, default 4096,16384), with the ``dense`` and
+the ``cluster`` selector.  Protocol: the first n = 65,536 - steps keys are appended in chunks of 256,
+each chunk followed by an ``attend`` of 256 trace queries at the chunk's positions (so h2o accumulates
+attention weights while the cache fills, as in a chunked prefill; streaming ignores them), then
+``--steps`` decode steps each append one key and attend one held-out query.  Accuracy per step: output
+relative error and softmax mass against exact attention over every key appended (no cap).  Writes
+benchmarks/results/decode-cap.json and decode-cap.md.
+
+``--top-p-store`` prints, on the same trace (all 65,536 keys, 64 random queries), keys read per query and
+output error of ``selector="cluster"`` with ``n_probe = 32`` against ``top_p`` budgets (nothing written).
 """
 
 from __future__ import annotations
@@ -40,6 +53,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from sparseattn.kernels.decode import EVICTED
 
 HERE = Path(__file__).resolve().parent
 TRACE_DIR = Path.home() / ".cache" / "sparseattn" / "traces"
@@ -76,8 +91,7 @@ def exact_step(cache, q: np.ndarray):
     top = []
     keep = None
     if cache.max_keys is not None:
-        p = cache._pos[:, :n]
-        keep = (p < cache.sinks) | (p >= cache._lo_pos())
+        keep = cache._pos[:, :n] != EVICTED
     for h in range(H):
         g = h // rep
         Kg = cache._decode(cache._K[g, :n]) if cache.storage != "float32" else cache._K[g, :n]
@@ -223,6 +237,111 @@ def run_phase(case: str, n: int, K, V, Q, steps: int, specs: list[tuple[str, dic
     return res
 
 
+def cap_policies(steps: int, caps: list[int], chunk: int = 256) -> dict:
+    """streaming vs h2o at equal max_keys on the store65k trace (see the module docstring)."""
+    import sparseattn as sa
+    from sparseattn.cache import KVCache
+
+    t = sa.data.load("store65k", data_dir=TRACE_DIR, dtype=np.float32)
+    K, V, Qall = (np.ascontiguousarray(a) for a in (t.k, t.v, t.q))
+    hkv, n_total, E = K.shape
+    n = n_total - steps
+    rng = np.random.default_rng(0)
+    held = rng.choice(np.arange(n, Qall.shape[1]), steps, replace=False)  # decode queries: not used in prefill
+    scale = 1.0 / np.sqrt(E)
+    # exact attention over every key appended (float64), per decode step
+    refs = []
+    for s in range(steps):
+        m = n + s + 1
+        q = Qall[:, held[s]].astype(np.float64)
+        sc = np.einsum("hke,he->hk", K[:, :m].astype(np.float64), q) * scale
+        mx = sc.max(axis=1, keepdims=True)
+        w = np.exp(sc - mx)
+        refs.append((np.einsum("hk,hke->he", w, V[:, :m].astype(np.float64)) / w.sum(axis=1)[:, None],
+                     mx[:, 0] + np.log(w.sum(axis=1))))
+    rows = []
+    for cap in caps:
+        for selector in ("dense", "cluster"):
+            for policy in ("streaming", "h2o"):
+                c = KVCache(hkv, E, selector=selector, max_keys=cap, policy=policy)
+                t0 = time.perf_counter()
+                for a in range(0, n, chunk):
+                    b = min(a + chunk, n)
+                    c.append(K[:, a:b], V[:, a:b])
+                    c.attend(Qall[:, a:b])
+                prefill_s = time.perf_counter() - t0
+                errs, mass, read, ts = [], [], [], []
+                for s in range(steps):
+                    c.append(K[:, n + s:n + s + 1], V[:, n + s:n + s + 1])
+                    t1 = time.perf_counter()
+                    out, lse = c.attend(Qall[:, held[s]][:, None], return_lse=True)
+                    ts.append(time.perf_counter() - t1)
+                    ro, rl = refs[s]
+                    o = out[:, 0].astype(np.float64)
+                    errs.append(float(np.mean(np.linalg.norm(o - ro, axis=1) / np.linalg.norm(ro, axis=1))))
+                    mass.append(float(np.mean(np.exp(np.minimum(lse[:, 0] - rl, 0.0)))))
+                    read.append(c.stats["keys_read_per_query"])
+                r = {"cap": cap, "selector": selector, "policy": policy, "n": n, "steps": steps,
+                     "rel_err": float(np.mean(errs)), "rel_err_median": float(np.median(errs)),
+                     "rel_err_p90": float(np.percentile(errs, 90)), "mass": float(np.mean(mass)),
+                     "keys_read": float(np.mean(read)), "p50_ms": 1e3 * float(np.median(ts)),
+                     "prefill_s": prefill_s, "len": len(c), "slots": c.stats["slots"],
+                     "kv_bytes": c.kv_nbytes, "index_bytes": c.index_nbytes, "compactions": c.stats["compactions"]}
+                rows.append(r)
+                log(f"  cap {cap} {selector:>7} {policy:>9}: err {r['rel_err']:.3e} (median {r['rel_err_median']:.3e}) "
+                    f"mass {r['mass']:.4f} read {r['keys_read']:.0f} p50 {r['p50_ms']:.3f} ms prefill "
+                    f"{prefill_s:.1f} s slots {r['slots']}")
+    return {"trace": "store65k", "heads": hkv, "dim": E, "n": n, "chunk": chunk, "rows": rows}
+
+
+def top_p_store(n_queries: int = 64) -> None:
+    """Prints, on the store65k trace, keys read per query and output error of the cluster selector with
+    ``n_probe`` = 32 against the mass-driven budget ``top_p`` (with the default routed-key cap and without)."""
+    import sparseattn as sa
+    from sparseattn.cache import KVCache
+
+    t = sa.data.load("store65k", data_dir=TRACE_DIR, dtype=np.float32)
+    K, V, Q = (np.ascontiguousarray(a) for a in (t.k, t.v, t.q))
+    hkv, n, E = K.shape
+    rng = np.random.default_rng(0)
+    qs = Q[:, rng.choice(Q.shape[1], n_queries, replace=False)]
+    sc = np.einsum("hke,hqe->hqk", K.astype(np.float64), qs.astype(np.float64)) / np.sqrt(E)
+    w = np.exp(sc - sc.max(axis=2, keepdims=True))
+    ref = np.einsum("hqk,hke->hqe", w, V.astype(np.float64)) / w.sum(axis=2)[..., None]
+    specs = [("n_probe=32", {})] + [(f"top_p={p}", {"top_p": p}) for p in (0.5, 0.9, 0.99)] + \
+        [(f"top_p={p} no cap", {"top_p": p, "top_p_max_keys": n}) for p in (0.5, 0.9)]
+    for label, kw in specs:
+        c = KVCache(hkv, E, **kw)
+        c.append(K, V)
+        errs, reads = [], []
+        for i in range(n_queries):
+            o = c.attend(qs[:, i:i + 1])[:, 0].astype(np.float64)
+            errs.append(np.mean(np.linalg.norm(o - ref[:, i], axis=1) / np.linalg.norm(ref[:, i], axis=1)))
+            reads.append(c.stats["keys_read_per_query"])
+        log(f"  store65k {label:>17}: rel. error mean {np.mean(errs):.3e} median {np.median(errs):.3e}; keys "
+            f"read per query mean {np.mean(reads):,.0f} (min {np.min(reads):,.0f}, max {np.max(reads):,.0f}) "
+            f"of {n:,}")
+
+
+def write_cap_report(path: Path, meta: dict, res: dict) -> None:
+    lines = ["# Memory cap: streaming vs h2o (sparseattn.KVCache, store65k trace)", "",
+             f"Run {meta['started']} on {meta['cores']} cores (load average {meta['loadavg_start'][0]:.1f} at start; "
+             f"the machine was shared).  Command: `python benchmarks/bench_decode.py --cap-policies --steps "
+             f"{res['rows'][0]['steps']}`.  Keys/values: the real MiniLM store trace ({res['heads']} heads, "
+             f"E = {res['dim']}); the first {res['n']:,} keys appended in chunks of {res['chunk']}, each chunk "
+             f"attended by {res['chunk']} trace queries; then one key + one held-out query per decode step.  "
+             f"Error: ||o - o*|| / ||o*|| against exact attention over every key appended (no cap), mean "
+             f"over heads and steps; mass: softmax mass of the keys attended, exp(lse - lse*).", "",
+             "| max_keys | selector | policy | rel. error mean | median | p90 | mass | keys read | p50 ms | "
+             "slots held |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['cap']:,} | {r['selector']} | {r['policy']} | {r['rel_err']:.3e} | "
+                     f"{r['rel_err_median']:.3e} | {r['rel_err_p90']:.3e} | {r['mass']:.4f} | {r['keys_read']:,.0f} | "
+                     f"{r['p50_ms']:.3f} | {r['slots']:,} |")
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
 SPARSE = [
     ("cluster", {"selector": "cluster"}, {}),
     ("topk-64", {"selector": "cluster"}, {"selector": "topk", "k": 64}),
@@ -244,6 +363,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topk-max", type=int, default=262144, help="largest n for the exact top-64 selector")
     ap.add_argument("--out", default=str(HERE / "results" / "decode.json"))
     ap.add_argument("--append", action="store_true", help="add to the results already in --out")
+    ap.add_argument("--cap-policies", action="store_true",
+                    help="only the streaming vs h2o comparison on store65k (writes decode-cap.json / .md)")
+    ap.add_argument("--cap-sizes", default="4096,16384", help="max_keys values of --cap-policies")
+    ap.add_argument("--top-p-store", action="store_true",
+                    help="only print the cluster selector's n_probe vs top_p budget on store65k")
     args = ap.parse_args(argv)
 
     import numba
@@ -263,6 +387,19 @@ def main(argv: list[str] | None = None) -> int:
             "cores": os.cpu_count(), "numba_threads": numba.get_num_threads(),
             "torch_threads": torch.get_num_threads(), "loadavg_start": os.getloadavg(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+    if args.top_p_store:
+        top_p_store()
+        return 0
+    if args.cap_policies:
+        if not (TRACE_DIR / "manifest.json").is_file():
+            raise SystemExit(f"--cap-policies needs the store65k trace in {TRACE_DIR}.")
+        res = cap_policies(steps, [int(x) for x in args.cap_sizes.split(",") if x])
+        meta["loadavg_end"] = os.getloadavg()
+        out = HERE / "results" / "decode-cap.json"
+        out.write_text(json.dumps({"meta": meta, "results": res}, indent=1))
+        write_cap_report(out, meta, res)
+        return 0
 
     def save() -> None:
         meta["loadavg_end"] = os.getloadavg()

@@ -25,6 +25,18 @@ min and max, updated on append; the ``n_probe`` pages of largest bound ``sum_e m
 are attended), ``"window"`` (sinks + recent window only), ``"topk"`` (exact top-k over the whole cache:
 the accuracy reference, reads everything) and ``"dense"`` (every key: exact attention).
 
+Index selectors (a spec string such as ``"faiss-hnsw:M=16"``: any selector of
+:mod:`sparseattn.selectors` that declares ``supports_add``): one selector object per kv head, built on
+the keys of the first append (once it has enough keys for the backend; until then every key is
+attended exactly) and grown with ``add()`` on every later append, never rebuilt per call.  Each query
+attends the sinks and the newest ``window`` keys exactly plus the selector's top-``k`` (``attend(k=...)``)
+among the other keys it may see (causal, not evicted): candidates are fetched with a margin, filtered by
+position and re-ranked exactly, and the search is widened when the filter leaves fewer than ``k``.  Evicted
+keys stay in the backend index (FAISS graphs cannot delete) but are filtered out; the index is rebuilt
+from the live keys once the evicted ones outnumber them (amortised, at most once per ``max_keys``
+evictions).  An IVF index keeps the lists it was trained on at its first build (``nlist=None``: about
+``4 sqrt(S)`` for the S keys of the first append), so append the prompt first or set ``nlist``.
+
 Estimation zone (``selector="cluster"``, ``estimate=N``): the ``N`` clusters ranked right after the
 ``n_probe`` routed ones are not read but *estimated* from statistics kept per cluster when it is made
 (key count ``n_c``, member mean key ``μ_c`` = its routing vector, member mean value ``v̄_c``): the cluster
@@ -34,25 +46,50 @@ the true sum (exp of the mean under-estimates the mean of exp), so the estimate 
 tight clusters.  Clusters holding a key the row may not see (a later position, or an evicted one) are
 never estimated.  Clusters beyond ``n_probe + N`` are ignored, as before.
 
-Memory cap: ``max_keys`` with ``policy="streaming"`` keeps the ``sinks`` first positions and the newest
-``max_keys - sinks`` (StreamingLLM); older keys are masked at once and their storage is freed a segment at
-a time, so the bytes held stay below ``max_keys + segment + window`` keys.
+Mass-driven budget (``selector="cluster"``, ``top_p=p``): instead of a fixed ``n_probe``, each query
+reads clusters in order of estimated mass ``n_c·exp(scale·q·μ_c)`` (the statistics of the estimation
+zone) until the estimated mass read - the exact part's true mass plus the estimates of the clusters
+read - reaches ``p`` of the estimated total (exact part + every cluster), with at least ``top_p_min_keys``
+routed keys, and stops before a cluster that would take the routed keys past ``top_p_max_keys`` (the
+semantics of ``routed_attention(top_p=...)``, :func:`sparseattn.attention.routed.mass_routes`).  A peaky
+query reads few clusters, a flat one many; ``stats["keys_read_per_query"]`` reports it.  ``estimate=N``
+then estimates the ``N`` clusters after the last one read.
+
+Memory cap (``max_keys``): at most ``max_keys`` keys stay attendable; the ``sinks`` first positions and
+the newest ``window`` ones are always kept.  ``policy="streaming"`` (StreamingLLM) evicts the oldest
+other keys; ``policy="h2o"`` (Heavy-Hitter Oracle, Zhang et al. 2023) keeps, besides sinks and window,
+the keys with the largest *accumulated attention weight*: per kv head, every ``attend`` adds to each key
+read the softmax weight it got from each query row (all query heads of the group, all tokens).  With a
+sparse selector only the keys actually read get weight (an unread or merely estimated key gets none),
+so the statistics follow the selector's view of attention, not the exact one.  Keys never attended
+weigh 0, and ties evict the oldest first (a prompt appended before any ``attend`` is capped like
+streaming).  Both policies share one eviction mechanism: an evicted key's slot gets the position
+``EVICTED`` (after every query), so the kernel's causal mask hides it from every selector at once, a
+cluster holding it is no longer estimated (and routed clusters never read it), and its storage is freed
+by a compaction once ``segment`` keys have been evicted since the last one (clusters that lost members
+get their statistics recomputed from the survivors and may be estimated again).  Slots held stay below
+``max_keys + segment`` per kv head for streaming; under h2o different kv heads evict different
+positions, so each clustered segment keeps as many slots as its fullest head needs (the others pad with
+evicted slots, never read as keys).  Index selectors keep their evicted keys in the backend index until
+the rebuild described above.
 """
 
 from __future__ import annotations
 
+import numbers
 import time
 from typing import Any
 
 import numpy as np
 
 from .inputs import check_positive_int, check_scale, overflow_message
+from .kernels.decode import EVICTED
 from .threads import executor, get_num_threads, single_threaded_blas
 
 __all__ = ["KVCache"]
 
 _SELECTORS = ("cluster", "pages", "window", "topk", "dense")
-_POLICIES = ("streaming",)
+_POLICIES = ("streaming", "h2o")
 _BF16_NAMES = ("bfloat16", "bf16")
 _INT32_MAX = 2**31 - 1
 # Keys scored per call below which the kernel runs on one thread: a parallel launch waits for every
@@ -150,6 +187,36 @@ def cluster_segment(keys: np.ndarray, n_clusters: int, *, seed: int = 0, niter: 
 
 
 # ---------------------------------------------------------------------------------------------- cache
+def _index_selector_names() -> list[str]:
+    """Names of the library selectors that can grow with ``add()`` (``supports_add``), besides the cache's own."""
+    from .selectors import selector_classes
+
+    return sorted(n for n, c in selector_classes().items() if c.supports_add and n not in _SELECTORS)
+
+
+def _parse_selector(selector: object) -> Any:
+    """None for a built-in selector name, else an unbuilt template of the index selector ``selector`` names."""
+    if isinstance(selector, str) and selector in _SELECTORS:
+        return None
+    accepted = _index_selector_names()
+    usage = (f"selector must be one of {_SELECTORS} or the spec string of an index selector that supports "
+             f"add() ({', '.join(accepted)}; e.g. 'faiss-hnsw:M=16')")
+    if not isinstance(selector, str) or not selector.strip():
+        raise ValueError(f"{usage}; got {selector!r}.")
+    from .selectors import get_selector, selector_classes
+    from .selectors.registry import parse_spec
+
+    parts = parse_spec(selector)
+    names = [n for n, _ in parts]
+    if len(parts) != 1 or names[0] not in accepted:
+        classes = selector_classes()
+        bad = [n for n in names if n in classes and not classes[n].supports_add]
+        why = (f" ({', '.join(repr(n) for n in bad)} cannot grow with add(): supports_add is False)" if bad
+               else " (a union of selectors cannot grow with add())" if len(parts) > 1 else "")
+        raise ValueError(f"{usage}; got {selector!r}{why}.")
+    return get_selector(selector)
+
+
 class KVCache:
     """Key/value cache for autoregressive decoding with sparse attention over an incremental index.
 
@@ -164,19 +231,24 @@ class KVCache:
         reads kv head ``h // (H // H_kv)``).
     value_dim : int, optional
         Value dimension Ev (default E).
-    selector : {"cluster", "pages", "window", "topk", "dense"}, default "cluster"
-        How each step picks keys beyond the exact sinks + window (see the module docstring).
+    selector : str, default "cluster"
+        How each step picks keys beyond the exact sinks + window (see the module docstring): one of
+        ``"cluster"``, ``"pages"``, ``"window"``, ``"topk"``, ``"dense"``, or the spec string of an index
+        selector that supports ``add()`` (``"faiss-flat"``, ``"faiss-hnsw:M=16"``, ``"faiss-ivf"``,
+        ``"faiss-ivfpq"``), whose per-query budget is ``attend(k=...)``.
     dtype : numpy.float32, numpy.float16 or "bfloat16", default float32
         Storage of keys and values (bfloat16 is held as uint16 bit patterns); scores and sums are
         float32 in every case.  Appended inputs are rounded to it.
     sinks : int, default 4
         The first ``sinks`` positions are always attended exactly (and never evicted).
     window : int, default 64
-        The newest ``window`` positions are always attended exactly.
+        The newest ``window`` positions are always attended exactly (and never evicted).
     max_keys : int, optional
-        Memory cap in keys (``policy="streaming"``): attend only to the ``sinks`` first and the
-        ``max_keys - sinks`` newest positions.  Must be >= ``sinks + window``.
-    policy : {"streaming"}, default "streaming"
+        Memory cap in keys: at most ``max_keys`` keys stay attendable (``policy`` says which).  Must be
+        >= ``sinks + window``.
+    policy : {"streaming", "h2o"}, default "streaming"
+        Which keys the cap keeps besides sinks and window: the newest (``"streaming"``) or those with
+        the largest accumulated attention weight (``"h2o"``); see the module docstring.
     segment : int, default 4096
         Keys clustered together once the tail holds ``segment + window`` keys (multiple of
         ``page_size``; 4,096-16,384 recommended).  The exact tail averages ``segment / 2 + window`` keys.
@@ -188,8 +260,17 @@ class KVCache:
     n_probe : int, optional
         Clusters (``"cluster"``, default 32) or pages (``"pages"``, default 128) attended per query.
     estimate : int, default 0
-        ``"cluster"`` only: clusters per query estimated from their statistics after the ``n_probe``
-        routed ones (see the module docstring); 0 = off.
+        ``"cluster"`` only: clusters per query estimated from their statistics after the routed ones
+        (see the module docstring); 0 = off.
+    top_p : float in (0, 1], optional
+        ``"cluster"`` only: mass-driven budget instead of ``n_probe`` (see the module docstring); 1.0
+        reads every cluster with a visible key (within ``top_p_max_keys``).
+    top_p_min_keys : int, default 0
+        ``top_p`` only: floor of routed keys read per query (the walk goes on past ``top_p`` until it is
+        reached).  Sinks and the exact tail are read on top.
+    top_p_max_keys : int, optional
+        ``top_p`` only: cap of routed keys read per query (default ``4 * n_probe * cluster_size``, four
+        times the fixed budget); the walk stops before a cluster that would pass it.
     cluster_size : int, default 64
         Mean keys per cluster: each segment gets ``segment // cluster_size`` clusters.
     page_size : int, default 16
@@ -218,7 +299,8 @@ class KVCache:
                  value_dim: int | None = None, selector: str = "cluster", dtype: object = np.float32,
                  sinks: int = 4, window: int = 64, max_keys: int | None = None, policy: str = "streaming",
                  segment: int = 4096, open_step: int | None = None, n_probe: int | None = None,
-                 estimate: int = 0, cluster_size: int = 64,
+                 estimate: int = 0, top_p: float | None = None, top_p_min_keys: int = 0,
+                 top_p_max_keys: int | None = None, cluster_size: int = 64,
                  page_size: int = 16, scale: float | None = None, seed: int = 0,
                  parallel: bool | None = None) -> None:
         self.num_heads = check_positive_int(num_heads, "num_heads")
@@ -229,8 +311,7 @@ class KVCache:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads}) for grouped-query attention.")
         self.value_dim = self.head_dim if value_dim is None else check_positive_int(value_dim, "value_dim")
-        if selector not in _SELECTORS:
-            raise ValueError(f"selector must be one of {_SELECTORS}; got {selector!r}.")
+        self._index_template = _parse_selector(selector)
         self.selector = selector
         self.storage, self._sdtype = _resolve_storage(dtype)
         self.sinks = check_positive_int(sinks, "sinks", minimum=0)
@@ -254,8 +335,22 @@ class KVCache:
         if self.estimate and selector != "cluster":
             raise ValueError(f"estimate applies to selector='cluster' only; got selector={selector!r} with "
                              f"estimate={self.estimate}. Pass estimate=0.")
-        default_probe = {"cluster": 32, "pages": 128}.get(selector, 0)
+        default_probe = {"cluster": 32, "pages": 128}.get(selector, 0) if isinstance(selector, str) else 0
         self.n_probe = default_probe if n_probe is None else check_positive_int(n_probe, "n_probe")
+        self.top_p = None
+        if top_p is not None:
+            if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < float(top_p) <= 1:
+                raise ValueError(f"top_p must be a float in (0, 1] (or None: fixed n_probe); got {top_p!r}.")
+            if selector != "cluster":
+                raise ValueError(f"top_p applies to selector='cluster' only (it ranks clusters by estimated "
+                                 f"mass); got selector={selector!r}. Pass top_p=None or selector='cluster'.")
+            self.top_p = float(top_p)
+        self.top_p_min_keys = check_positive_int(top_p_min_keys, "top_p_min_keys", minimum=0)
+        self.top_p_max_keys = (4 * max(self.n_probe, 1) * self.cluster_size if top_p_max_keys is None
+                               else check_positive_int(top_p_max_keys, "top_p_max_keys", minimum=0))
+        if self.top_p_min_keys > self.top_p_max_keys:
+            raise ValueError(f"top_p_min_keys ({self.top_p_min_keys}) must be <= top_p_max_keys "
+                             f"({self.top_p_max_keys}) (the floor and the cap of routed keys per query).")
         self.scale = check_scale(scale, self.head_dim)
         if not self.scale > 0:
             raise ValueError(f"scale must be > 0; got {scale!r}.")
@@ -263,11 +358,16 @@ class KVCache:
         self.parallel = None if parallel is None else bool(parallel)
         hk, E, Ev = self.num_kv_heads, self.head_dim, self.value_dim
         self._n = 0  # positions appended so far (the next key's position)
-        self._slots = 0  # slots in use
+        self._n_live = 0  # keys attendable (per kv head; every head holds as many)
+        self._slots = 0  # slots in use (live + evicted, not yet compacted)
+        self._pad = 0  # evicted slots left after the last compaction
+        self._lo_done = 0  # streaming: positions below this (sinks apart) are evicted
         self._cap = 0
         self._K = np.zeros((hk, 0, E), self._sdtype)
         self._V = np.zeros((hk, 0, Ev), self._sdtype)
         self._pos = np.zeros((hk, 0), np.int32)
+        self._weight = np.zeros((hk, 0), np.float64)  # h2o: accumulated attention weight per slot
+        self._ids = np.zeros((hk, 0), np.int64)  # index selectors: id of each slot in the head's index
         self._seg_end = 0  # cluster: end of the closed segments
         self._open_end = 0  # cluster: first tail slot; [seg_end, open_end) is the open segment
         self._closed_cent = np.zeros(hk, np.int64)  # routing vectors of the closed segments, per kv head
@@ -275,23 +375,27 @@ class KVCache:
         self._cent = np.zeros((hk, 0, E), np.uint16)  # routing vectors, float16 bit patterns
         self._cptr = np.zeros((hk, 1), np.int64)
         self._n_cent = np.zeros(hk, np.int64)
+        self._ccount = np.zeros((hk, 0), np.int64)  # per cluster: live members (estimation zone, top_p)
         self._cvmean = np.zeros((hk, 0, Ev), np.float32)  # per cluster: mean value (estimation zone)
         self._cminpos = np.zeros((hk, 0), np.int32)  # per cluster: smallest and largest key position
         self._cmaxpos = np.zeros((hk, 0), np.int32)
         self._pmin = np.zeros((hk, 0, E), self._sdtype)
         self._pmax = np.zeros((hk, 0, E), self._sdtype)
+        self._pminpos = np.zeros((hk, 0), np.int32)  # per page: smallest live position (EVICTED: none)
+        self._index: list[Any] = [None] * hk  # index selectors: one per kv head (None: not built yet)
+        self._index_slot: list[np.ndarray] = [np.zeros(0, np.int64)] * hk  # id -> slot (-1: evicted)
+        self._index_dead = 0  # ids of evicted keys still in each head's index
         self._stats: dict[str, Any] = {
             "appends": 0, "append_seconds": 0.0, "cluster_seconds": 0.0, "segments_clustered": 0,
             "attends": 0, "attend_seconds": 0.0, "kernel_seconds": 0.0, "keys_read_per_query": 0.0,
-            "keys_read_max": 0, "evicted_keys": 0, "clusters_estimated_per_query": 0.0,
+            "keys_read_max": 0, "keys_read_min": 0, "evicted_keys": 0, "clusters_estimated_per_query": 0.0,
+            "compactions": 0, "index_rebuilds": 0,
         }
 
     # ------------------------------------------------------------------------------------- metadata
     def __len__(self) -> int:
-        """Keys attendable now: every appended key, or ``sinks + (max_keys - sinks)`` under the cap."""
-        if self.max_keys is None or self._n <= self.max_keys:
-            return self._n
-        return self.max_keys
+        """Keys attendable now: every appended key, or ``max_keys`` under the cap."""
+        return self._n_live
 
     def __repr__(self) -> str:
         return (f"KVCache(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim="
@@ -310,13 +414,18 @@ class KVCache:
 
     @property
     def index_nbytes(self) -> int:
-        """Bytes of everything beyond the keys and values: positions, routing vectors, page bounds."""
+        """Bytes of everything beyond the keys and values: positions, routing vectors and cluster
+        statistics, page bounds, h2o weights, index-selector slot maps (not the FAISS index itself)."""
         hk = self.num_kv_heads
         total = self._slots * hk * 4  # int32 position per slot
         if self.selector == "cluster":
-            total += int(self._n_cent.sum()) * (self.head_dim * 2 + 8 + 8 + 4 * self.value_dim)
+            total += int(self._n_cent.sum()) * (self.head_dim * 2 + 8 + 8 + 8 + 4 * self.value_dim)
         if self.selector == "pages":
-            total += 2 * self._n_pages() * hk * self.head_dim * self._sdtype.itemsize
+            total += self._n_pages() * hk * (2 * self.head_dim * self._sdtype.itemsize + 4)
+        if self.policy == "h2o" and self.max_keys is not None:
+            total += self._slots * hk * 8
+        if self._index_template is not None:
+            total += self._slots * hk * 8 + sum(int(s.size) for s in self._index_slot) * 8
         return total
 
     @property
@@ -327,24 +436,36 @@ class KVCache:
     @property
     def stats(self) -> dict[str, Any]:
         """Counters and timings: appends, seconds in append / clustering / attend (and in the kernel),
-        keys read per query of the last attend (mean and max), segments, clusters, evicted keys, bytes."""
+        keys read per query of the last attend (mean, min and max), segments, clusters, evicted keys,
+        compactions, bytes."""
         out = dict(self._stats)
         out.update(segments=len(self._segments), open_segment_keys=self._open_end - self._seg_end,
                    clusters_per_head=float(self._n_cent.mean()),
                    tail_keys=self._slots - self._tail_start(), len=len(self), kv_nbytes=self.kv_nbytes,
-                   index_nbytes=self.index_nbytes,
+                   index_nbytes=self.index_nbytes, slots=self._slots,
                    append_us_per_token=(1e6 * self._stats["append_seconds"] / self._n) if self._n else 0.0)
         return out
 
     def positions(self, kv_head: int = 0) -> np.ndarray:
         """Sorted positions (int64) of the keys kv head ``kv_head`` can attend to now."""
         p = self._pos[kv_head, :self._slots].astype(np.int64)
-        lo = self._lo_pos()
-        return np.sort(p[(p < self.sinks) | (p >= lo)])
+        return np.sort(p[p != EVICTED])
+
+    def heavy_hitter_weights(self, kv_head: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """``policy="h2o"``: (positions int64, accumulated attention weights float64) of the attendable keys
+        of kv head ``kv_head``, sorted by position."""
+        if self.policy != "h2o":
+            raise ValueError(f"heavy_hitter_weights needs policy='h2o'; this cache has policy={self.policy!r}.")
+        p = self._pos[kv_head, :self._slots].astype(np.int64)
+        w = self._weight[kv_head, :self._slots] if self._weight.shape[1] else np.zeros(self._slots)
+        live = p != EVICTED
+        order = np.argsort(p[live], kind="stable")
+        return p[live][order], w[live][order]
 
     # ------------------------------------------------------------------------------------- internals
     def _lo_pos(self) -> int:
-        """First non-sink position still attended (everything before it, sinks apart, is evicted)."""
+        """Streaming: the first non-sink position still attended (everything before it, sinks apart, is
+        evicted); 0 without a cap or below it."""
         if self.max_keys is None or self._n <= self.max_keys:
             return 0
         return self._n - (self.max_keys - self.sinks)
@@ -356,6 +477,15 @@ class KVCache:
         span = max(self._slots - self.sinks, 0)
         return (span + self.page_size - 1) // self.page_size
 
+    def _slot_arrays(self) -> list[str]:
+        """Names of the per-slot arrays (moved together whenever slots move)."""
+        names = ["_K", "_V", "_pos"]
+        if self.policy == "h2o":
+            names.append("_weight")
+        if self._index_template is not None:
+            names.append("_ids")
+        return names
+
     def _reserve(self, extra: int) -> None:
         need = self._slots + extra
         if need <= self._cap:
@@ -364,20 +494,16 @@ class KVCache:
         if self.max_keys is not None:
             new_cap = max(need, min(new_cap, self.max_keys + 2 * self.segment + self.window + self.sinks))
         new_cap = -(-new_cap // self.page_size) * self.page_size
-        hk = self.num_kv_heads
-        for name, width in (("_K", self.head_dim), ("_V", self.value_dim)):
+        for name in self._slot_arrays():
             old = getattr(self, name)
-            arr = np.empty((hk, new_cap, width), self._sdtype)
+            arr = np.zeros((old.shape[0], new_cap) + old.shape[2:], old.dtype)
             arr[:, :self._slots] = old[:, :self._slots]
             setattr(self, name, arr)
-        pos = np.empty((hk, new_cap), np.int32)
-        pos[:, :self._slots] = self._pos[:, :self._slots]
-        self._pos = pos
         if self.selector == "pages":
             n_pages = -(-new_cap // self.page_size) + 1
-            for name in ("_pmin", "_pmax"):
+            for name in ("_pmin", "_pmax", "_pminpos"):
                 old = getattr(self, name)
-                arr = np.zeros((hk, n_pages, self.head_dim), self._sdtype)
+                arr = np.zeros((old.shape[0], n_pages) + old.shape[2:], old.dtype)
                 arr[:, :old.shape[1]] = old
                 setattr(self, name, arr)
         self._cap = new_cap
@@ -424,6 +550,7 @@ class KVCache:
                 raise ValueError(f"{name} contains NaN or Inf (first at index {bad}); clean the input.")
         return k, v
 
+
     # ---------------------------------------------------------------------------------------- append
     def append(self, keys: object, values: object) -> None:
         """Append T new tokens (positions ``len .. len + T - 1``) for every kv head.
@@ -433,7 +560,7 @@ class KVCache:
         keys : float array or torch CPU tensor, shape (H_kv, T, E), T >= 1
         values : float array or torch CPU tensor, shape (H_kv, T, Ev)
             Rounded to the storage dtype.  A long prompt is one append; full segments are clustered
-            during the call.
+            (and index selectors grown) during the call; under ``max_keys`` keys are evicted as it goes.
 
         Raises
         ------
@@ -445,8 +572,8 @@ class KVCache:
         t0 = time.perf_counter()
         k, v = self._validate_kv(keys, values)
         T = k.shape[1]
-        if self._n + T > _INT32_MAX:
-            raise ValueError(f"the cache holds positions as int32: at most {_INT32_MAX} tokens in total.")
+        if self._n + T >= _INT32_MAX:
+            raise ValueError(f"the cache holds positions as int32: fewer than {_INT32_MAX} tokens in total.")
         ks = self._encode(k, "keys")
         vs = self._encode(v, "values")
         done = 0
@@ -460,19 +587,25 @@ class KVCache:
             self._K[:, a:b] = ks[:, done:done + step]
             self._V[:, a:b] = vs[:, done:done + step]
             self._pos[:, a:b] = np.arange(self._n, self._n + step, dtype=np.int32)
+            if self.policy == "h2o":
+                self._weight[:, a:b] = 0.0
             self._slots = b
             self._n += step
+            self._n_live += step
             done += step
             if self.selector == "pages":
                 self._update_pages(a, b)
             if self.selector == "cluster":
                 self._cluster_full_segments()
-            self._evict()
+            if self._index_template is not None:
+                self._index_append(a, b)
+            self._enforce_cap()
         self._stats["appends"] += 1
         self._stats["append_seconds"] += time.perf_counter() - t0
 
     def _update_pages(self, a: int, b: int) -> None:
-        """Recompute the min/max of the pages holding slots [a, b) (pages start at slot ``sinks``)."""
+        """Recompute the min/max and smallest position of the pages holding slots [a, b) (pages start
+        at slot ``sinks``)."""
         s0 = self.sinks  # pages start at slot `sinks`
         a = max(a, s0)
         if a >= b:
@@ -491,6 +624,8 @@ class KVCache:
             else:
                 self._pmin[:, p0:p0 + full] = blk.min(axis=2)
                 self._pmax[:, p0:p0 + full] = blk.max(axis=2)
+            self._pminpos[:, p0:p0 + full] = self._pos[:, start:start + full * P].reshape(
+                self.num_kv_heads, full, P).min(axis=2)
         if p0 + full < p1:  # the last, partial page
             blk = self._K[:, start + full * P:b]
             f = self._decode(blk) if self.storage == "bfloat16" else blk
@@ -499,6 +634,7 @@ class KVCache:
                 lo, hi = _bf16_bits(lo), _bf16_bits(hi)
             self._pmin[:, p0 + full] = lo
             self._pmax[:, p0 + full] = hi
+            self._pminpos[:, p0 + full] = self._pos[:, start + full * P:b].min(axis=1)
 
     def _cluster_full_segments(self) -> None:
         """Close every segment the tail can fill, then grow the open segment by whole ``open_step``s.
@@ -528,50 +664,68 @@ class KVCache:
         if changed:
             self._stats["cluster_seconds"] += time.perf_counter() - t0
 
+    def _permute(self, g: int, a: int, b: int, order: np.ndarray) -> None:
+        """Reorder slots [a, b) of kv head ``g`` (every per-slot array) by ``order``."""
+        for name in self._slot_arrays():
+            arr = getattr(self, name)
+            arr[g, a:b] = arr[g, a:b][order]
+
     def _cluster_one(self, a: int, b: int, *, closed: bool) -> None:
         """Cluster slots [a, b) of every kv head, reorder them by cluster, add their routing vectors
-        (replacing those of the open segment, which [a, b) always contains)."""
+        (replacing those of the open segment, which [a, b) always contains).
+
+        Only live keys are clustered; a head's evicted slots in [a, b) (not yet compacted) go to the end
+        of its last cluster's range, where the position mask hides them.
+        """
         hk = self.num_kv_heads
-        n_clusters = max(1, (b - a) // self.cluster_size)
         firsts = self._closed_cent.copy()
         self._n_cent[:] = self._closed_cent  # the open segment's routing vectors are recomputed
-        for g in range(hk):  # back to position order: the clusters depend on the keys only
+        n_live = np.zeros(hk, np.int64)
+        for g in range(hk):  # back to position order (evicted last): the clusters depend on the keys only
             if b - a > 1 and np.any(np.diff(self._pos[g, a:b]) < 0):
-                order0 = np.argsort(self._pos[g, a:b], kind="stable")
-                self._K[g, a:b] = self._K[g, a:b][order0]
-                self._V[g, a:b] = self._V[g, a:b][order0]
-                self._pos[g, a:b] = self._pos[g, a:b][order0]
-        xs = [self._decode(self._K[g, a:b]) for g in range(hk)]
+                self._permute(g, a, b, np.argsort(self._pos[g, a:b], kind="stable"))
+            n_live[g] = int(np.count_nonzero(self._pos[g, a:b] != EVICTED))
+        xs = [self._decode(self._K[g, a:a + n_live[g]]) for g in range(hk)]
+        counts_c = [max(1, int(n_live[g]) // self.cluster_size) for g in range(hk)]
         n_threads = min(get_num_threads(), hk)
         with single_threaded_blas():  # parallel over heads, not inside BLAS (oversubscription: ~10x slower)
             if n_threads > 1:  # one head per worker, each k-means single-threaded (FAISS releases the GIL)
                 all_labels = list(executor(n_threads).map(
-                    lambda x: cluster_segment(x, n_clusters, seed=self.seed), xs))
+                    lambda xc: cluster_segment(xc[0], xc[1], seed=self.seed), zip(xs, counts_c, strict=True)))
             else:
-                all_labels = [cluster_segment(x, n_clusters, seed=self.seed) for x in xs]
+                all_labels = [cluster_segment(x, c, seed=self.seed) for x, c in zip(xs, counts_c, strict=True)]
         for g in range(hk):
-            x, labels = xs[g], all_labels[g]
+            x, labels, nl = xs[g], all_labels[g], int(n_live[g])
+            nc = int(self._n_cent[g])
+            if nl == 0:  # every key of this head evicted: one empty cluster holds the slots
+                self._grow_centroids(nc + 1)
+                self._cent[g, nc] = 0
+                self._cvmean[g, nc] = 0.0
+                self._ccount[g, nc] = 0
+                self._cminpos[g, nc] = self._cmaxpos[g, nc] = EVICTED
+                self._cptr[g, nc], self._cptr[g, nc + 1] = a, b
+                self._n_cent[g] = nc + 1
+                continue
             order = np.argsort(labels, kind="stable")
-            counts = np.bincount(labels, minlength=n_clusters)
+            counts = np.bincount(labels, minlength=counts_c[g])
             live = counts > 0
             starts = np.concatenate([[0], np.cumsum(counts)[:-1]])[live]
             sums = np.add.reduceat(x[order].astype(np.float64), starts, axis=0)
             means = (sums / counts[live, None]).astype(np.float32)
-            self._K[g, a:b] = self._K[g, a:b][order]
-            self._V[g, a:b] = self._V[g, a:b][order]
-            self._pos[g, a:b] = self._pos[g, a:b][order]
-            vsum = np.add.reduceat(self._decode(self._V[g, a:b]).astype(np.float64), starts, axis=0)
-            seg_pos = self._pos[g, a:b]
-            nc = int(self._n_cent[g])
-            self._grow_centroids(nc + means.shape[0])
+            self._permute(g, a, b, np.concatenate([order, np.arange(nl, b - a)]))
+            vsum = np.add.reduceat(self._decode(self._V[g, a:a + nl]).astype(np.float64), starts, axis=0)
+            seg_pos = self._pos[g, a:a + nl]
             m = means.shape[0]
+            self._grow_centroids(nc + m)
             self._cvmean[g, nc:nc + m] = (vsum / counts[live, None]).astype(np.float32)
+            self._ccount[g, nc:nc + m] = counts[live]
             self._cminpos[g, nc:nc + m] = np.minimum.reduceat(seg_pos, starts)
             self._cmaxpos[g, nc:nc + m] = np.maximum.reduceat(seg_pos, starts)
-            self._cent[g, nc:nc + means.shape[0]] = means.astype(np.float16).view(np.uint16)
-            self._cptr[g, nc + 1:nc + 1 + means.shape[0]] = a + np.cumsum(counts[live])
+            self._cent[g, nc:nc + m] = means.astype(np.float16).view(np.uint16)
+            self._cptr[g, nc + 1:nc + 1 + m] = a + np.cumsum(counts[live])
             self._cptr[g, nc] = a
-            self._n_cent[g] = nc + means.shape[0]
+            self._cptr[g, nc + m] = b  # evicted slots, if any, close the last cluster's range
+            self._n_cent[g] = nc + m
         if closed:
             self._segments.append((a, firsts))
             self._closed_cent = self._n_cent.copy()
@@ -579,96 +733,340 @@ class KVCache:
     def _grow_centroids(self, need: int) -> None:
         if need <= self._cent.shape[1]:
             return
-        hk, E = self.num_kv_heads, self.head_dim
+        hk = self.num_kv_heads
         cap = max(need, 2 * self._cent.shape[1], 64)
-        cent = np.zeros((hk, cap, E), np.uint16)
-        cent[:, :self._cent.shape[1]] = self._cent
-        cptr = np.zeros((hk, cap + 1), np.int64)
-        cptr[:, :self._cptr.shape[1]] = self._cptr
-        self._cent, self._cptr = cent, cptr
-        cvm = np.zeros((hk, cap, self.value_dim), np.float32)
-        cvm[:, :self._cvmean.shape[1]] = self._cvmean
-        cmin = np.zeros((hk, cap), np.int32)
-        cmin[:, :self._cminpos.shape[1]] = self._cminpos
-        cmax = np.zeros((hk, cap), np.int32)
-        cmax[:, :self._cmaxpos.shape[1]] = self._cmaxpos
-        self._cvmean, self._cminpos, self._cmaxpos = cvm, cmin, cmax
 
-    def _evict(self) -> None:
-        """Free storage of keys older than the cap (whole segments, or page-aligned runs)."""
-        lo = self._lo_pos()
-        if lo == 0:
+        def grown(old: np.ndarray, width: int) -> np.ndarray:
+            arr = np.zeros((hk, cap + width) + old.shape[2:], old.dtype)
+            arr[:, :old.shape[1]] = old
+            return arr
+
+        self._cent = grown(self._cent, 0)
+        self._cptr = grown(self._cptr, 1)
+        self._cvmean = grown(self._cvmean, 0)
+        self._ccount = grown(self._ccount, 0)
+        self._cminpos = grown(self._cminpos, 0)
+        self._cmaxpos = grown(self._cmaxpos, 0)
+
+    # ------------------------------------------------------------------------------------- eviction
+    def _enforce_cap(self) -> None:
+        """Evict down to ``max_keys`` (``policy`` picks the keys), then compact once ``segment`` keys
+        have been evicted since the last compaction."""
+        if self.max_keys is None or self._n_live <= self.max_keys:
             return
-        self._stats["evicted_keys"] = self._n - len(self)
-        s0 = min(self.sinks, self._slots)
-        if self.selector == "cluster":
-            drop = 0
-            while drop < len(self._segments):
-                start = self._segments[drop][0]
-                stop = self._segments[drop + 1][0] if drop + 1 < len(self._segments) else self._seg_end
-                # positions in a segment are contiguous: dead when its newest position is evicted
-                if int(self._pos[0, start:stop].max()) >= lo:
-                    break
-                drop += 1
-            if drop == 0:
-                return
-            n_slots = (self._segments[drop][0] if drop < len(self._segments) else self._seg_end) - s0
-            n_cent = np.array([self._segments[drop][1][g] if drop < len(self._segments) else self._n_cent[g]
-                               for g in range(self.num_kv_heads)], np.int64)
-            self._shift_slots(s0, n_slots)
-            for g in range(self.num_kv_heads):
-                c, total = int(n_cent[g]), int(self._n_cent[g])
-                self._cent[g, :total - c] = self._cent[g, c:total]
-                self._cvmean[g, :total - c] = self._cvmean[g, c:total]
-                self._cminpos[g, :total - c] = self._cminpos[g, c:total]
-                self._cmaxpos[g, :total - c] = self._cmaxpos[g, c:total]
-                self._cptr[g, :total - c + 1] = self._cptr[g, c:total + 1] - n_slots
-                self._n_cent[g] = total - c
-            self._segments = [(a - n_slots, f - n_cent) for a, f in self._segments[drop:]]
-            self._seg_end -= n_slots
-            self._open_end -= n_slots
-            self._closed_cent -= n_cent
-            return
+        e = self._n_live - self.max_keys
+        if self.policy == "streaming":
+            kill = self._streaming_victims(e)
         else:
-            dead = int(np.searchsorted(self._pos[0, s0:self._slots], lo))  # position-ordered storage
-            dead -= dead % self.page_size
-            if dead < self.segment:
-                return
-            self._shift_slots(s0, dead)
+            kill = self._h2o_victims(e)
+        self._mark_evicted(kill)
+        self._n_live -= e
+        self._stats["evicted_keys"] = self._n - self._n_live
+        if self._slots - self._n_live - self._pad >= self.segment:
+            self._compact()
+
+    def _streaming_victims(self, e: int) -> np.ndarray:
+        """(H_kv, e) slots of the positions ``[lo_done, lo_done + e)``: the oldest non-sink keys."""
+        hk = self.num_kv_heads
+        lo0 = max(self._lo_done, self.sinks)
+        lo1 = lo0 + e
+        self._lo_done = lo1
+        s0 = min(self.sinks, self._slots)
+        if self.selector != "cluster":  # position order, the evicted ones first: the next e slots
+            first = s0 + (self._slots - self._n_live)
+            return np.broadcast_to(np.arange(first, first + e, dtype=np.int64), (hk, e)).copy()
+        out = np.empty((hk, e), np.int64)
+        got = 0
+        bounds = [a for a, _ in self._segments] + [self._seg_end, self._open_end, self._slots]
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):  # regions in position order: scan from the oldest
+            if a >= b:
+                continue
+            p = self._pos[:, a:b]
+            hit = (p >= lo0) & (p < lo1)
+            n_hit = int(np.count_nonzero(hit[0]))
+            if n_hit:
+                for g in range(hk):
+                    out[g, got:got + n_hit] = a + np.flatnonzero(hit[g])
+                got += n_hit
+            if got == e or bool(np.any((p[0] >= lo1) & (p[0] != EVICTED))):
+                break
+        return out[:, :got]
+
+    def _h2o_victims(self, e: int) -> np.ndarray:
+        """(H_kv, e) slots of the e keys of least accumulated weight per kv head, outside the sinks and the
+        newest ``window`` positions (ties: the oldest position first)."""
+        hk, n = self.num_kv_heads, self._slots
+        out = np.empty((hk, e), np.int64)
+        newest = self._n - self.window
+        for g in range(hk):
+            p = self._pos[g, :n]
+            w = np.where((p >= self.sinks) & (p < newest) & (p != EVICTED), self._weight[g, :n], np.inf)
+            idx = np.argpartition(w, e - 1)[:e]
+            thr = w[idx].max()
+            less = np.flatnonzero(w < thr)
+            tied = np.flatnonzero(w == thr)
+            need = e - less.size
+            if need < tied.size:
+                tied = tied[np.argpartition(p[tied], need - 1)[:need]]
+            out[g] = np.concatenate([less, tied])
+        return out
+
+    def _mark_evicted(self, kill: np.ndarray) -> None:
+        """Evict slots ``kill[g]`` of every kv head g: position := EVICTED (every selector's mask then hides
+        them), clusters holding one are no longer estimated, pages and index maps updated."""
+        hk = self.num_kv_heads
+        s0 = min(self.sinks, self._slots)
+        for g in range(hk):
+            kg = kill[g]
+            self._pos[g, kg] = EVICTED
+            if self.selector == "cluster":
+                nc = int(self._n_cent[g])
+                inside = kg[kg < self._cptr[g, nc]] if nc else kg[:0]
+                if inside.size:
+                    c = np.searchsorted(self._cptr[g, :nc + 1], inside, side="right") - 1
+                    self._cmaxpos[g, c] = EVICTED
             if self.selector == "pages":
-                n_p = dead // self.page_size
-                for name in ("_pmin", "_pmax"):
-                    arr = getattr(self, name)
-                    arr[:, :arr.shape[1] - n_p] = arr[:, n_p:].copy()
+                for b in np.unique((kg[kg >= s0] - s0) // self.page_size):
+                    first = s0 + int(b) * self.page_size
+                    self._pminpos[g, b] = self._pos[g, first:min(first + self.page_size, self._slots)].min()
+            if self._index_template is not None and self._index[g] is not None:
+                ids = self._ids[g, kg]
+                self._index_slot[g][ids[ids >= 0]] = -1
+        if self._index_template is not None and self._index[0] is not None:
+            self._index_dead += kill.shape[1]
 
-    def _shift_slots(self, start: int, n: int) -> None:
-        """Delete slots [start, start + n) by moving the later slots down."""
-        end = self._slots
-        for arr in (self._K, self._V, self._pos):
-            arr[:, start:end - n] = arr[:, start + n:end].copy()
-        self._slots -= n
+    def _compact(self) -> None:
+        """Free the evicted slots: every region (sinks, each closed segment, the open segment, the tail;
+        or everything after the sinks) keeps its live keys in order; clusters that lost members get their
+        statistics recomputed from the survivors, emptied clusters and segments are dropped.  A region
+        keeps as many slots as its fullest kv head needs (the others pad with evicted slots)."""
+        hk = self.num_kv_heads
+        n = self._slots
+        s0 = min(self.sinks, n)
+        live = self._pos[:, :n] != EVICTED
+        arrays = {name: getattr(self, name) for name in self._slot_arrays()}
+        new = {name: np.zeros_like(arr) for name, arr in arrays.items()}
+        new["_pos"][:] = EVICTED
+        for name, arr in arrays.items():
+            new[name][:, :s0] = arr[:, :s0]
+        w = s0  # next free slot of the new layout
+        if self.selector != "cluster":
+            nl = live[:, s0:].sum(axis=1)
+            R = int(nl.max())
+            for g in range(hk):
+                dead = np.flatnonzero(~live[g, s0:])[:R - int(nl[g])]
+                src = s0 + np.sort(np.concatenate([dead, np.flatnonzero(live[g, s0:])]))
+                for name, arr in arrays.items():
+                    new[name][g, w:w + R] = arr[g, src]
+            w += R
+        else:
+            bounds = [a for a, _ in self._segments] + [self._seg_end, self._open_end, n]
+            n_regions = len(bounds) - 1  # closed segments, open segment, tail
+            cent_lists: list[list[tuple[Any, ...]]] = [[] for _ in range(hk)]
+            seg_list: list[tuple[int, np.ndarray]] = []
+            seg_end = open_end = w
+            closed_cent = np.zeros(hk, np.int64)
+            for ri in range(n_regions):
+                a, b = bounds[ri], bounds[ri + 1]
+                is_tail = ri == n_regions - 1
+                nl = live[:, a:b].sum(axis=1)
+                R = int(nl.max()) if b > a else 0
+                if ri < n_regions - 2 and R > 0:  # a closed segment
+                    seg_list.append((w, np.array([len(c) for c in cent_lists], np.int64)))
+                for g in range(hk):
+                    if is_tail:
+                        dead = np.flatnonzero(~live[g, a:b])[:R - int(nl[g])]
+                        src = a + np.sort(np.concatenate([dead, np.flatnonzero(live[g, a:b])]))
+                    else:
+                        src = self._compact_clusters(g, a, b, ri, w, R, live[g], cent_lists[g])
+                    for name, arr in arrays.items():
+                        new[name][g, w:w + R] = arr[g, src]
+                w += R
+                if ri < n_regions - 2:  # a closed segment ends
+                    seg_end = open_end = w
+                    closed_cent = np.array([len(c) for c in cent_lists], np.int64)
+                elif ri == n_regions - 2:  # the open segment ends: the tail starts here
+                    open_end = w
+            self._segments = seg_list
+            self._seg_end, self._open_end = seg_end, open_end
+            self._closed_cent = closed_cent
+            n_c = np.array([len(c) for c in cent_lists], np.int64)
+            self._n_cent = n_c
+            for g in range(hk):
+                for c, (lo, hi, cen, vm, cnt, pmn, pmx) in enumerate(cent_lists[g]):
+                    self._cptr[g, c], self._cptr[g, c + 1] = lo, hi
+                    self._cent[g, c] = cen
+                    self._cvmean[g, c] = vm
+                    self._ccount[g, c] = cnt
+                    self._cminpos[g, c], self._cmaxpos[g, c] = pmn, pmx
+        for name in arrays:
+            setattr(self, name, new[name])
+        self._slots = w
+        self._pad = w - self._n_live
+        self._stats["compactions"] += 1
+        if self.selector == "pages":
+            self._update_pages(s0, w)
+        if self._index_template is not None:
+            self._index_remap()
 
+    def _compact_clusters(self, g: int, a: int, b: int, ri: int, w: int, R: int, live: np.ndarray,
+                          out: list[tuple[Any, ...]]) -> np.ndarray:
+        """Compaction of the clustered region [a, b) (segment or open segment ``ri``) of kv head g into R
+        slots from ``w``: returns the source slots (live keys cluster by cluster, then padding) and appends
+        (first, stop, routing vector, mean value, count, min pos, max pos) of each surviving cluster."""
+        bounds = [f[g] for _, f in self._segments] + [self._closed_cent[g], self._n_cent[g]]
+        c_lo, c_hi = int(bounds[ri]), int(bounds[ri + 1])
+        parts = []
+        at = w
+        for c in range(c_lo, c_hi):
+            lo, hi = int(self._cptr[g, c]), int(self._cptr[g, c + 1])
+            keep = lo + np.flatnonzero(live[lo:hi])
+            if keep.size == 0:
+                continue
+            parts.append(keep)
+            if keep.size == hi - lo or self._ccount[g, c] == keep.size and self._cmaxpos[g, c] != EVICTED:
+                stats = (self._cent[g, c].copy(), self._cvmean[g, c].copy(), int(keep.size),
+                         int(self._cminpos[g, c]), int(self._cmaxpos[g, c]))
+            else:  # lost members: statistics of the survivors
+                kk = self._decode(self._K[g, keep]).astype(np.float64)
+                vv = self._decode(self._V[g, keep]).astype(np.float64)
+                pp = self._pos[g, keep]
+                stats = (kk.mean(axis=0).astype(np.float32).astype(np.float16).view(np.uint16),
+                         vv.mean(axis=0).astype(np.float32), int(keep.size), int(pp.min()), int(pp.max()))
+            out.append((at, at + keep.size) + stats)
+            at += keep.size
+        src = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        pad = R - src.size
+        if pad > 0:
+            dead = a + np.flatnonzero(~live[a:b])[:pad]
+            src = np.concatenate([src, dead])
+            if out and out[-1][0] >= w:  # the padding closes the region's last cluster
+                lo, _, *rest = out[-1]
+                out[-1] = (lo, w + R, *rest)
+            else:  # no live key of this head here: one empty cluster holds the padding
+                out.append((w, w + R, np.zeros(self.head_dim, np.uint16), np.zeros(self.value_dim, np.float32),
+                            0, EVICTED, EVICTED))
+        return src
+
+    # ------------------------------------------------------------------------------- index selectors
+    def _index_append(self, a: int, b: int) -> None:
+        """Grow each kv head's index selector with the keys of slots [a, b) (sinks excluded): ``add()``
+        once built; the first build happens as soon as the backend accepts the keys held."""
+        s0 = min(self.sinks, self._slots)
+        a = max(a, s0)
+        if a >= b:
+            return
+        if self._index[0] is None:
+            n_keys = self._slots - s0
+            if self._index_template.not_supported_reasons(n_keys=n_keys, dim=self.head_dim):
+                self._ids[:, a:b] = -1
+                return  # not enough keys for this backend yet: attend reads every key exactly meanwhile
+            self._index_build()
+            return
+        for g in range(self.num_kv_heads):
+            sel = self._index[g]
+            start = sel.keys_.shape[0]
+            sel.add(self._decode(self._K[g, a:b]), check_finite=False)
+            ids = np.arange(start, start + (b - a), dtype=np.int64)
+            self._ids[g, a:b] = ids
+            slot_map = self._index_slot[g]
+            if slot_map.size < start + (b - a):
+                grown = np.full(max(2 * slot_map.size, start + (b - a), 64), -1, np.int64)
+                grown[:slot_map.size] = slot_map
+                self._index_slot[g] = slot_map = grown
+            slot_map[start:start + (b - a)] = np.arange(a, b)
+
+    def _index_build(self) -> None:
+        """(Re)build every kv head's index selector from its live non-sink keys."""
+        s0 = min(self.sinks, self._slots)
+        for g in range(self.num_kv_heads):
+            slots = s0 + np.flatnonzero(self._pos[g, s0:self._slots] != EVICTED)
+            sel = self._index_template.clone()
+            with single_threaded_blas():
+                sel.build(self._decode(self._K[g, slots]), check_finite=False)
+            self._index[g] = sel
+            self._ids[g, :self._slots] = -1
+            self._ids[g, slots] = np.arange(slots.size)
+            slot_map = np.full(max(64, 2 * slots.size), -1, np.int64)
+            slot_map[:slots.size] = slots
+            self._index_slot[g] = slot_map
+        self._index_dead = 0
+
+    def _index_remap(self) -> None:
+        """After slots moved: id -> slot maps from the per-slot ids; rebuild once evicted ids outnumber live ones."""
+        if self._index[0] is None:
+            return
+        if self._index_dead > max(self._n_live, self.segment):
+            self._index_build()
+            self._stats["index_rebuilds"] += 1
+            return
+        for g in range(self.num_kv_heads):
+            ids = self._ids[g, :self._slots]
+            ok = (ids >= 0) & (self._pos[g, :self._slots] != EVICTED)
+            self._index_slot[g][:] = -1
+            self._index_slot[g][ids[ok]] = np.flatnonzero(ok)
+
+    def _index_select(self, q: np.ndarray, qpos: np.ndarray, k: int, hi: int) -> np.ndarray:
+        """(H * T, W) int64 slots each row reads from its index selector (-1 padded, ascending): per row the
+        ``k`` best keys by ``q . k`` among those the index returns that the row may see and that are not in
+        the exact part (sinks, positions >= ``hi``).  The search is widened until a row has ``k`` such keys
+        or the index has no more to give."""
+        H, T, E = q.shape
+        rep = H // self.num_kv_heads
+        out = np.full((H * T, k), -1, np.int64)
+        for g in range(self.num_kv_heads):
+            sel = self._index[g]
+            S = sel.keys_.shape[0]
+            if S == 0:
+                continue
+            qs = q[g * rep:(g + 1) * rep].reshape(rep * T, E)
+            tpos = np.tile(qpos, rep)
+            kq = min(S, k + self.window + T + 16 + 2 * self._index_dead * k // max(S, 1))
+            while True:
+                ids = sel.query(qs, kq, check_finite=False).to_padded(kq)
+                slots = np.where(ids >= 0, self._index_slot[g][np.maximum(ids, 0)], -1)
+                p = np.where(slots >= 0, self._pos[g, np.maximum(slots, 0)].astype(np.int64), EVICTED)
+                ok = (slots >= 0) & (p >= self.sinks) & (p < hi) & (p <= tpos[:, None])
+                short = ok.sum(axis=1) < k
+                if kq >= S or not short.any() or (ids[short] >= 0).all(axis=1).sum() == 0:
+                    break
+                kq = min(S, 2 * kq)
+            kd = self._decode(self._K[g, np.maximum(slots, 0)])  # (rows, kq, E)
+            sc = np.where(ok, np.einsum("rke,re->rk", kd, qs), -np.inf)
+            kk = min(k, sc.shape[1])
+            top = np.argpartition(-sc, kk - 1, axis=1)[:, :kk] if kk < sc.shape[1] else \
+                np.broadcast_to(np.arange(sc.shape[1]), sc.shape)
+            chosen = np.take_along_axis(slots, top, axis=1)
+            chosen = np.where(np.take_along_axis(ok, top, axis=1), chosen, -1)
+            chosen = np.sort(np.where(chosen < 0, np.iinfo(np.int64).max, chosen), axis=1)
+            chosen[chosen == np.iinfo(np.int64).max] = -1
+            rows = (np.arange(g * rep, (g + 1) * rep)[:, None] * T + np.arange(T)[None, :]).reshape(-1)
+            out[rows, :kk] = chosen
+        return out
+
+    # ---------------------------------------------------------------------------------------- attend
     def selected_slots(self, query: object, head: int, k: int = 64, *, selector: str | None = None
                        ) -> np.ndarray:
         """Storage slots the step of one query token of head ``head`` reads (for measuring recall).
 
         ``query`` is (E,) at the newest position; the result is sorted int64 slot ids of kv head
         ``head // (H // H_kv)``, with the same selection as :meth:`attend` (``cluster``: routed clusters by
-        a stable sort, so ties at the last routed score may differ from the kernel's heap).  ``selector``
-        overrides the cache's as in :meth:`attend`.
+        a stable sort, so ties at the last routed score may differ from the kernel's heap; ``top_p``: the
+        walk recomputed in float64).  ``selector`` overrides the cache's as in :meth:`attend`.
         """
         sel_name = selector or self.selector
         q = np.asarray(_to_numpy(query, "query"), np.float32).reshape(self.head_dim)
         g = head // (self.num_heads // self.num_kv_heads)
         n_slots, s0 = self._slots, min(self.sinks, self._slots)
         pos = self._pos[g, :n_slots].astype(np.int64)
-        lo = self._lo_pos()
-        visible = (pos < self.sinks) | (pos >= lo)
+        visible = pos != EVICTED
         parts = [np.arange(s0)]
         if sel_name == "cluster":
             parts.append(np.arange(self._open_end, n_slots))
             nc = int(self._n_cent[g])
-            if nc:
+            if nc and self.top_p is not None:
+                parts += self._mass_walk(q, g, np.concatenate(parts).astype(np.int64))
+            elif nc:
                 sc = self._cent[g, :nc].view(np.float16).astype(np.float32) @ q
                 top = np.argsort(-sc, kind="stable")[:self.n_probe]
                 parts += [np.arange(self._cptr[g, c], self._cptr[g, c + 1]) for c in top]
@@ -682,8 +1080,7 @@ class KVCache:
                 mx = self._decode(self._pmax[g, :n_pages]) if self.storage == "bfloat16" else \
                     self._pmax[g, :n_pages].astype(np.float32)
                 bound = np.maximum(q * mn, q * mx).sum(axis=1)
-                last = np.minimum(s0 + (np.arange(n_pages) + 1) * self.page_size, ex_lo) - 1
-                bound[pos[last] < lo] = -np.inf
+                bound[self._pminpos[g, :n_pages] == EVICTED] = -np.inf
                 for b in np.argsort(-bound, kind="stable")[:self.n_probe]:
                     if bound[b] > -np.inf:
                         parts.append(np.arange(s0 + b * self.page_size,
@@ -694,24 +1091,61 @@ class KVCache:
             kd = self._decode(self._K[g, :n_slots])
             sc = np.where(visible, kd @ q, -np.inf)
             parts = [np.argsort(-sc, kind="stable")[:k]]
-        else:
+        elif sel_name == "dense" or self._index[0] is None:
             parts.append(np.arange(s0, n_slots))
+        else:  # an index selector
+            ex_lo = max(s0, n_slots - self.window)
+            parts.append(np.arange(ex_lo, n_slots))
+            hi = int(self._pos[0, ex_lo]) if ex_lo < n_slots else _INT32_MAX
+            rep = self.num_heads // self.num_kv_heads
+            qq = np.zeros((self.num_heads, 1, self.head_dim), np.float32)
+            qq[g * rep] = q
+            row = self._index_select(qq, np.array([self._n - 1]), k, hi)[g * rep]
+            parts.append(row[row >= 0])
         sel = np.unique(np.concatenate(parts).astype(np.int64))
         return sel[visible[sel]]
 
-    # ---------------------------------------------------------------------------------------- attend
+    def _mass_walk(self, q: np.ndarray, g: int, exact: np.ndarray) -> list[np.ndarray]:
+        """``top_p`` routing of one query at the newest position (float64 replay of the kernel's walk):
+        the slot ranges of the clusters read."""
+        nc = int(self._n_cent[g])
+        qp = self._n - 1
+        pos = self._pos[g, exact]
+        exact = exact[pos <= qp]
+        s_ex = self._decode(self._K[g, exact]).astype(np.float64) @ q.astype(np.float64) * self.scale
+        cnt = self._ccount[g, :nc]
+        qc = self._cent[g, :nc].view(np.float16).astype(np.float64) @ q.astype(np.float64)
+        with np.errstate(divide="ignore"):
+            la = np.where((cnt > 0) & (self._cminpos[g, :nc] <= qp), qc * self.scale + np.log(cnt), -np.inf)
+        m = max(float(s_ex.max()) if s_ex.size else -np.inf, float(la.max()))
+        cum = float(np.exp(s_ex - m).sum()) if s_ex.size else 0.0
+        goal = self.top_p * (cum + float(np.exp(la - m).sum()))
+        out, nk = [], 0
+        for c in np.argsort(-la, kind="stable"):
+            if la[c] == -np.inf or (self.top_p < 1.0 and cum >= goal and nk >= self.top_p_min_keys):
+                break
+            size = int(self._cptr[g, c + 1] - self._cptr[g, c])
+            if nk + size > self.top_p_max_keys:
+                break
+            nk += size
+            cum += float(np.exp(la[c] - m))
+            out.append(np.arange(self._cptr[g, c], self._cptr[g, c + 1]))
+        return out
+
     def attend(self, queries: object, k: int = 64, *, return_lse: bool = False, selector: str | None = None
                ) -> Any:
         """Attention of the newest T_q positions' queries over the cache.
 
         Query t sits at position ``n - T_q + t`` (n = positions appended so far): causal among the
-        queries and over the cache.  Call ``append`` with the step's own key and value first.
+        queries and over the cache.  Call ``append`` with the step's own key and value first.  With
+        ``policy="h2o"`` the softmax weight of every key read is added to its accumulated weight.
 
         Parameters
         ----------
         queries : float array or torch CPU tensor, shape (H, T_q, E), or (H, E) for one token
         k : int, default 64
-            Keys per query of the ``"topk"`` selector (the other selectors use ``n_probe``).
+            Keys per query of the ``"topk"`` selector and of index selectors (the others use ``n_probe``
+            or ``top_p``).
         return_lse : bool, default False
             Also return the log-sum-exp of each row's scaled scores (``-inf`` for a row with no key).
         selector : {None, "dense", "topk", "window"}, optional
@@ -754,6 +1188,7 @@ class KVCache:
         self._stats["attends"] += 1
         self._stats["keys_read_per_query"] = float(nread.mean())
         self._stats["keys_read_max"] = int(nread.max())
+        self._stats["keys_read_min"] = int(nread.min())
         self._stats["clusters_estimated_per_query"] = float(nest.mean())
         if squeeze:
             out, lse = out[:, 0], lse[:, 0]
@@ -769,10 +1204,11 @@ class KVCache:
         from .kernels import decode as kd
 
         H, T = q.shape[0], q.shape[1]
+        R = H * T
         out = np.empty((H, T, self.value_dim), np.float32)
         lse = np.empty((H, T), np.float32)
-        nread = np.empty(H * T, np.int64)
-        nest = np.zeros(H * T, np.int64)
+        nread = np.empty(R, np.int64)
+        nest = np.zeros(R, np.int64)
         n_est = self.estimate if sel == "cluster" else 0
         s0 = min(self.sinks, self._slots)
         n_slots = self._slots
@@ -780,37 +1216,60 @@ class KVCache:
         n_probe = self.n_probe
         mode = kd.MODE_NONE
         ex_lo = s0
+        rows_sel = np.full((1, 1), -1, np.int64)
+        n_ranges = 2  # ranges a row may score (recorded for h2o)
         if sel == "cluster":
-            mode, ex_lo, hi = kd.MODE_CLUSTER, self._open_end, _INT32_MAX
+            mode, ex_lo = kd.MODE_CLUSTER, self._open_end
+            n_ranges = 2 + n_probe
+            if self.top_p is not None:
+                mode, n_ranges = kd.MODE_MASS, 2 + int(self._n_cent.max(initial=0))
         elif sel == "pages":
             ex_lo = max(s0, n_slots - self.window)
-            mode = kd.MODE_PAGES
+            mode, n_ranges = kd.MODE_PAGES, 2 + n_probe
             hi = int(self._pos[0, ex_lo]) if ex_lo < n_slots else _INT32_MAX
         elif sel == "window":
             ex_lo = max(s0, n_slots - self.window)
         elif sel == "topk":
-            mode, n_probe = kd.MODE_TOPK, k
+            mode, n_probe, n_ranges = kd.MODE_TOPK, k, k
+        elif sel != "dense" and self._index[0] is not None:  # an index selector (dense until it is built)
+            ex_lo = max(s0, n_slots - self.window)
+            hi = int(self._pos[0, ex_lo]) if ex_lo < n_slots else _INT32_MAX
+            rows_sel = self._index_select(q, qpos, k, hi)
+            mode, n_ranges = kd.MODE_LIST, 2 + rows_sel.shape[1]
         if sel == "cluster":
-            work = (n_slots - ex_lo + s0 + self.n_probe * self.cluster_size) * H * T
+            budget = self.top_p_max_keys if self.top_p is not None else self.n_probe * self.cluster_size
+            work = (n_slots - ex_lo + s0 + budget) * R
         elif sel == "pages":
-            work = (self.window + s0 + self.n_probe * self.page_size + self._n_pages() // 8) * H * T
+            work = (self.window + s0 + self.n_probe * self.page_size + self._n_pages() // 8) * R
         elif sel == "window":
-            work = (self.window + s0) * H * T
+            work = (self.window + s0) * R
+        elif mode == kd.MODE_LIST:
+            work = (self.window + s0 + 4 * k) * R
         else:
-            work = n_slots * H * T
+            work = n_slots * R
         parallel = self.parallel if self.parallel is not None else work >= PARALLEL_MIN_KEYS
         if self.storage == "bfloat16":
             fn = kd.decode_parallel_bf16 if parallel else kd.decode_serial_bf16
         else:
             fn = kd.decode_parallel if parallel else kd.decode_serial
+        h2o = self.policy == "h2o"
+        rec = np.zeros((R if h2o else 0, max(n_ranges, 1), 3), np.int64)
+        n_rec = np.zeros(R, np.int64)
         rep = self.num_heads // self.num_kv_heads
         t1 = time.perf_counter()
         K, V, pmin, pmax = self._K, self._V, self._pmin, self._pmax
         if self.storage == "float16":  # the kernel reads float16 as uint16 bit patterns
             K, V, pmin, pmax = (a.view(np.uint16) for a in (K, V, pmin, pmax))
-        fn(q, qpos, rep, K, V, self._pos, s0, ex_lo, n_slots, self._lo_pos(), hi, mode,
-           n_probe, self._cent, self._cptr, self._n_cent, pmin, pmax, self.page_size,
-           np.float32(self.scale), n_est, self._cvmean, self._cminpos, self._cmaxpos, out, lse, nread, nest)
+        fn(q, qpos, rep, K, V, self._pos, s0, ex_lo, n_slots, hi, mode,
+           n_probe, self._cent, self._cptr, self._n_cent, self._ccount, pmin, pmax, self._pminpos,
+           self.page_size, np.float32(self.scale), n_est, self._cvmean, self._cminpos, self._cmaxpos,
+           float(self.top_p if self.top_p is not None else 1.0), self.top_p_min_keys, self.top_p_max_keys,
+           rows_sel, rec, n_rec, out, lse, nread, nest)
+        if h2o and n_slots:
+            if self.storage == "bfloat16":
+                acc = kd.accumulate_parallel_bf16 if parallel else kd.accumulate_serial_bf16
+            else:
+                acc = kd.accumulate_parallel if parallel else kd.accumulate_serial
+            acc(q, qpos, rep, K, self._pos, rec, n_rec, lse, np.float32(self.scale), self._weight)
         self._stats["kernel_seconds"] += time.perf_counter() - t1
         return out, lse, nread, nest
-

@@ -1,8 +1,10 @@
-"""The ``sparseattn`` command line: ``explain``, ``selectors``, ``compare``, ``bench`` and ``trace``.
+"""The ``sparseattn`` command line: ``explain``, ``selectors``, ``compare``, ``decode``, ``bench`` and ``trace``.
 
 * ``explain``: the tutorial's worked example, step by step;
 * ``selectors``: every selector with its parameters and availability;
 * ``compare``: selectors against exact attention on one workload (tables via :mod:`sparseattn.report`);
+* ``decode``: the decode workload of :class:`sparseattn.KVCache`, per cache selector
+  (:mod:`sparseattn.decode_report`);
 * ``bench``: a benchmark suite (:mod:`sparseattn.suite`);
 * ``trace``: capture real Q/K/V traces from MiniLM (:mod:`sparseattn.traces`).
 """
@@ -332,6 +334,101 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _choice_arg(choices: Sequence[str]) -> Callable[[str], str]:
+    """argparse type: one of ``choices``, with a message listing them."""
+
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(choices)}; got {text!r}")
+        return text
+
+    parse.__name__ = "choice"
+    return parse
+
+
+def _check_formats(text: str) -> list[str]:
+    formats = [f.strip() for f in text.split(",") if f.strip()]
+    bad = sorted(set(formats) - set(_FORMATS))
+    if bad or not formats:
+        raise ValueError(f"--format: unknown {bad}; choose from {', '.join(_FORMATS)}.")
+    return formats
+
+
+def _open_decode_source(spec: str) -> Any:
+    """The key source of ``decode --data`` (:func:`sparseattn.decode_report.open_source`), errors naming --data."""
+    from . import data as data_mod
+    from . import decode_report
+
+    if spec.startswith("synthetic"):
+        try:
+            nq, n, d, dv = data_mod.synthetic_sizes(spec)
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"--data {spec}: {exc}") from None
+        _check_memory(4.0 * n * (d + dv), f"--data {spec}", "lower n (or d)")
+    elif not data_mod.is_user_data(spec) and "@" not in spec and spec not in data_mod.FIXTURES:
+        raise ValueError(f"--data: unknown data {spec!r}: no such file or fixture; give store, window, NAME@DIR, "
+                         f"synthetic:n=...,d=..., or your arrays: FILE.npz, a folder holding q.npy, k.npy, "
+                         f"v.npy, or q.npy,k.npy,v.npy (see `sparseattn decode --help`).")
+    try:
+        return decode_report.open_source(spec)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        msg = str(exc)
+        raise ValueError(f"--data: {msg}" if msg.startswith(spec) else f"--data {spec}: {msg}") from None
+
+
+def _cmd_decode(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    from . import decode_report
+    from .threads import get_num_threads, threads
+
+    formats = _check_formats(args.format)
+    files = [f for f in formats if f != "table"]
+    if files:
+        check_out_dir(args.out)
+    names = [x for item in args.selectors for x in decode_report.split_selectors(item)]
+    if not names:
+        raise ValueError("--selectors: give at least one cache selector, e.g. cluster,pages,window,topk.")
+    try:
+        selectors = decode_report.check_selectors(names)
+    except (ValueError, TypeError, ImportError) as exc:
+        raise type(exc)(f"--selectors: {exc}") from None
+    src = _open_decode_source(args.data)
+    heads = src.default_heads() if args.heads is None else args.heads
+    if src.groups is not None and heads > src.groups:
+        raise ValueError(f"--heads {heads} exceeds the {src.groups} heads (groups) of --data {args.data}; use "
+                         f"--heads <= {src.groups}.")
+    if args.steps >= src.n_keys:
+        raise ValueError(f"--steps {args.steps} leaves no prompt: --data {args.data} has {src.n_keys:,} keys per "
+                         f"head; use --steps <= {src.n_keys - 1:,}.")
+    length = src.n_keys - args.steps if args.length is None else args.length
+    if length + args.steps > src.n_keys:
+        raise ValueError(f"--length {length:,} + --steps {args.steps} exceeds the {src.n_keys:,} keys per head of "
+                         f"--data {args.data}; use --length <= {src.n_keys - args.steps:,} (or fewer --steps).")
+    total = length + args.steps
+    if args.k > total:
+        raise ValueError(f"--k {args.k:,} exceeds the {total:,} keys the cache holds at the last step (--length "
+                         f"+ --steps); use --k <= {total:,}.")
+    kv = heads * total * 4.0 * (src.head_dim + src.value_dim)  # float32 keys + values
+    # the workload, one cache per selector (capacity headroom 1.5x) and the reference's float64 copies
+    _check_memory(kv * (2 + 1.5 * (len(selectors) + 1)) + min(2 * kv, 2**30),
+                  f"--length {length:,} x --heads {heads} ({len(selectors) + 1} caches)", "lower --length or --heads")
+    sdpa = not args.no_sdpa and importlib.util.find_spec("torch") is not None
+    n_threads = get_num_threads() if args.threads is None else args.threads
+    with threads(n_threads):
+        wl = src.workload(heads, length, args.steps)
+        with kernel_note(args.quiet), \
+                progress_steps(args.steps + 1 + int(sdpa), "decode", quiet=args.quiet) as say:
+            result = decode_report.run_decode(wl, selectors, k=args.k, dtype=args.dtype, sdpa=not args.no_sdpa,
+                                              progress=say)
+    if "table" in formats:
+        print(decode_report.render_text(result))
+    if files:
+        for p in decode_report.write_decode(result, args.out, files):
+            print(f"wrote {p}")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from . import bench, suite
 
@@ -375,7 +472,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    """Register ``compare``, ``bench`` and ``trace`` on the ``sparseattn`` parser."""
+    """Register ``compare``, ``decode``, ``bench`` and ``trace`` on the ``sparseattn`` parser."""
     from .data import USER_DATA_HELP
     from .suite import SUITES
 
@@ -405,6 +502,42 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", default="table,json,md,html", help="comma list of table,json,md,html")
     p.add_argument("--quiet", action="store_true", help="no progress or warm-up notes on stderr")
     p.set_defaults(func=_cmd_compare)
+
+    from .decode_report import DEFAULT_HEADS, DEFAULT_SELECTORS, DTYPES
+
+    p = sub.add_parser("decode", help="measure KVCache decode steps per selector (latency, memory, accuracy)",
+                       description="Fill a KVCache with --length keys (one append), then run --steps decode "
+                                   "steps (append one token, attend one query per head) on one cache per "
+                                   "selector, side by side; report per-step latency p50/p99, append cost, "
+                                   "index memory and accuracy against exact attention, next to our dense step "
+                                   "and torch SDPA (timed again in a fresh process). Default: the shipped "
+                                   "store trace (16,384 keys, 4 heads).")
+    p.add_argument("--data", default="store",
+                   help="store | window | NAME@DIR | synthetic:n=65536,d=64,kind=gaussian|clustered|correlated "
+                        "(one seeded call per head: seed, seed+1, ...) | your arrays: FILE.npz, a FOLDER with "
+                        "q.npy k.npy v.npy, or q.npy,k.npy,v.npy; keys are appended in position order "
+                        "(default store)")
+    p.add_argument("--length", type=positive, default=None,
+                   help="keys in the cache before the first step (default: the data's keys minus --steps)")
+    p.add_argument("--heads", type=positive, default=None,
+                   help=f"heads (evenly spaced groups of the data; default: the data's, at most "
+                        f"{DEFAULT_HEADS}; synthetic: 4)")
+    p.add_argument("--selectors", nargs="+", default=[",".join(DEFAULT_SELECTORS)],
+                   help=f"comma list of cache selectors (default {','.join(DEFAULT_SELECTORS)}; dense is always "
+                        f"measured; others: see help(sparseattn.KVCache))")
+    p.add_argument("--k", type=positive, default=64,
+                   help="keys per query of the topk selector, and the k of recall@k (default 64)")
+    p.add_argument("--steps", type=positive, default=64, help="decode steps timed (default 64)")
+    p.add_argument("--dtype", type=_choice_arg(DTYPES), default="float32",
+                   help="storage of the cache: float32, float16 or bfloat16 (default float32)")
+    p.add_argument("--threads", type=_threads_arg, default=None,
+                   help="threads for Numba/BLAS/torch, 1 to the CPU count (default: all cores)")
+    p.add_argument("--no-sdpa", action="store_true", help="do not time torch SDPA")
+    p.add_argument("--out", default="sparseattn-report", help="output folder for decode.json/.md/.html (default "
+                   "./sparseattn-report; not created for --format table)")
+    p.add_argument("--format", default="table,json,md,html", help="comma list of table,json,md,html")
+    p.add_argument("--quiet", action="store_true", help="no progress or warm-up notes on stderr")
+    p.set_defaults(func=_cmd_decode)
 
     p = sub.add_parser("bench", help="run the benchmark suite (time vs n, accuracy vs speed, recall vs k)",
                        description="Run a benchmark suite, each case in its own subprocess; exits 1 when any "

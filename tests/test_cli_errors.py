@@ -223,3 +223,70 @@ def test_bench_case_subprocess_ignores_a_sparseattn_folder_in_cwd(capsys, tmp_pa
     assert Path("res/suite-tiny.md").read_text().count("| gaussian | 128 |") == 1
     cmd = suite.case_command(OK_CASE, 1)
     assert "-m" not in cmd and str(Path(suite.__file__).parent.parent) in cmd[2]
+
+
+# ----------------------------------------------------------------------------------------------- decode
+DECODE = ["decode", "--data", "synthetic:n=256,d=16,seed=0", "--no-sdpa", "--quiet"]
+
+
+@pytest.fixture
+def no_decode_work(monkeypatch):
+    """Fails the test if decode generates its workload or starts measuring."""
+    from sparseattn import decode_report
+
+    monkeypatch.setattr(decode_report, "run_decode", lambda *a, **k: pytest.fail("run_decode ran"))
+    monkeypatch.setattr(decode_report.KeySource, "workload", lambda *a, **k: pytest.fail("workload made"))
+
+
+@pytest.mark.parametrize("extra, needles", [
+    (["--length", "0"], ["--length must be >= 1; got 0"]),
+    (["--length", "x"], ["--length must be an integer >= 1; got 'x'"]),
+    (["--length", "253"], ["--length 253 + --steps 64 exceeds the 256 keys per head of --data synthetic:n=256",
+                           "use --length <= 192"]),
+    (["--heads", "0"], ["--heads must be >= 1; got 0"]),
+    (["--steps", "0"], ["--steps must be >= 1; got 0"]),
+    (["--steps", "256"], ["--steps 256 leaves no prompt", "use --steps <= 255"]),
+    (["--k", "0"], ["--k must be >= 1; got 0"]),
+    (["--k", "257"], ["--k 257 exceeds the 256 keys the cache holds at the last step", "use --k <= 256"]),
+    (["--dtype", "float64"], ["--dtype must be one of float32, float16, bfloat16; got 'float64'"]),
+    (["--selectors", "cluster,nope"], ["--selectors: unknown cache selector 'nope'", "'cluster'", "'pages'"]),
+    (["--selectors", ","], ["--selectors: give at least one cache selector"]),
+    (["--threads", "0"], ["--threads must be from 1 to", "(the CPUs here); got 0"]),
+    (["--threads", "999"], ["--threads must be from 1 to", "got 999"]),
+    (["--format", "pdf"], ["--format: unknown ['pdf']"]),
+    (["--out", "/dev/null", "--format", "json"], ["--out /dev/null: exists and is not a folder"]),
+])
+def test_decode_bad_values_exit_2_before_any_work(capsys, no_decode_work, extra, needles):
+    assert_user_error(capsys, DECODE + extra, *needles)
+
+
+@pytest.mark.parametrize("data, needles", [
+    ("nonsense", ["--data: unknown data 'nonsense': no such file or fixture", "FILE.npz"]),
+    ("synthetic:n=0,d=16", ["--data synthetic:n=0,d=16: n must be >= 1"]),
+    ("synthetic:n=64,d=16,kind=nope", ["--data synthetic:n=64,d=16,kind=nope:", "unknown synthetic kind 'nope'"]),
+    ("synthetic:n=64,d=16,bogus=1", ["--data synthetic:n=64,d=16,bogus=1:", "unknown parameter(s) ['bogus']"]),
+    ("synthetic:n=100000000000,d=16", ["MemoryError: --data synthetic:n=100000000000,d=16 needs about"]),
+    ("missing.npz", ["--data:", "missing.npz does not exist"]),
+    ("text.npz", ["--data:", "text.npz is not an .npz archive"]),
+])
+def test_decode_bad_data(capsys, files, no_decode_work, monkeypatch, data, needles):
+    monkeypatch.chdir(files)
+    assert_user_error(capsys, ["decode", "--data", data, "--no-sdpa", "--out", "r"], *needles)
+    assert not (files / "r").exists()
+
+
+def test_decode_heads_checked_against_the_data(capsys, no_decode_work):
+    assert_user_error(capsys, ["decode", "--data", "store", "--heads", "5", "--quiet"],
+                      "--heads 5 exceeds the 4 heads (groups) of --data store; use --heads <= 4")
+
+
+def test_decode_ctrl_c_exits_130_with_one_line(capsys, monkeypatch, tmp_path):
+    from sparseattn import decode_report
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(decode_report, "run_decode", interrupt)
+    rc, out, err = run(capsys, DECODE + ["--steps", "2", "--out", str(tmp_path / "r"), "--format", "json"])
+    assert rc == 130 and err == "sparseattn decode: interrupted\n" and not out
+    assert not (tmp_path / "r").exists()

@@ -8,25 +8,43 @@ rows).  Per row, over the cache of kv head ``h // rep``:
 2. routing (``mode``):
 
    * ``MODE_CLUSTER``: one score ``q . c`` per routing vector of the head (member means of the clusters
-     of every segment, stored as float16 bits), the ``n_probe`` largest kept by a min-heap, then each chosen cluster's contiguous
-     slot range ``[cptr[c], cptr[c + 1])`` scored; with ``n_est > 0`` the next ``n_est`` clusters are
-     estimated: one pseudo-key each, score ``scale * q . c + log(count)`` and value ``cvmean[g, c]``,
-     skipped when the cluster holds a key the row may not see (``cmaxpos > qp``, or evicted);
+     of every segment, stored as float16 bits), the ``n_probe`` largest kept by a min-heap, then each
+     chosen cluster's contiguous slot range ``[cptr[c], cptr[c + 1])`` scored; with ``n_est > 0`` the
+     next ``n_est`` clusters are estimated: one pseudo-key each, score ``scale * q . c + log(ccount)``
+     and value ``cvmean[g, c]``, skipped when the cluster holds a key the row may not see
+     (``cmaxpos > qp``: a later key, or an evicted one, see below);
+   * ``MODE_MASS`` (the cluster index with a mass-driven budget): every cluster gets the log of its
+     estimated mass ``A_c = scale * q . c + log(ccount)`` (``-inf`` when empty or when its first key is
+     after the row); after the exact part, clusters are read in order of decreasing ``A_c`` until the
+     estimated mass read (the exact part's true mass plus ``exp(A_c)`` of each cluster read) reaches
+     ``top_p`` of the estimated total (exact part + every cluster) with at least ``tp_min`` routed keys;
+     a cluster that would take the routed keys past ``tp_max`` ends the walk (the semantics of
+     :func:`sparseattn.kernels.estimate.mass_route`).  ``n_est`` clusters after the last one read are
+     estimated as above;
    * ``MODE_PAGES`` (Quest): per page of ``page_size`` slots starting at slot ``n_sinks``, the upper
      bound ``sum_e max(q_e * min_e, q_e * max_e)`` of ``q . k`` over the page, the ``n_probe`` largest
-     pages scored;
+     pages scored (a page whose smallest position ``pminpos`` is after the row is skipped);
    * ``MODE_TOPK``: every slot scored, the ``n_probe`` largest kept (exact top-k), then attended;
+   * ``MODE_LIST``: the slots listed in ``sel[r]`` (``-1`` padded; chosen by the caller, e.g. an index
+     selector grown with ``add()``) are attended after the exact part;
    * ``MODE_NONE``: no routed part (sinks + window, or everything when ``ex_lo = n_sinks``);
 
 3. one online softmax over all scored keys, processed in chunks of ``CHUNK``: chunk maximum, rescale of
    the running sum when the maximum grows, a vectorised float32 exp, the weighted value sum.
 
 Key masks, by the int32 position of each slot (``pos``): a key is visible to a row at position ``qp``
-iff ``pos <= qp`` (causal), and it is either a sink (``pos < n_sinks``) or not evicted
-(``pos >= lo_pos``); routed keys must also satisfy ``pos < hi_pos`` so that a key of the exact window is
-never counted twice.  Storage is float32, float16, or bfloat16 (uint16 bit patterns, ``BF16 = True``);
-scores, exp and sums are float32.  A row with no visible key gets zeros and ``lse = -inf``; a score of
-``+inf`` from finite inputs sets ``lse = +inf`` (the caller raises the overflow error).
+iff ``pos <= qp`` (causal).  An evicted key has position ``EVICTED`` (the int32 maximum), so the same
+test hides it from every row, and a cluster holding one has ``cmaxpos = EVICTED`` until its statistics
+are recomputed without it.  Routed keys must also satisfy ``pos < hi_pos`` so that a key of the exact
+window is never counted twice.  Storage is float32, float16, or bfloat16 (uint16 bit patterns,
+``BF16 = True``); scores, exp and sums are float32.  A row with no visible key gets zeros and
+``lse = -inf``; a score of ``+inf`` from finite inputs sets ``lse = +inf`` (the caller raises the
+overflow error).
+
+With ``rec`` of nonzero length the kernel records, per row, the slot ranges it scored (``rec[r, i] =
+(first, stop, hi)``, ``n_rec[r]`` of them); ``accumulate_serial`` / ``accumulate_parallel`` replay them
+to add each read key's softmax weight ``exp(scale * q . k - lse)`` to a per-slot total (the
+heavy-hitter statistics of the ``"h2o"`` memory cap).
 """
 
 from __future__ import annotations
@@ -44,7 +62,10 @@ MODE_NONE = 0
 MODE_CLUSTER = 1
 MODE_PAGES = 2
 MODE_TOPK = 3
+MODE_MASS = 4
+MODE_LIST = 5
 
+EVICTED = 2147483647  # position of an evicted slot: after every query, so never visible
 CHUNK = 128  # keys scored before one softmax update (scratch per row: CHUNK floats)
 BF16 = False  # compile-time constant: True in the bfloat16 variants below
 
@@ -94,9 +115,9 @@ def _raise_max(m_run, m_new, l_run, acc):
     return m_run, l_run
 
 
-def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mode, n_probe,
-         cent, cptr, n_cent, pmin, pmax, page_size, scale, n_est, cvmean, cminpos, cmaxpos, out, lse, nread,
-         nest):
+def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_probe,
+         cent, cptr, n_cent, ccount, pmin, pmax, pminpos, page_size, scale, n_est, cvmean, cminpos, cmaxpos,
+         top_p, tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest):
     """One row (query head h, token t) of the decode kernel; see the module docstring."""
     T = q.shape[1]
     E = q.shape[2]
@@ -114,26 +135,35 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mo
     acc = np.zeros(max(Ev, 1), dtype=np.float32)
     hs = np.empty(width, dtype=np.float32)
     hb = np.empty(width, dtype=np.int64)
+    record = rec.shape[0] > 0
+    n_recorded = 0
     m_run = np.float32(-np.inf)
     l_run = np.float32(0.0)
     overflow = False
     n_read = 0
-    # ranges to attend: the exact part (2 ranges), then the routed blocks
     n_sel = 0
-    if mode == MODE_CLUSTER:
-        for c in range(n_cent[g]):
+    nc = n_cent[g] if (mode == MODE_CLUSTER or mode == MODE_MASS) else 0
+    qc = np.empty(nc if mode == MODE_MASS else 0, dtype=np.float32)  # MODE_MASS: q . c per cluster
+    la = np.empty(nc if mode == MODE_MASS else 0, dtype=np.float32)  # MODE_MASS: log estimated masses
+    if mode == MODE_CLUSTER or mode == MODE_MASS:
+        for c in range(nc):
             cv = cent[g, c]
             s = np.float32(0.0)
             for e in range(E):
                 s += qi[e] * widen_f16(cv[e])
-            n_sel = heap_offer(hs, hb, n_sel, width, s, c)
+            if mode == MODE_CLUSTER:
+                n_sel = heap_offer(hs, hb, n_sel, width, s, c)
+            else:
+                qc[c] = s
+                if ccount[g, c] <= 0 or cminpos[g, c] > qp:
+                    la[c] = -np.inf  # nothing the row may see
+                else:
+                    la[c] = s * scale + np.float32(np.log(np.float32(ccount[g, c])))
     elif mode == MODE_PAGES:
         n_pages = (ex_lo - n_sinks + page_size - 1) // page_size
         for b in range(n_pages):
-            first = n_sinks + b * page_size
-            last = min(first + page_size, ex_lo) - 1
-            if pos[g, first] > qp or pos[g, last] < lo_pos:
-                continue  # a page of future keys only, or of evicted keys only
+            if pminpos[g, b] > qp:
+                continue  # a page of later or evicted keys only
             mn = pmin[g, b]
             mx = pmax[g, b]
             s = np.float32(0.0)
@@ -144,8 +174,7 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mo
             n_sel = heap_offer(hs, hb, n_sel, n_probe, s, b)
     elif mode == MODE_TOPK:
         for j in range(n_slots):
-            p = pg[j]
-            if p > qp or (p >= n_sinks and p < lo_pos):
+            if pg[j] > qp:
                 continue
             kj = Kg[j]
             s = np.float32(0.0)
@@ -154,17 +183,31 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mo
             n_sel = heap_offer(hs, hb, n_sel, n_probe, s, j)
         # attend the chosen slots in ascending slot order (a deterministic sum order)
         hb[:n_sel].sort()
+    elif mode == MODE_LIST:
+        sr = sel[r]
+        n_sel = 0
+        while n_sel < sr.shape[0] and sr[n_sel] >= 0:
+            n_sel += 1
     n_zone = 0  # estimation zone: hb[n_probe:n_sel] after ordering best first
+    zone0 = n_probe
     if mode == MODE_CLUSTER and n_est > 0 and n_sel > n_probe:
         heap_finish(hs, hb, n_sel, ORDER_BEST)
         n_zone = n_sel - n_probe
         n_sel = n_probe
-    n_ranges = 2 + n_sel
-    if mode == MODE_TOPK:
-        n_ranges = n_sel  # exact top-k: only the chosen keys
-    for rr in range(n_ranges):
+    # MODE_MASS walk state
+    order = np.empty(0, dtype=np.int64)
+    tot = 0.0
+    goal = 0.0
+    cum = 0.0
+    mshift = np.float32(0.0)
+    nk = 0
+    walk = 0
+    rr = 0
+    while True:
         lim = hi_pos
         if mode == MODE_TOPK:
+            if rr >= n_sel:
+                break
             a = hb[rr]
             b = a + 1
         elif rr == 0:
@@ -176,12 +219,59 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mo
             b = n_slots
             lim = 2147483647
         elif mode == MODE_CLUSTER:
+            if rr - 2 >= n_sel:
+                break
             c = hb[rr - 2]
             a = cptr[g, c]
             b = cptr[g, c + 1]
-        else:
+        elif mode == MODE_PAGES:
+            if rr - 2 >= n_sel:
+                break
             a = n_sinks + hb[rr - 2] * page_size
             b = min(a + page_size, ex_lo)
+        elif mode == MODE_LIST:
+            if rr - 2 >= n_sel:
+                break
+            a = sel[r, rr - 2]
+            b = a + 1
+        elif mode == MODE_MASS:
+            if rr == 2:  # the exact part is done: its true mass opens the walk
+                order = np.argsort(-la, kind="mergesort")
+                mshift = m_run
+                for c in range(nc):
+                    if la[c] > mshift:
+                        mshift = la[c]
+                if mshift > -np.inf:
+                    if m_run > -np.inf:
+                        cum = np.float64(l_run) * np.exp(np.float64(m_run) - np.float64(mshift))
+                    tot = cum
+                    for c in range(nc):
+                        if la[c] > -np.inf:
+                            tot += np.exp(np.float64(la[c]) - np.float64(mshift))
+                goal = top_p * tot
+            if walk >= nc:
+                break
+            c = order[walk]
+            if la[c] == -np.inf:
+                break
+            if top_p < 1.0 and cum >= goal and nk >= tp_min:
+                break
+            size = cptr[g, c + 1] - cptr[g, c]
+            if nk + size > tp_max:
+                break
+            walk += 1
+            nk += size
+            cum += np.exp(np.float64(la[c]) - np.float64(mshift))
+            a = cptr[g, c]
+            b = cptr[g, c + 1]
+        else:  # MODE_NONE: the two exact ranges only
+            break
+        rr += 1
+        if record and b > a:
+            rec[r, n_recorded, 0] = a
+            rec[r, n_recorded, 1] = b
+            rec[r, n_recorded, 2] = lim
+            n_recorded += 1
         start = a
         while start < b:
             stop = min(start + CHUNK, b)
@@ -197,7 +287,7 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mo
             cnt = 0
             for u in range(n):
                 p = pg[start + u]
-                if p > qp or p >= lim or (p >= n_sinks and p < lo_pos):
+                if p > qp or p >= lim:
                     sc[u] = -np.inf
                 else:
                     cnt += 1
@@ -221,15 +311,25 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mo
                     acc[e] += w * (widen_bf16(vj[e]) if BF16 else widen_f16(vj[e]))
         if overflow:
             break
+    if mode == MODE_MASS and n_est > 0:
+        n_zone = min(n_est, nc - walk)
+        zone0 = walk
     n_used = 0
     for z in range(n_zone):  # estimated clusters: one pseudo-key each (score + log count, mean value)
         if overflow:
             break
-        c = hb[n_probe + z]
-        cnt_c = cptr[g, c + 1] - cptr[g, c]
-        if cnt_c <= 0 or cmaxpos[g, c] > qp or (cminpos[g, c] >= n_sinks and cminpos[g, c] < lo_pos):
+        if mode == MODE_MASS:
+            c = order[zone0 + z]
+            if la[c] == -np.inf:
+                break
+            s_c = qc[c]
+        else:
+            c = hb[zone0 + z]
+            s_c = hs[zone0 + z]
+        cnt_c = ccount[g, c]
+        if cnt_c <= 0 or cmaxpos[g, c] > qp:
             continue  # a key the row may not see (later or evicted): never estimated
-        s = hs[n_probe + z] * scale + np.float32(np.log(np.float32(cnt_c)))
+        s = s_c * scale + np.float32(np.log(np.float32(cnt_c)))
         if s == np.inf:
             overflow = True
             break
@@ -242,6 +342,8 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mo
         n_used += 1
     nest[r] = n_used
     nread[r] = n_read
+    if record:
+        n_rec[r] = n_recorded
     if overflow:
         for e in range(Ev):
             out[h, t, e] = np.nan
@@ -276,18 +378,65 @@ _row_bf16 = njit(cache=True, fastmath=FASTMATH)(_clone(_row, "_bf16", {"BF16": T
 ROW = _row_f32
 
 
-def _decode_rows(q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mode, n_probe,
-                 cent, cptr, n_cent, pmin, pmax, page_size, scale, n_est, cvmean, cminpos, cmaxpos, out, lse,
-                 nread, nest):
+def _decode_rows(q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_probe,
+                 cent, cptr, n_cent, ccount, pmin, pmax, pminpos, page_size, scale, n_est, cvmean, cminpos,
+                 cmaxpos, top_p, tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest):
     for r in prange(q.shape[0] * q.shape[1]):
-        ROW(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, lo_pos, hi_pos, mode, n_probe,
-            cent, cptr, n_cent, pmin, pmax, page_size, scale, n_est, cvmean, cminpos, cmaxpos, out, lse, nread,
-            nest)
+        ROW(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_probe,
+            cent, cptr, n_cent, ccount, pmin, pmax, pminpos, page_size, scale, n_est, cvmean, cminpos, cmaxpos,
+            top_p, tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest)
 
 
 decode_serial, decode_parallel = serial_and_parallel(_decode_rows)
 decode_serial_bf16, decode_parallel_bf16 = serial_and_parallel(
     _decode_rows, constants={"ROW": _row_bf16}, suffix="_bf16")
+
+
+def _accumulate_rows(q, qpos, rep, K, pos, rec, n_rec, lse, scale, weights):
+    """Add each key's softmax weight to ``weights[g, slot]`` (float64), replaying the ranges the decode
+    kernel recorded: for row r = (h, t), every slot j of ``rec[r, :n_rec[r]]`` visible to the row (same
+    masks as the kernel) gets ``exp(scale * q[h, t] . K[g, j] - lse[h, t])`` (float32 scores and exp, in
+    chunks of ``CHUNK`` as in the kernel).  Parallel over kv heads (each head's totals are written by one
+    thread); rows with a non-finite lse add nothing."""
+    T = q.shape[1]
+    E = q.shape[2]
+    H = q.shape[0]
+    for g in prange(weights.shape[0]):
+        Kg = K[g]
+        pg = pos[g]
+        wg = weights[g]
+        sc = np.empty(CHUNK, dtype=np.float32)
+        for h in range(g * rep, min((g + 1) * rep, H)):
+            for t in range(T):
+                r = h * T + t
+                m = lse[h, t]
+                if not (m > -np.inf and m < np.inf):
+                    continue
+                qi = q[h, t]
+                qp = qpos[t]
+                for i in range(n_rec[r]):
+                    b = rec[r, i, 1]
+                    lim = rec[r, i, 2]
+                    start = rec[r, i, 0]
+                    while start < b:
+                        stop = min(start + CHUNK, b)
+                        n = stop - start
+                        for j in range(start, stop):
+                            kj = Kg[j]
+                            s = np.float32(0.0)
+                            for e in range(E):
+                                s += qi[e] * (widen_bf16(kj[e]) if BF16 else widen_f16(kj[e]))
+                            p = pg[j]
+                            sc[j - start] = -np.inf if (p > qp or p >= lim) else s * scale
+                        exp_shifted_f32(sc, n, m, sc)
+                        for u in range(n):
+                            wg[start + u] += sc[u]
+                        start = stop
+
+
+accumulate_serial, accumulate_parallel = serial_and_parallel(_accumulate_rows, fastmath=FASTMATH)
+accumulate_serial_bf16, accumulate_parallel_bf16 = serial_and_parallel(
+    _accumulate_rows, constants={"BF16": True}, suffix="_bf16", fastmath=FASTMATH)
 
 
 @njit(cache=True)

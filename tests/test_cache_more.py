@@ -1,0 +1,404 @@
+"""KVCache: the h2o memory cap, index selectors grown with add(), and the top_p budget of the cluster index.
+
+Oracles: float64 dense attention (``helpers.dense64``) over the keys the cache must keep, a float64
+re-implementation of the Heavy-Hitter policy (accumulate softmax weights, evict the least), and
+hand-worked cases.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import dense64
+
+from sparseattn.cache import KVCache
+from sparseattn.kernels.decode import EVICTED
+
+H, HKV, E, EV = 4, 2, 16, 8
+SEG = 64
+
+
+def _kv(n: int, seed: int = 0, hkv: int = HKV) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((hkv, n, E)).astype(np.float32),
+            rng.standard_normal((hkv, n, EV)).astype(np.float32))
+
+
+def _q(t: int, seed: int = 1, h: int = H) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((h, t, E)).astype(np.float32)
+
+
+def oracle(q: np.ndarray, k: np.ndarray, v: np.ndarray, n: int, keep: list[np.ndarray] | None = None,
+           scale: float | None = None) -> np.ndarray:
+    """float64 attention of the T newest positions over positions [0, n), causal, restricted to ``keep[g]``
+    (positions) per kv head."""
+    Hq, T, e = q.shape
+    rep = Hq // k.shape[0]
+    sc = e ** -0.5 if scale is None else scale
+    out = np.zeros((Hq, T, v.shape[2]))
+    for h in range(Hq):
+        g = h // rep
+        allowed = np.zeros(n, bool)
+        allowed[np.arange(n) if keep is None else keep[g]] = True
+        mask = allowed[None, :] & (np.arange(n)[None, :] <= np.arange(n - T, n)[:, None])
+        out[h] = dense64(q[h], k[g, :n], v[g, :n], sc, mask)[0]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- h2o
+def test_h2o_keeps_the_heavy_hitters_hand_case() -> None:
+    """Queries all point at e0; positions 2 and 5 have keys 3*e0, every other key is e1 (score 0).  With
+    sinks=1, window=2, max_keys=5 the cache must end with {0} + {2, 5} + {10, 11}."""
+    n = 12
+    k = np.zeros((1, n, 4), np.float32)
+    k[0, :, 1] = 1.0
+    k[0, [2, 5]] = [3.0, 0.0, 0.0, 0.0]
+    v = np.arange(n, dtype=np.float32).reshape(1, n, 1).repeat(2, axis=2)
+    q = np.array([[[2.0, 0.0, 0.0, 0.0]]], np.float32)
+    cache = KVCache(1, 4, value_dim=2, selector="dense", sinks=1, window=2, max_keys=5, policy="h2o")
+    for i in range(n):
+        cache.append(k[:, i:i + 1], v[:, i:i + 1])
+        cache.attend(q)
+    np.testing.assert_array_equal(cache.positions(0), [0, 2, 5, 10, 11])
+    assert len(cache) == 5 and cache.stats["evicted_keys"] == n - 5
+    out = cache.attend(q)
+    np.testing.assert_allclose(out[0, 0], oracle(q, k, v, n, [np.array([0, 2, 5, 10, 11])], 0.5)[0, 0],
+                               rtol=1e-5)
+
+
+def h2o_simulation(k, v, qs, sinks, window, cap, scale):
+    """float64 H2O: after each one-token append, attend (dense over the kept keys), add each kept key's
+    softmax weight (summed over the query heads of its kv head), then evict the least (ties: oldest)."""
+    hkv, n, _ = k.shape
+    rep = qs.shape[0] // hkv
+    keep = [list() for _ in range(hkv)]
+    acc = np.zeros((hkv, n))
+    for i in range(n):
+        for g in range(hkv):
+            keep[g].append(i)
+            while len(keep[g]) > cap:
+                cand = [p for p in keep[g] if sinks <= p < i + 1 - window]
+                victim = min(cand, key=lambda p: (acc[g, p], p))
+                keep[g].remove(victim)
+        for h in range(qs.shape[0]):
+            g = h // rep
+            kp = np.array(keep[g])
+            s = k[g, kp].astype(np.float64) @ qs[h, i].astype(np.float64) * scale
+            w = np.exp(s - s.max())
+            acc[g, kp] += w / w.sum()
+    return [np.array(sorted(x)) for x in keep], acc
+
+
+@pytest.mark.parametrize("name", ["dense", "topk"])
+def test_h2o_matches_float64_simulation(name: str) -> None:
+    n, cap = 90, 30
+    k, v = _kv(n, seed=5)
+    qs = np.random.default_rng(6).standard_normal((H, n, E)).astype(np.float32) * 2
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=name, sinks=2, window=4, max_keys=cap,
+                    policy="h2o", segment=16, page_size=16)
+    for i in range(n):
+        cache.append(k[:, i:i + 1], v[:, i:i + 1])
+        cache.attend(qs[:, i:i + 1], k=10_000)
+    keep, acc = h2o_simulation(k, v, qs, 2, 4, cap, E ** -0.5)
+    for g in range(HKV):
+        np.testing.assert_array_equal(cache.positions(g), keep[g])
+        pos, w = cache.heavy_hitter_weights(g)
+        np.testing.assert_allclose(w, acc[g, pos], rtol=1e-4, atol=1e-6)
+    assert cache.stats["compactions"] >= 1  # 60 evictions, segment 16: storage was compacted
+    assert cache.stats["slots"] < cap + 16 + 16 * HKV
+
+
+def _decode_run(cache: KVCache, k, v, qs, n0: int) -> list[np.ndarray]:
+    cache.append(k[:, :n0], v[:, :n0])
+    outs = [cache.attend(qs[:, :1], k=16)]
+    for i in range(n0, k.shape[1]):
+        cache.append(k[:, i:i + 1], v[:, i:i + 1])
+        outs.append(cache.attend(qs[:, i - n0 + 1:i - n0 + 2], k=16))
+    return outs
+
+
+@pytest.mark.parametrize("policy", ["h2o", "streaming"])
+@pytest.mark.parametrize("kw", [
+    dict(selector="cluster", n_probe=3, cluster_size=8, estimate=1000),
+    dict(selector="cluster", cluster_size=8, top_p=0.9, estimate=1000),
+    dict(selector="pages", n_probe=6),
+    dict(selector="faiss-flat"),
+], ids=["cluster-est", "cluster-top_p", "pages", "faiss-flat"])
+def test_evicted_keys_are_never_read(policy: str, kw: dict) -> None:
+    """A value changed by 1e6 at a key evicted at some step changes no output from that step on (the
+    evictions do not depend on values, so both runs evict the same keys)."""
+    n0, n = 200, 330
+    k, v = _kv(n, seed=7)
+    qs = np.random.default_rng(8).standard_normal((H, n - n0 + 1, E)).astype(np.float32)
+    common = dict(num_kv_heads=HKV, value_dim=EV, sinks=4, window=16, max_keys=120, policy=policy,
+                  segment=SEG, **kw)
+    a = KVCache(H, E, **common)
+    outs_a, evicted_at = [], {}
+    a.append(k[:, :n0], v[:, :n0])
+    outs_a.append(a.attend(qs[:, :1], k=16))
+    for i in range(n0, n):
+        a.append(k[:, i:i + 1], v[:, i:i + 1])
+        gone = np.setdiff1d(np.arange(i + 1), a.positions(0))
+        for p in gone:
+            evicted_at.setdefault(int(p), i - n0 + 1)
+        outs_a.append(a.attend(qs[:, i - n0 + 1:i - n0 + 2], k=16))
+    # a key appended during decoding (read exactly while in the window) and evicted later
+    victims = [p for p in evicted_at if p >= n0]
+    assert victims
+    p = victims[len(victims) // 2]
+    v2 = v.copy()
+    v2[0, p] += 1e6
+    outs_b = _decode_run(KVCache(H, E, **common), k, v2, qs, n0)
+    s = evicted_at[p]
+    rep = H // HKV
+    for step in range(s, len(outs_a)):
+        np.testing.assert_array_equal(outs_a[step], outs_b[step])
+    assert a.stats["compactions"] >= 1
+    appended = p - n0 + 1  # the step that appended p reads it (window): the change is visible there
+    assert np.abs(outs_a[appended][:rep] - outs_b[appended][:rep]).max() > 1.0
+
+
+def test_h2o_with_cluster_full_probe_equals_dense_over_survivors() -> None:
+    n0, n = 300, 400
+    k, v = _kv(n, seed=9)
+    qs = np.random.default_rng(10).standard_normal((H, n, E)).astype(np.float32)
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=10_000,
+                sinks=4, window=16, max_keys=150, policy="h2o")
+    c.append(k[:, :n0], v[:, :n0])
+    for i in range(n0, n):
+        c.append(k[:, i:i + 1], v[:, i:i + 1])
+        c.attend(qs[:, i:i + 1])
+    q = _q(3, seed=11)
+    keep = [c.positions(g) for g in range(HKV)]
+    assert not np.array_equal(keep[0], keep[1])  # the kv heads keep different keys
+    assert all(len(x) == 150 for x in keep)
+    np.testing.assert_allclose(c.attend(q), oracle(q, k, v, n, keep), atol=2e-5)
+
+
+def _check_cluster_stats(c: KVCache) -> None:
+    """Every cluster's statistics describe its live members, unless it lost one since the last compaction
+    (then it is marked: cmaxpos = EVICTED, never estimated)."""
+    for g in range(c.num_kv_heads):
+        for ci in range(int(c._n_cent[g])):
+            lo, hi = c._cptr[g, ci], c._cptr[g, ci + 1]
+            p = c._pos[g, lo:hi]
+            live = p != EVICTED
+            if c._cmaxpos[g, ci] == EVICTED and c._ccount[g, ci] != live.sum():
+                continue  # marked: lost a member since the last compaction
+            assert c._ccount[g, ci] == live.sum()
+            if live.any():
+                assert c._cminpos[g, ci] == p[live].min() and c._cmaxpos[g, ci] == p[live].max()
+                np.testing.assert_allclose(c._cvmean[g, ci], c._V[g, lo:hi][live].mean(axis=0), atol=1e-5)
+                cent = c._cent[g, ci].view(np.float16).astype(np.float32)
+                np.testing.assert_allclose(cent, c._K[g, lo:hi][live].mean(axis=0), atol=5e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "streaming"])
+def test_compaction_recomputes_cluster_statistics(policy: str) -> None:
+    n0, n = 200, 330
+    k, v = _kv(n, seed=26)
+    qs = np.random.default_rng(27).standard_normal((H, n, E)).astype(np.float32)
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3, estimate=1000,
+                sinks=4, window=16, max_keys=120, policy=policy)
+    c.append(k[:, :n0], v[:, :n0])
+    seen = 0
+    for i in range(n0, n):
+        before = c.stats["compactions"]
+        c.append(k[:, i:i + 1], v[:, i:i + 1])
+        c.attend(qs[:, i:i + 1])
+        _check_cluster_stats(c)
+        if c.stats["compactions"] > before:
+            seen += 1
+            marked = sum(int(((c._cmaxpos[g, :c._n_cent[g]] == EVICTED) & (c._ccount[g, :c._n_cent[g]] > 0)).sum())
+                         for g in range(HKV))
+            assert marked == 0  # right after a compaction every non-empty cluster is estimable again
+    assert seen >= 1
+
+
+# ------------------------------------------------------------------------------- index selectors
+INDEX_SPECS = ["faiss-flat", "faiss-hnsw:M=16", "faiss-ivf:nprobe=4"]
+
+
+@pytest.mark.parametrize("spec", INDEX_SPECS)
+def test_index_selector_full_k_equals_exact_and_grows_with_add(spec: str) -> None:
+    n = 700
+    k, v = _kv(n, seed=12)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=spec, sinks=4, window=16)
+    cache.append(k[:, :500], v[:, :500])
+    first = cache._index[0]
+    for a in range(500, n, 50):
+        cache.append(k[:, a:a + 50], v[:, a:a + 50])
+    assert cache._index[0] is first and first.keys_.shape[0] == n - 4  # grown by add(), never rebuilt
+    q = _q(5, seed=13)
+    out, lse = cache.attend(q, k=10_000, return_lse=True)
+    np.testing.assert_allclose(out, oracle(q, k, v, n), atol=1e-5)
+    assert cache.stats["keys_read_max"] == n
+
+
+@pytest.mark.parametrize("spec", INDEX_SPECS)
+def test_index_selector_small_k_reads_sinks_window_and_k(spec: str) -> None:
+    n = 600
+    k, v = _kv(n, seed=14)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=spec, sinks=4, window=16)
+    cache.append(k, v)
+    q = _q(1, seed=15)
+    out = cache.attend(q, k=20)
+    assert cache.stats["keys_read_max"] <= 4 + 16 + 20
+    rep = H // HKV
+    for h in range(H):  # the step equals exact attention over the keys it reports reading
+        sel = cache.selected_slots(q[h, 0], h, k=20)
+        g = h // rep
+        ref = oracle(q[h:h + 1], k[g:g + 1], v[g:g + 1], n, [cache._pos[g, sel]])
+        np.testing.assert_allclose(out[h], ref[0], atol=2e-5)
+    if spec == "faiss-flat":  # exact search: the 20 best non-window keys
+        for h in range(H):
+            g = h // rep
+            s = k[g, 4:n - 16] @ q[h, 0]
+            best = 4 + np.argsort(-s)[:20]
+            got = cache._pos[g, cache.selected_slots(q[h, 0], h, k=20)]
+            assert set(best) <= set(got)
+
+
+def test_index_selector_waits_for_enough_keys() -> None:
+    """An IVF index of 64 lists cannot be trained on fewer keys: until it can, every key is read exactly."""
+    k, v = _kv(300, seed=28)
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="faiss-ivf:nlist=64,nprobe=64", window=8)
+    c.append(k[:, :40], v[:, :40])
+    q = _q(2, seed=29)
+    assert c._index[0] is None
+    np.testing.assert_allclose(c.attend(q, k=5), oracle(q, k, v, 40), atol=1e-5)
+    c.append(k[:, 40:], v[:, 40:])
+    assert c._index[0] is not None and c._index[0].keys_.shape[0] == 300 - 4
+    np.testing.assert_allclose(c.attend(q, k=10_000), oracle(q, k, v, 300), atol=1e-5)
+    assert c.stats["keys_read_max"] == 300
+    c.attend(q, k=5)
+    assert c.stats["keys_read_max"] <= 4 + 8 + 5
+
+
+@pytest.mark.parametrize("spec", ["faiss-flat", "faiss-hnsw:M=16"])
+def test_index_selector_causal_multi_token(spec: str) -> None:
+    n, T = 400, 6
+    k, v = _kv(n, seed=16)
+    k2, v2 = k.copy(), v.copy()
+    k2[:, n - 2:] += 5.0
+    v2[:, n - 2:] -= 3.0
+    q = _q(T, seed=17)
+    outs = []
+    for kk, vv in ((k, v), (k2, v2)):
+        cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=spec, window=4)
+        cache.append(kk[:, :n - T], vv[:, :n - T])
+        cache.append(kk[:, n - T:], vv[:, n - T:])
+        outs.append(cache.attend(q, k=8))
+    np.testing.assert_array_equal(outs[0][:, :T - 2], outs[1][:, :T - 2])
+    assert not np.allclose(outs[0][:, T - 1], outs[1][:, T - 1])
+    full = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=spec, window=4)
+    full.append(k, v)
+    np.testing.assert_allclose(full.attend(q, k=10_000), oracle(q, k, v, n), atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o"])
+def test_index_selector_under_cap_equals_dense_over_survivors(policy: str) -> None:
+    n0, n = 300, 460
+    k, v = _kv(n, seed=18)
+    qs = np.random.default_rng(19).standard_normal((H, n, E)).astype(np.float32)
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="faiss-hnsw:M=8", sinks=4, window=16,
+                max_keys=100, policy=policy, segment=32)
+    c.append(k[:, :n0], v[:, :n0])
+    for i in range(n0, n):
+        c.append(k[:, i:i + 1], v[:, i:i + 1])
+        c.attend(qs[:, i:i + 1], k=30)
+    assert c.stats["index_rebuilds"] >= 1  # the evicted ids outnumbered the live ones
+    q = _q(2, seed=20)
+    keep = [c.positions(g) for g in range(HKV)]
+    np.testing.assert_allclose(c.attend(q, k=10_000), oracle(q, k, v, n, keep), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ top_p
+def test_top_p_one_without_cap_equals_exact() -> None:
+    n = 5 * SEG + 70
+    k, v = _kv(n, seed=21)
+    q = _q(3, seed=22)
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, top_p=1.0,
+                top_p_max_keys=10**9)
+    c.append(k, v)
+    np.testing.assert_allclose(c.attend(q), oracle(q, k, v, n), atol=2e-5)
+    assert c.stats["keys_read_max"] == n
+
+
+def _clustered(n: int, seed: int, hkv: int = 1, e: int = 32, n_centres: int = 64):
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((hkv, n_centres, e)).astype(np.float32) * 1.5
+    lab = rng.integers(0, n_centres, n)
+    k = centres[:, lab] + 0.1 * rng.standard_normal((hkv, n, e)).astype(np.float32)
+    v = rng.standard_normal((hkv, n, 8)).astype(np.float32)
+    return k, v, centres
+
+
+def test_top_p_reads_few_keys_on_a_peaky_query_and_follows_p() -> None:
+    n = 8192
+    k, v, centres = _clustered(n, seed=23)
+    kw = dict(value_dim=8, segment=4096, cluster_size=64, window=16, open_step=512)  # exact tail < 528
+    peaky = (3.0 * centres[:, 5:6]).astype(np.float32)  # (1, 1, 32): aligned with one centre
+    flat = (0.05 * np.random.default_rng(24).standard_normal((1, 1, 32))).astype(np.float32)
+    reads, errs = {}, {}
+    for p in (0.5, 0.9, 0.99, 1.0):
+        c = KVCache(1, 32, top_p=p, top_p_max_keys=10**9, **kw)
+        c.append(k, v)
+        for name, q in (("peaky", peaky), ("flat", flat)):
+            out = c.attend(q)
+            reads[name, p] = c.stats["keys_read_per_query"]
+            ref = oracle(q, k, v, n)
+            errs[name, p] = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+    assert reads["peaky", 0.9] < 0.1 * n and reads["flat", 0.9] > 0.5 * n, reads
+    for name in ("peaky", "flat"):
+        assert reads[name, 0.5] <= reads[name, 0.9] <= reads[name, 0.99] <= reads[name, 1.0] == n
+        assert errs[name, 1.0] < 1e-5
+    assert errs["peaky", 0.9] < 0.05, errs
+
+
+def test_top_p_floor_and_cap_in_routed_keys() -> None:
+    n = 8192
+    k, v, centres = _clustered(n, seed=25)
+    q = (3.0 * centres[:, 7:8]).astype(np.float32)
+    kw = dict(value_dim=8, segment=4096, cluster_size=64, window=16, top_p=0.5)
+    base = KVCache(1, 32, **kw)
+    base.append(k, v)
+    base.attend(q)
+    exact_part = 4 + base.stats["tail_keys"]
+    floor = KVCache(1, 32, top_p_min_keys=2000, top_p_max_keys=10**9, **kw)
+    floor.append(k, v)
+    floor.attend(q)
+    assert floor.stats["keys_read_per_query"] >= exact_part + 2000
+    cap = KVCache(1, 32, top_p=1.0, value_dim=8, segment=4096, cluster_size=64, window=16,
+                  top_p_max_keys=300)
+    cap.append(k, v)
+    cap.attend(q)
+    assert exact_part < cap.stats["keys_read_per_query"] <= exact_part + 300
+    sel = cap.selected_slots(q[0, 0], 0)
+    assert sel.size == cap.stats["keys_read_max"]
+
+
+# ------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(policy="lru"), "policy must be one of"),
+    (dict(selector="nope"), "selector must be one of"),
+    (dict(selector="angular-lsh"), "angular-lsh.*supports_add"),
+    (dict(selector="kdtree"), "faiss-hnsw"),
+    (dict(selector="window+faiss-flat"), "selector"),
+    (dict(selector="faiss-hnsw:Q=3"), "Q"),
+    (dict(top_p=0.0), "top_p must be"),
+    (dict(top_p=1.5), "top_p must be"),
+    (dict(top_p=True), "top_p must be"),
+    (dict(top_p=0.9, selector="pages"), "top_p applies to selector='cluster'"),
+    (dict(top_p=0.9, selector="faiss-flat"), "top_p applies"),
+    (dict(top_p=0.9, top_p_min_keys=50, top_p_max_keys=10), "top_p_min_keys"),
+    (dict(top_p_max_keys=-1), "top_p_max_keys"),
+])
+def test_bad_arguments_are_named(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        KVCache(H, E, **kwargs)
+
+
+def test_heavy_hitter_weights_need_h2o() -> None:
+    with pytest.raises(ValueError, match="policy='h2o'"):
+        KVCache(H, E).heavy_hitter_weights(0)
