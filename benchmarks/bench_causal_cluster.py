@@ -152,7 +152,7 @@ def main(argv=None):
     for h in range(t16.q.shape[0]):
         rows += run_head("16k", int(t16.meta["heads"][h]), t16.q[h], t16.k[h], t16.v[h], t16.scale, args.repeats)
     d65 = os.path.expanduser("~/.cache/sparseattn/traces")
-    if not args.skip_65k and os.path.isdir(os.path.join(d65, "store65k")):
+    if not args.skip_65k and os.path.exists(os.path.join(d65, "manifest.json")):
         t65 = sa.data.load("store65k", data_dir=d65)
         pick = np.linspace(0, t65.q.shape[1] - 1, args.rows).astype(np.int64)
         for h in range(t65.q.shape[0]):

@@ -14,9 +14,14 @@ Per head and n_probe, with ``estimate`` off (0) and on (-1: every unread cluster
   of the estimate-off run, which reads the same keys), attend time (median of ``--repeats``).
 * estimation cost: attend time with estimate=-1 minus with estimate=0, relative to the latter.
 
-``top_p = 0.9`` (``max_keys`` = S, no cap; and the default cap): fraction of rows whose exactly read keys
-hold >= 0.9 of the true softmax mass, mean keys read, and the fixed budget (smallest n_probe of a sweep)
-reaching the same mean mass, with its keys read.
+``top_p`` in 0.9 (``max_keys`` = S, no cap; and the default cap), 0.95, 0.98: fraction of rows whose
+exactly read keys hold >= 0.9 of the true softmax mass, mean keys read, and the fixed budgets (smallest
+n_probe of a sweep) reaching the same mean mass, the same share of rows >= 0.9, and 95 % of rows >= 0.9,
+with their keys read.
+
+Row-level error against mass kept (:func:`sparseattn.metrics.mass_error_profile`): the rows of every head
+and every fixed budget and top_p run above (estimate off and on), pooled per store, binned by the true mass
+kept.
 
 Results: ``results/estimate.json`` (all numbers) and ``results/estimate.md`` (tables).
 """
@@ -33,6 +38,7 @@ import numpy as np
 import sparseattn as sa
 from sparseattn.attention.routed import routed_attention
 from sparseattn.index import ClusterIndex
+from sparseattn.metrics import mass_error_profile
 
 TRACE_DIR = os.path.expanduser("~/.cache/sparseattn/traces")
 SWEEP = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -57,7 +63,7 @@ def rel_err(o: np.ndarray, ref: np.ndarray) -> np.ndarray:
 
 
 def timed(fns: dict, repeats: int) -> dict:
-    """name -> (median wall s, min wall s, median process CPU s) of each function, run interleaved
+    """name -> (median wall s, min wall s, median process CPU s, min process CPU s) of each function, run interleaved
     ``repeats`` rounds.  On a shared, loaded machine interleaving keeps the cases comparable, and the
     CPU time of this process (all its threads) is far less sensitive to other processes than wall time."""
     ts: dict = {name: [] for name in fns}
@@ -69,18 +75,18 @@ def timed(fns: dict, repeats: int) -> dict:
             fn()
             ts[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
-    return {name: (float(np.median(ts[name])), float(np.min(ts[name])), float(np.median(cpu[name])))
-            for name in fns}
+    return {name: (float(np.median(ts[name])), float(np.min(ts[name])), float(np.median(cpu[name])),
+                   float(np.min(cpu[name]))) for name in fns}
 
 
 def run_head(name: str, head: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, probes: list[int],
-             repeats: int, quality_rows: int) -> dict:
+             repeats: int, quality_rows: int, top_p_repeats: int = 1) -> dict:
     S = k.shape[0]
     rows = np.unique(np.linspace(0, q.shape[0] - 1, min(quality_rows, q.shape[0])).astype(np.int64))
     qq = q[rows]
     ref, lse_full = dense_ref(qq, k, v, scale)
     res: dict = {"data": name, "head": head, "S": S, "L_time": int(q.shape[0]), "L_quality": int(rows.size),
-                 "fixed": [], "top_p": []}
+                 "fixed": [], "top_p": [], "_rows": {"off": [], "on": [], "ref": []}}
     t0 = time.perf_counter()
     ClusterIndex().build(k)
     res["build_s"] = time.perf_counter() - t0
@@ -99,6 +105,9 @@ def run_head(name: str, head: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, 
             continue
         row = dict(sweep[p])
         o1, _ = routed_attention(idx, qq, v, scale=scale, estimate=-1)
+        res["_rows"]["off"].append((o0, mass))
+        res["_rows"]["on"].append((o1, mass))
+        res["_rows"]["ref"].append(ref)
         row["err_on"] = float(rel_err(o1, ref).mean())
         o8, _ = routed_attention(idx, qq, v, scale=scale, estimate=8)
         row["err_on_next8"] = float(rel_err(o8, ref).mean())
@@ -110,10 +119,26 @@ def run_head(name: str, head: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, 
                     "off_1t": lambda idx=idx: routed_attention(idx, q, v, scale=scale, n_threads=1),
                     "on_1t": lambda idx=idx: routed_attention(idx, q, v, scale=scale, estimate=-1, n_threads=1)},
                    repeats)
-        for case, (med, mn, cpu) in tm.items():
+        for case, (med, mn, cpu, cpu_mn) in tm.items():
             row[f"time_{case}_s"] = med
             row[f"time_{case}_min_s"] = mn
             row[f"cpu_{case}_s"] = cpu
+            row[f"cpu_{case}_min_s"] = cpu_mn
+        # the estimate's own CPU time, timed inside routed_attention (stats["estimate_cpu_s"]): steadier
+        # than the difference of two loaded-machine totals
+        split, split1 = [], []
+        for _ in range(repeats):
+            for n_threads, acc in ((None, split), (1, split1)):
+                st2: dict = {}
+                c0 = time.process_time()
+                routed_attention(idx, q, v, scale=scale, estimate=-1, stats=st2, n_threads=n_threads)
+                acc.append((st2["estimate_cpu_s"], time.process_time() - c0))
+        row["est_split_cpu_s"] = float(np.median([a for a, _ in split]))
+        row["est_split_call_cpu_s"] = float(np.median([b for _, b in split]))
+        row["est_split_share"] = row["est_split_cpu_s"] / row["cpu_off_s"]
+        # one thread, least-disturbed repeat: the estimate's own CPU (min) over the CPU time off (min)
+        row["est_split_1t_min_s"] = float(min(a for a, _ in split1))
+        row["est_split_share_1t_min"] = row["est_split_1t_min_s"] / row["cpu_off_1t_min_s"]
         row["est_cost_frac_1t"] = (row["time_on_1t_min_s"] - row["time_off_1t_min_s"]) / row["time_off_1t_min_s"]
         row["est_cost_frac_cpu"] = (row["cpu_on_s"] - row["cpu_off_s"]) / row["cpu_off_s"]
         row["est_cost_frac_cpu_1t"] = (row["cpu_on_1t_s"] - row["cpu_off_1t_s"]) / row["cpu_off_1t_s"]
@@ -127,7 +152,9 @@ def run_head(name: str, head: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, 
               f"1 thread min {row['time_off_1t_min_s']:.4f} / {row['time_on_1t_min_s']:.4f}: "
               f"+{100 * row['est_cost_frac_1t']:.1f} %; CPU s {row['cpu_off_s']:.4f} / {row['cpu_on_s']:.4f}: "
               f"+{100 * row['est_cost_frac_cpu']:.1f} %, 1 thread {row['cpu_off_1t_s']:.4f} / {row['cpu_on_1t_s']:.4f}: "
-              f"+{100 * row['est_cost_frac_cpu_1t']:.1f} %)",
+              f"+{100 * row['est_cost_frac_cpu_1t']:.1f} %; estimate's own CPU {row['est_split_cpu_s']:.4f} s = "
+              f"{100 * row['est_split_share']:.1f} % of the CPU time off; 1 thread min {row['est_split_1t_min_s']:.4f} "
+              f"s = {100 * row['est_split_share_1t_min']:.1f} %)",
               flush=True)
     res["sweep"] = list(sweep.values())
     res["n_clusters"] = C
@@ -137,26 +164,33 @@ def run_head(name: str, head: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, 
         o0, l0 = routed_attention(idx, qq, v, scale=scale, top_p=top_p, max_keys=cap, stats=st)
         mass = np.exp(l0.astype(np.float64) - lse_full)
         o1, _ = routed_attention(idx, qq, v, scale=scale, top_p=top_p, max_keys=cap, estimate=-1)
+        res["_rows"]["off"].append((o0, mass))
+        res["_rows"]["on"].append((o1, mass))
+        res["_rows"]["ref"].append(ref)
         kr = st["keys_read"]
         reach = [s for s in sweep.values() if s["mass_mean"] >= mass.mean()]
         fixed = min(reach, key=lambda s: s["keys_read"]) if reach else None
         frac = float(np.mean(mass >= 0.9))
         reach = [s for s in sweep.values() if s["rows_mass_ge_0.9"] >= frac]
         fixed_rows = min(reach, key=lambda s: s["keys_read"]) if reach else None
+        reach = [s for s in sweep.values() if s["rows_mass_ge_0.9"] >= 0.95]
+        fixed_95 = min(reach, key=lambda s: s["keys_read"]) if reach else None
         row = {"top_p": top_p, "max_keys": cap if cap is not None else 4 * idx.prefix_budget(),
                "cap": cap_name, "keys_read_mean": float(kr.mean()),
                "keys_read_p10": float(np.percentile(kr, 10)), "keys_read_p90": float(np.percentile(kr, 90)),
                "mass_mean": float(mass.mean()), "rows_mass_ge_0.9": float(np.mean(mass >= 0.9)),
                "err_off": float(rel_err(o0, ref).mean()), "err_on": float(rel_err(o1, ref).mean()),
-               "fixed_same_mass": fixed, "fixed_same_rows": fixed_rows}
-        row["time_s"], _, row["cpu_s"] = timed({"t": lambda cap=cap, top_p=top_p: routed_attention(
-            idx, q, v, scale=scale, top_p=top_p, max_keys=cap, estimate=-1)}, repeats)["t"]
+               "fixed_same_mass": fixed, "fixed_same_rows": fixed_rows, "fixed_95": fixed_95}
+        row["time_s"], _, row["cpu_s"], _ = timed({"t": lambda cap=cap, top_p=top_p: routed_attention(
+            idx, q, v, scale=scale, top_p=top_p, max_keys=cap, estimate=-1)}, top_p_repeats)["t"]
         res["top_p"].append(row)
         fx = (f"fixed n_probe={fixed['n_probe']} keys {fixed['keys_read']:.0f} mass {fixed['mass_mean']:.3f}"
               if fixed else "no fixed budget reaches it")
         if fixed_rows:
             fx += (f"; rows>=0.9 as often: fixed n_probe={fixed_rows['n_probe']} keys "
                    f"{fixed_rows['keys_read']:.0f} ({fixed_rows['rows_mass_ge_0.9']:.3f})")
+        if fixed_95:
+            fx += f"; 95 % of rows >= 0.9: fixed n_probe={fixed_95['n_probe']} keys {fixed_95['keys_read']:.0f}"
         print(f"{name} h{head} top_p={top_p} cap={row['max_keys']}: keys {row['keys_read_mean']:.0f} "
               f"(p10 {row['keys_read_p10']:.0f}, p90 {row['keys_read_p90']:.0f}) mass {row['mass_mean']:.3f} "
               f"rows>=0.9 {row['rows_mass_ge_0.9']:.3f} err off {row['err_off']:.4f} on {row['err_on']:.4f}; {fx}",
@@ -164,17 +198,35 @@ def run_head(name: str, head: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, 
     return res
 
 
-def write_md(results: list[dict], path: str, command: str) -> None:
+def profiles(results: list[dict]) -> dict:
+    """Per store and estimate off / on: :func:`mass_error_profile` of the pooled fixed-budget rows."""
+    out: dict = {}
+    for data in dict.fromkeys(r["data"] for r in results):
+        rs = [r for r in results if r["data"] == data]
+        ref = np.concatenate([x for r in rs for x in r["_rows"]["ref"]])
+        for case in ("off", "on"):
+            o = np.concatenate([x[0] for r in rs for x in r["_rows"][case]])
+            m = np.concatenate([x[1] for r in rs for x in r["_rows"][case]])
+            prof = mass_error_profile(o, ref, np.clip(m, 0.0, 1.0))
+            out[f"{data} estimate {case}"] = {k: v.tolist() for k, v in prof.items()}
+    return out
+
+
+def write_md(results: list[dict], path: str, command: str, prof: dict | None = None) -> None:
     lines = ["# Estimation of unread clusters and the mass-driven budget (cluster:mode=block)", "",
              f"Command: `{command}`. Real MiniLM keys (layer 3); error vs float64 dense attention (mean over "
              "rows); mass = true softmax mass of the keys read exactly; time = attend over every query "
              "(median of interleaved repeats, wall and CPU seconds of this process; the machine is shared, so "
-             "the CPU-time ratio is the steadier measure of the estimation's own cost). `estimate=-1`: every unread cluster estimated; `next8`: the next 8 clusters.", "",
+             "the CPU-time ratio is the steadier measure of the estimation's own cost). `estimate=-1`: every unread cluster estimated; `next8`: the next 8 clusters. "
+             "\"estimate's own CPU\": `stats[\"estimate_cpu_s\"]` of an `estimate=-1` call (the per-call value "
+             "statistics, the estimated weights and value sums; median of the repeats), as a share of the CPU time "
+             "of the call with the estimate off; and the same with one thread, least-disturbed repeat (min) of each.", "",
              "## Fixed budget (n_probe), estimate off / on", "",
              "| data | head | C | n_probe | keys/q | mass | err off | err on | on/off | err next8 | "
              "time off s | time on s | est. cost (wall) | CPU off s | CPU on s | est. cost (CPU) | "
-             "CPU 1 thread off s | on s | est. cost (CPU, 1 thread) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "CPU 1 thread off s | on s | est. cost (CPU, 1 thread) | estimate's own CPU s | share of CPU off | "
+             "1 thread, min: estimate's own CPU s | CPU off s | share |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for f in r["fixed"]:
             lines.append(f"| {r['data']} | {r['head']} | {r['n_clusters']} | {f['n_probe']} | {f['keys_read']:.0f} | "
@@ -182,12 +234,16 @@ def write_md(results: list[dict], path: str, command: str) -> None:
                          f"{f['err_on_next8']:.4f} | {f['time_off_s']:.4f} | {f['time_on_s']:.4f} | "
                          f"{100 * f['est_cost_frac']:+.1f} % | {f['cpu_off_s']:.4f} | {f['cpu_on_s']:.4f} | "
                          f"{100 * f['est_cost_frac_cpu']:+.1f} % | {f['cpu_off_1t_s']:.4f} | "
-                         f"{f['cpu_on_1t_s']:.4f} | {100 * f['est_cost_frac_cpu_1t']:+.1f} % |")
+                         f"{f['cpu_on_1t_s']:.4f} | {100 * f['est_cost_frac_cpu_1t']:+.1f} % | "
+                         f"{f['est_split_cpu_s']:.4f} | {100 * f['est_split_share']:.1f} % | "
+                         f"{f['est_split_1t_min_s']:.4f} | {f['cpu_off_1t_min_s']:.4f} | "
+                         f"{100 * f['est_split_share_1t_min']:.1f} % |")
     lines += ["", "## top_p against the fixed budgets reaching the same mean mass / the same share of rows "
               "with mass >= 0.9", "",
               "| data | head | top_p | max_keys | keys/q mean (p10-p90) | mass | rows mass >= 0.9 | err off | err on | "
-              "time s | fixed n_probe | fixed keys/q | fixed mass | fixed n_probe (rows) | keys/q | rows >= 0.9 |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "time s | fixed n_probe | fixed keys/q | fixed mass | fixed n_probe (rows) | keys/q | rows >= 0.9 | "
+              "fixed n_probe (95 % rows >= 0.9) | keys/q |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for t in r["top_p"]:
             fx = t["fixed_same_mass"]
@@ -195,9 +251,22 @@ def write_md(results: list[dict], path: str, command: str) -> None:
             fr = t["fixed_same_rows"]
             fxs += (f" | {fr['n_probe']} | {fr['keys_read']:.0f} | {fr['rows_mass_ge_0.9']:.3f}" if fr
                     else " | - | - | -")
+            f9 = t.get("fixed_95")
+            fxs += f" | {f9['n_probe']} | {f9['keys_read']:.0f}" if f9 else " | - | -"
             lines.append(f"| {r['data']} | {r['head']} | {t['top_p']} | {t['max_keys']} | {t['keys_read_mean']:.0f} "
                          f"({t['keys_read_p10']:.0f}-{t['keys_read_p90']:.0f}) | {t['mass_mean']:.3f} | "
                          f"{t['rows_mass_ge_0.9']:.3f} | {t['err_off']:.4f} | {t['err_on']:.4f} | {t['time_s']:.4f} | {fxs} |")
+    if prof:
+        lines += ["", "## Output error against the mass kept (rows of every head, fixed budget and top_p run, pooled)", "",
+                  "`sparseattn.metrics.mass_error_profile(out, ref, mass_kept)`: rows binned by the true softmax "
+                  "mass of the keys read exactly; median / p90 of the row relative error.", "",
+                  "| data | estimate | mass bin | rows | mean mass | median err | p90 err |", "|---|---|---|---|---|---|---|"]
+        for name, pr in prof.items():
+            data, case = name.split(" estimate ")
+            for b in range(len(pr["rows"])):
+                if pr["rows"][b]:
+                    lines.append(f"| {data} | {case} | [{pr['lo'][b]:.2f}, {pr['hi'][b]:.2f}) | {pr['rows'][b]} | "
+                                 f"{pr['mean_mass'][b]:.3f} | {pr['median_err'][b]:.4f} | {pr['p90_err'][b]:.4f} |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -208,6 +277,7 @@ def main() -> None:
     ap.add_argument("--quality-rows", type=int, default=2048)
     ap.add_argument("--skip-65k", action="store_true")
     ap.add_argument("--heads16k", default="0,1,2,3")
+    ap.add_argument("--top-p-repeats", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "estimate"))
     args = ap.parse_args()
     command = "python benchmarks/bench_estimate.py " + " ".join(
@@ -216,18 +286,21 @@ def main() -> None:
     t = sa.data.load("store", dtype=np.float32)
     for h in [int(x) for x in args.heads16k.split(",")]:
         results.append(run_head("store16k", int(t.meta.get("heads", [0, 1, 2, 3])[h]), t.q[h], t.k[h], t.v[h],
-                                t.scale, [4, 8, 16], args.repeats, args.quality_rows))
+                                t.scale, [4, 8, 16], args.repeats, args.quality_rows, args.top_p_repeats))
     if not args.skip_65k and os.path.exists(os.path.join(TRACE_DIR, "manifest.json")):
         t = sa.data.load("store65k", data_dir=TRACE_DIR, dtype=np.float32)
         heads = t.meta.get("heads", list(range(t.q.shape[0])))
         for h in range(t.q.shape[0]):
             results.append(run_head("store65k", int(heads[h]), t.q[h], t.k[h], t.v[h], t.scale, [4, 8, 16],
-                                    args.repeats, args.quality_rows))
+                                    args.repeats, args.quality_rows, args.top_p_repeats))
     elif not args.skip_65k:
         print(f"store65k not found in {TRACE_DIR}: skipped")
+    prof = profiles(results)
+    for r in results:
+        r.pop("_rows")
     with open(args.out + ".json", "w") as f:
-        json.dump({"command": command, "results": results}, f, indent=1)
-    write_md(results, args.out + ".md", command)
+        json.dump({"command": command, "results": results, "mass_error_profile": prof}, f, indent=1)
+    write_md(results, args.out + ".md", command, prof)
     print(f"wrote {args.out}.json and .md")
 
 

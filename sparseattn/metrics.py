@@ -48,7 +48,7 @@ from .pattern import SparsePattern
 if TYPE_CHECKING:
     from .attention.sparse import SparseAttentionResult
 
-__all__ = ["AccuracyReport", "compare", "mass_recall", "output_relative_error", "topk_recall"]
+__all__ = ["AccuracyReport", "compare", "mass_error_profile", "mass_recall", "output_relative_error", "topk_recall"]
 
 # Pairs (query, key) whose feature vectors are gathered at once when scoring the selected keys:
 # bounds the gather temporaries to about 2**21 float64 values (16 MiB) whatever the row lengths.
@@ -470,6 +470,80 @@ def output_relative_error(approx: object, reference: object, *, per_row: bool = 
     if per_head:
         return _guarded_ratio(np.sqrt(d_sq.sum(axis=1)), np.sqrt(r_sq.sum(axis=1))).reshape(a.shape[:-2])
     return float(_guarded_ratio(np.array([np.sqrt(d_sq.sum())]), np.array([np.sqrt(r_sq.sum())]))[0])
+
+
+def mass_error_profile(approx: object, reference: object, mass_kept: object, *,
+                       bins: object = (0.0, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0)) -> dict[str, np.ndarray]:
+    """Row-level view of output error against the softmax mass kept, to choose a mass budget (``top_p``).
+
+    Rows of every (batch, head) group are pooled, binned by their mass kept, and each bin reports its row
+    count and the median / 90th percentile of the rows' relative output error
+    ``||approx_i - reference_i|| / ||reference_i||`` (as :func:`output_relative_error` with
+    ``per_row=True``).
+
+    Parameters
+    ----------
+    approx, reference : float arrays, shape (..., L, Ev)
+        Approximate and reference (dense) outputs, same shape.
+    mass_kept : float array, shape (..., L)
+        Each row's softmax mass on the keys read exactly, in [0, 1] (e.g. ``exp(lse - lse_dense)`` or
+        :func:`mass_recall` with ``per_row=True``); values within 1e-6 above 1 (rounding) count as 1.
+    bins : increasing sequence of floats in [0, 1], length >= 2, default (0, .5, .8, .9, .95, .99, 1)
+        Bin edges: bin b holds ``edges[b] <= mass < edges[b + 1]``, the last bin also ``mass ==
+        edges[-1]`` (numpy ``histogram`` convention).  Rows outside ``[edges[0], edges[-1]]`` are not
+        counted.
+
+    Returns
+    -------
+    dict of float64 / int64 arrays, one entry per bin (n_bins = len(bins) - 1):
+        ``"lo"``, ``"hi"`` (n_bins,) float64 bin edges; ``"rows"`` (n_bins,) int64 row counts;
+        ``"median_err"``, ``"p90_err"`` (n_bins,) float64 (NaN for an empty bin); ``"mean_mass"``
+        (n_bins,) float64 mean mass of the bin's rows (NaN when empty).
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not match, mass outside [0, 1] or not finite, bad bin edges.
+
+    Examples
+    --------
+    >>> prof = mass_error_profile(np.array([[1.0, 0.0], [0.0, 1.1]]), np.ones((2, 2)) * [[1, 0], [0, 1]],
+    ...                           np.array([0.97, 0.85]), bins=[0.0, 0.9, 1.0])
+    >>> prof["rows"].tolist(), np.round(prof["median_err"], 3).tolist()
+    ([1, 1], [0.1, 0.0])
+    """
+    err = output_relative_error(approx, reference, per_row=True)
+    m = as_float_array(mass_kept, "mass_kept", min_ndim=1, check_finite=False)  # checked below
+    if m.shape != err.shape:
+        raise ValueError(f"mass_kept must have shape {err.shape} (the outputs' shape without the last axis, "
+                         f"one mass per row); got {m.shape}.")
+    m = _f64(m).reshape(-1)
+    if not np.all(np.isfinite(m)) or m.size and (m.min() < 0 or m.max() > 1 + 1e-6):
+        raise ValueError("mass_kept must hold finite values in [0, 1] (the fraction of the softmax mass kept).")
+    m = np.minimum(m, 1.0)
+    try:
+        edges = np.asarray(bins, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"bins must be a sequence of floats; got {bins!r}.") from None
+    if edges.ndim != 1 or edges.size < 2 or not np.all(np.isfinite(edges)) or np.any(np.diff(edges) <= 0) \
+            or edges[0] < 0 or edges[-1] > 1:
+        raise ValueError(f"bins must be >= 2 strictly increasing edges in [0, 1]; got {bins!r}.")
+    e = err.reshape(-1)
+    nb = edges.size - 1
+    idx = np.searchsorted(edges, m, side="right") - 1
+    idx[m == edges[-1]] = nb - 1
+    inside = (idx >= 0) & (idx < nb)
+    out = {"lo": edges[:-1].copy(), "hi": edges[1:].copy(), "rows": np.zeros(nb, dtype=np.int64),
+           "median_err": np.full(nb, np.nan), "p90_err": np.full(nb, np.nan), "mean_mass": np.full(nb, np.nan)}
+    for b in range(nb):
+        sel = inside & (idx == b)
+        n = int(sel.sum())
+        out["rows"][b] = n
+        if n:
+            out["median_err"][b] = float(np.median(e[sel]))
+            out["p90_err"][b] = float(np.percentile(e[sel], 90))
+            out["mean_mass"][b] = float(m[sel].mean())
+    return out
 
 
 def _guarded_ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:

@@ -17,6 +17,7 @@ from sparseattn import get_selector
 from sparseattn.attention.routed import mass_routes, routed_attention
 from sparseattn.index import ClusterIndex
 from sparseattn.kernels import cluster as ck
+from sparseattn.kernels import estimate as ek
 
 
 def _clustered(seed: int = 3, S: int = 1500, L: int = 200, E: int = 12, Ev: int = 6, n_cent: int = 24,
@@ -261,11 +262,121 @@ def test_block_query_with_top_p_is_the_attended_key_set(is_causal):
     live = mask.any(axis=1)
     ref, _ = dense64(q[live], k, v, 1 / np.sqrt(12), mask[live])
     np.testing.assert_allclose(out[live], ref, atol=1e-10)
+    # one mass rule: the pattern's routes are the clusters routed_attention reads
     route, keys = mass_routes(sel.index_, q, top_p=0.7, max_keys=600, is_causal=is_causal, query_positions=qpos)
-    np.testing.assert_array_equal(keys, sel.last_keys_read_)
+    st_: dict = {}
+    routed_attention(sel.index_, q, v, top_p=0.7, max_keys=600, is_causal=is_causal, query_positions=qpos,
+                     exact_prefix=False, stats=st_)
+    np.testing.assert_array_equal(keys, st_["keys_read"])
     sizes = np.diff(sel.index_.cluster_ptr_)
     for i in range(120):
         r = route[i][route[i] >= 0]
         assert len(set(r.tolist())) == r.size
         if not is_causal:
             assert sizes[r].sum() == keys[i]
+
+
+def _anisotropic(seed: int = 5, S: int = 3000, L: int = 300, E: int = 16, n_cent: int = 30):
+    """Gaussian clusters with a random orientation and a decaying spectrum each (float64)."""
+    rng = np.random.default_rng(seed)
+    cent = rng.standard_normal((n_cent, E)) * 1.5
+    lab = rng.integers(0, n_cent, S)
+    k = np.empty((S, E))
+    for c in range(n_cent):
+        rot = np.linalg.qr(rng.standard_normal((E, E)))[0]
+        sd = 1.2 * 0.6 ** np.arange(E)  # one wide direction, then fast decay
+        m = lab == c
+        k[m] = cent[c] + (rng.standard_normal((m.sum(), E)) * sd) @ rot.T
+    q = cent[rng.integers(0, n_cent, L)] + 0.5 * rng.standard_normal((L, E))
+    v = rng.standard_normal((S, 4))
+    return q, k, v
+
+
+def test_key_cov_factors_reconstruct_the_covariance():
+    """rank = E: the factors give each cluster's covariance exactly; rank r: its top r eigenpairs plus the
+    mean of the other eigenvalues on the identity (same trace)."""
+    _, k, _ = _anisotropic(S=800)
+    index = ClusterIndex(n_clusters=6, n_probe=2).build(k)
+    E = k.shape[1]
+    kc = k - index.mean_
+    for rank in (E, 3):
+        W, rho = index.key_cov_factors(rank)
+        assert W.shape == (6 * rank, E) and rho.shape == (6,)
+        for c in range(6):
+            cov = np.cov(kc[index.assignment_ == c].T, bias=True)
+            approx = W[c * rank:(c + 1) * rank].T @ W[c * rank:(c + 1) * rank] + rho[c] * np.eye(E)
+            lam, vec = np.linalg.eigh(cov)
+            if rank == E:
+                np.testing.assert_allclose(approx, cov, atol=1e-10)
+            else:
+                top = vec[:, -rank:]
+                np.testing.assert_allclose(top.T @ approx @ top, np.diag(lam[-rank:]), atol=1e-10)
+                np.testing.assert_allclose(np.trace(approx), np.trace(cov), rtol=1e-10)
+    with pytest.raises(ValueError, match="rank must be an int >= 1"):
+        index.key_cov_factors(0)
+
+
+def test_mass_route_stop_rule_hand_worked():
+    """Masses 4, 3, 2, 1 (total 10): a row stops once routed >= top_p * (routed + margin * unrouted).
+    top_p = 0.7: after 4 + 3, 7 >= 0.7 * (7 + 3) with margin 1 (2 clusters) but 7 < 0.7 * (7 + 1.1 * 3)
+    = 7.21 with margin 1.1 (3 clusters)."""
+    A = np.log(np.array([[4.0, 3.0, 2.0, 1.0]], dtype=np.float32))
+    cand = np.array([[0, 1, 2, 3]], dtype=np.int32)
+    sizes = np.full((1, 4), 10, dtype=np.int64)
+    for margin, n_expected in ((1.0, 2), (1.1, 3)):
+        route = np.empty((1, 4), dtype=np.int32)
+        n_route = np.empty(1, dtype=np.int64)
+        keys = np.empty(1, dtype=np.int64)
+        est = np.empty((1, 1), dtype=np.int32)
+        ek.mass_route(A, cand, sizes, 0.7, margin, 0, 1000, 1, 4, route, n_route, keys, est)
+        assert n_route[0] == n_expected and keys[0] == 10 * n_expected
+        np.testing.assert_array_equal(route[0, :n_expected], np.arange(n_expected))
+        assert est[0, 0] == n_expected  # the next candidate is the estimated one
+
+
+@pytest.mark.parametrize("top_p", [0.8, 0.9])
+def test_top_p_rows_keep_the_mass_they_claim(top_p):
+    """Calibration: with top_p = p, >= 95 % of rows keep >= p of the true (float64 dense) softmax mass
+    on their routed keys, while reading fewer keys than all of them."""
+    q, k, v = _anisotropic()
+    S = k.shape[0]
+    index = ClusterIndex(n_clusters=30, n_probe=3).build(k)
+    for scale in (0.25, 0.5):
+        _, lse_dense = dense64(q, k, v, scale)
+        s: dict = {}
+        _, lse = routed_attention(index, q, v, scale=scale, top_p=top_p, max_keys=S, stats=s)
+        mass = np.exp(lse - lse_dense)
+        assert np.mean(mass >= top_p - 1e-12) >= 0.95, (scale, np.mean(mass >= top_p), np.percentile(mass, 5))
+        assert s["keys_read"].mean() < 0.9 * S
+        route, keys = mass_routes(index, q, top_p=top_p, max_keys=S, scale=scale)
+        np.testing.assert_array_equal(keys, s["keys_read"])
+
+
+def test_estimate_all_rest_matches_its_formula():
+    """estimate=-1 at a fixed n_probe against the documented estimate, brute force in float64: exact sums
+    over the routed keys plus, per unrouted cluster, ``n_c exp(s q.mu_c + s^2 |q|^2 sigma_c^2 / 2)`` times
+    ``vbar_c + s sigma_c^2 B q`` (B: pooled within-cluster regression of values on keys).  The kernels
+    use float32 weights: tolerance 1e-4 relative."""
+    q, k, v = _clustered(S=900, L=60, dtype=np.float64)
+    s = 0.45
+    index = ClusterIndex(n_clusters=10, n_probe=3).build(k)
+    out, _ = routed_attention(index, q, v, scale=s, estimate=-1)
+    kc = k - index.mean_
+    lab = index.assignment_
+    C, S = 10, k.shape[0]
+    n = np.array([np.sum(lab == c) for c in range(C)])
+    mu = np.array([kc[lab == c].mean(0) for c in range(C)])
+    vbar = np.array([v[lab == c].mean(0) for c in range(C)])
+    sig2 = np.array([kc[lab == c].var(0).mean() for c in range(C)])
+    X = sum((v[lab == c] - vbar[c]).T @ (kc[lab == c] - mu[c]) for c in range(C))
+    B = X / (S * np.sum(n * sig2) / S)
+    ids, _ = index.route(q)
+    for i in range(q.shape[0]):
+        routed = np.isin(lab, ids[i])
+        w = np.exp(s * kc[routed] @ q[i])
+        num, den = w @ v[routed], w.sum()
+        for c in set(range(C)) - set(ids[i].tolist()):
+            wc = n[c] * np.exp(s * q[i] @ mu[c] + 0.5 * s * s * (q[i] @ q[i]) * sig2[c])
+            num = num + wc * (vbar[c] + s * sig2[c] * B @ q[i])
+            den += wc
+        np.testing.assert_allclose(out[i], num / den, rtol=1e-4, atol=1e-6 * np.abs(num / den).max())

@@ -686,3 +686,46 @@ def test_block_mode_result_is_refused_with_the_way_to_score_it(rng):
         np.testing.assert_allclose(res.output[h], dense["o_sparse"], rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(rep.rel_error, own.rel_error, rtol=1e-8, atol=1e-12)
     assert (rep.n_selected > 16).all()  # block mode reads whole clusters, more than k keys per query
+
+
+def test_mass_error_profile_hand_worked():
+    """Reference rows (1, 0): a row's relative error is its distance to (1, 0).  Errors 0, .1, .2, .3, .4 at
+    masses .99, .95, .92, .6, .3; bins [0, .5), [.5, .9), [.9, 1]: 1, 1 and 3 rows; the last bin's
+    median is .1 and its p90 (linear interpolation between .1 and .2 at 0.8) .18."""
+    from sparseattn.metrics import mass_error_profile
+
+    ref = np.tile([1.0, 0.0], (5, 1))
+    approx = np.array([[1.0, 0.0], [1.1, 0.0], [1.0, 0.2], [0.7, 0.0], [1.0, 0.4]])
+    mass = np.array([0.99, 0.95, 0.92, 0.6, 0.3])
+    prof = mass_error_profile(approx, ref, mass, bins=[0.0, 0.5, 0.9, 1.0])
+    np.testing.assert_array_equal(prof["rows"], [1, 1, 3])
+    assert prof["rows"].dtype == np.int64
+    np.testing.assert_allclose(prof["median_err"], [0.4, 0.3, 0.1], atol=1e-12)
+    np.testing.assert_allclose(prof["p90_err"], [0.4, 0.3, 0.18], atol=1e-12)
+    np.testing.assert_allclose(prof["mean_mass"], [0.3, 0.6, (0.99 + 0.95 + 0.92) / 3], atol=1e-12)
+    np.testing.assert_array_equal(prof["lo"], [0.0, 0.5, 0.9])
+    np.testing.assert_array_equal(prof["hi"], [0.5, 0.9, 1.0])
+    # (batch, head) leading dims pool every row; mass exactly 1 falls in the last bin; empty bins are NaN
+    approx2 = np.stack([approx[:3], approx[:3]])[None]  # (1, 2, 3, 2)
+    ref2 = np.stack([ref[:3], ref[:3]])[None]
+    m2 = np.array([[[1.0, 0.95, 0.95], [1.0, 0.95, 0.95]]])
+    prof2 = mass_error_profile(approx2, ref2, m2, bins=[0.0, 0.5, 1.0])
+    np.testing.assert_array_equal(prof2["rows"], [0, 6])
+    assert np.isnan(prof2["median_err"][0]) and np.isnan(prof2["p90_err"][0])
+    np.testing.assert_allclose(prof2["median_err"][1], 0.1, atol=1e-12)
+
+
+def test_mass_error_profile_argument_errors():
+    from sparseattn.metrics import mass_error_profile
+
+    o = np.ones((4, 2))
+    with pytest.raises(ValueError, match=r"mass_kept must have shape \(4,\)"):
+        mass_error_profile(o, o, np.ones(3))
+    with pytest.raises(ValueError, match=r"mass_kept must hold finite values in \[0, 1\]"):
+        mass_error_profile(o, o, np.array([0.5, 1.2, 0.1, 0.2]))
+    with pytest.raises(ValueError, match=r"mass_kept must hold finite values in \[0, 1\]"):
+        mass_error_profile(o, o, np.array([0.5, np.nan, 0.1, 0.2]))
+    with pytest.raises(ValueError, match="bins must be >= 2 strictly increasing edges"):
+        mass_error_profile(o, o, np.full(4, 0.5), bins=[0.0, 0.9, 0.5])
+    with pytest.raises(ValueError, match="bins must be >= 2 strictly increasing edges"):
+        mass_error_profile(o, o, np.full(4, 0.5), bins=[0.5])

@@ -31,6 +31,9 @@ with BLAS pinned to one thread each (:func:`sparseattn.threads.worker_threads`);
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 
 from ..index.cluster import ClusterIndex, cluster_jobs
@@ -59,6 +62,13 @@ _TILE = 1 << 18
 # (small clusters would otherwise get tiles of up to _TILE rows, and the P V scratch with them).
 _MIN_ROWS = 64
 _MAX_ROWS = 4096
+# top_p: rank of the low-rank part of each cluster's key covariance in the log masses (the rest of the
+# spectrum is counted isotropically; ClusterIndex.key_cov_factors), and the factor the estimated mass left
+# unrouted is counted with when deciding to stop (measured on the MiniLM stores, benchmarks/
+# results/estimate.md: with rank 8 and 1.1, top_p = 0.9 leaves >= 0.9 of the true mass in 97-100 % of the
+# rows of every head; isotropic spread and 1.0 left it in 10-88 %).
+_COV_RANK = 8
+_REST_MARGIN = 1.1
 # Rows planned at once by the estimate / top_p path (routing scores, log masses, estimate weights: a few
 # (rows x C) temporaries that then fit in the L2 cache).
 _PLAN_ROWS = 1024
@@ -111,16 +121,26 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
         When given, ``stats["refined_pairs"]`` is set to the number of (query, cluster) pairs recomputed
         with a tighter shift (diagnostics), and ``stats["keys_read"]`` to an (L,) int64 array: the keys
         each query attended to exactly (causal: its visible keys in the routed clusters; an exact-prefix
-        row: every key it sees).
+        row: every key it sees).  With ``estimate`` on, ``stats["estimate_cpu_s"]``: CPU seconds (summed
+        over the threads) of the estimate's own work: the per-call value statistics and, per row, the
+        estimated clusters' weights and value sums (not the routing, shared with the plain path, nor
+        the merge of the one extra partial); causal rows are not timed (0).
     estimate : int, default 0
         Estimation zone (see "Estimation" below).  0: off (unread clusters count as zero, the plain
         routed attention).  N > 0: the next N clusters after the routed ones (in routing order: ``q.c``,
         or estimated mass with ``top_p``) are estimated.  -1: every cluster not routed is estimated.
     top_p : float in (0, 1], optional
         Mass-driven budget instead of ``n_probe``: each query routes clusters in order of estimated mass
-        until the routed estimated mass reaches ``top_p`` of its total estimated mass, with at least
-        ``min_keys`` keys when available and never more than ``max_keys``.  ``top_p = 1``: every cluster
-        with a visible key (within ``max_keys``).
+        until the routed estimated mass m_in reaches ``top_p`` of ``m_in + 1.1 m_out`` (m_out: the
+        estimated mass left unrouted, counted 10 % larger as a margin for its estimation error), with at
+        least ``min_keys`` keys when available and never more than ``max_keys``.  ``top_p = 1``: every
+        cluster with a visible key (within ``max_keys``).  Non-causal log masses are second order with
+        each cluster's key covariance (its top 8 eigen-directions plus an isotropic rest:
+        :meth:`~sparseattn.index.cluster.ClusterIndex.key_cov_factors`), so that a row keeps about
+        ``top_p`` of the true softmax mass or more: measured on the MiniLM stores (16k and 65k keys, every
+        head), top_p = 0.9 left >= 0.9 of the true mass in 97-100 % of the rows
+        (``benchmarks/results/estimate.md``).  This is a measured calibration, not a bound.  Causal
+        rows use first-order log masses of their visible keys.
     min_keys : int, default 0
         ``top_p`` only: floor of keys read per query (the walk continues past ``top_p`` until reached).
     max_keys : int, optional
@@ -175,6 +195,7 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
     lse = np.full(L, -np.inf, dtype=dtype)
     keys_read = np.zeros(L, dtype=np.int64)
     refined = [0]
+    est_cpu = [0.0]  # CPU seconds of the estimate's own work (summed over threads)
     if L == 0:
         if stats is not None:
             stats["refined_pairs"] = 0
@@ -192,7 +213,8 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
                 return _attend_routed(index, qs, v_in, sc, is_causal, qp, kpos, n, refined, want_keys)
         else:
             def attend_rows(qs, qp):
-                return _attend_estimated(index, qs, v_in, sc, is_causal, qp, kpos, n, refined, *budget)
+                return _attend_estimated(index, qs, v_in, sc, is_causal, qp, kpos, n, refined, *budget,
+                                         est_cpu=est_cpu)
         if prefix.size:
             # The exact-prefix rows are computed exactly below: the routed pass skips them.
             sub = np.delete(np.arange(L), prefix)
@@ -207,6 +229,8 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
     if stats is not None:
         stats["refined_pairs"] = refined[0]
         stats["keys_read"] = keys_read
+        if budget is not None and budget[0] != 0:
+            stats["estimate_cpu_s"] = est_cpu[0]
     # Finite inputs whose q.k overflows the dtype leave +inf (or inf - inf = NaN) in lse: an error, as in
     # sparse_attention, never a silent garbage row.  NaN from NaN inputs (check_finite=False) passes.
     check_lse(lse, dtype, sc, nan_is_overflow=check_finite)
@@ -490,6 +514,17 @@ class _Planner:
             sq = np.einsum("ij,ij->i", self.Kp, self.Kp, dtype=np.float64)[:, None]
             self.Gk2 = ek.cluster_prefix(sq, self.kptr, self.order)[:, 0].copy()
         self.p = index.n_probe_
+        # Non-causal top_p: log masses with the low-rank-plus-isotropic covariance of each cluster
+        # (log_mass_rows_cov), its factors multiplied in the same GEMM as the routing vectors (and the
+        # means when routing by centroid): one (rows x C (2 + r)) product per row chunk.
+        self.cov = top_p is not None and not is_causal
+        self.fused = top_p is None and not is_causal and self.all_rest  # estimate_weights_stats
+        if self.cov:
+            W, self.rho = index.key_cov_factors(_COV_RANK)
+            parts = [index.centroids_] + ([] if self.mu_d is None else [self.mu]) + [W]
+            self.G = np.ascontiguousarray(np.concatenate(parts).astype(dtype))
+        if self.fused:
+            self.logn32 = self.logn.astype(np.float32)
         if top_p is None:
             self.P = self.p
             self.n_cand = min(C, self.p + self.N)
@@ -503,21 +538,38 @@ class _Planner:
             self.n_cand = min(C, self.P + self.N)
 
     def plan(self, qc: np.ndarray, qpc: np.ndarray, route: np.ndarray, rscore: np.ndarray, est: np.ndarray,
-             kr: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+             kr: np.ndarray, q_norm: np.ndarray | None = None
+             ) -> tuple[np.ndarray, np.ndarray | None, int, np.ndarray | None, np.ndarray | None]:
         """Plan rows qc (R, E) at positions qpc: fills route (R, P) int32 (padding: C), rscore (R, P) their
-        ``q . c``, est (R, N) and kr (R,) keys read; returns (routing scores (R, C), log masses (R, C)
-        float32 (not computed, causal without top_p), most clusters a row routed)."""
+        ``q . c``, est (R, N) and kr (R,) keys read (q_norm: the rows' norms (R,) float64 when known);
+        returns (routing scores (R, C), log masses (R, C)
+        float32 (not computed: causal without top_p; None: ``fused``), most clusters a row routed,
+        and for ``fused`` the inputs of :func:`~sparseattn.kernels.estimate.estimate_weights_stats`:
+        q.mu_c (R, C) and ``scale^2 |q|^2 / 2`` (R,), else None, None)."""
         C, sc, is_causal, top_p = self.C, self.sc, self.is_causal, self.top_p
         R = qc.shape[0]
-        sc_c = qc @ self.cent.T
-        A = np.empty((R, C), dtype=np.float32)  # log masses: an estimate, float32 is ample
+        qmu = q2 = A = None
+        if self.cov:
+            X = qc @ self.G.T
+            sc_c = np.ascontiguousarray(X[:, :C])
+            off = C if self.mu_d is None else 2 * C
+            qmu = sc_c if self.mu_d is None else X[:, C:off]
+        else:
+            sc_c = qc @ self.cent.T
+        if not is_causal:
+            if qmu is None:
+                qmu = sc_c if self.mu_d is None else qc @ self.mu_d.T
+            qq = np.einsum("ij,ij->i", qc, qc, dtype=np.float64) if q_norm is None else q_norm * q_norm
+            q2 = 0.5 * sc * sc * qq
+        if not self.fused:
+            A = np.empty((R, C), dtype=np.float32)  # log masses: an estimate, float32 is ample
         nvis = None
         if is_causal and top_p is not None:
             nvis = np.empty((R, C), dtype=np.int64)
             ek.log_mass_causal(qc, qpc, self.kptr, self.kpos_cs, self.Gk, self.Gk2, sc, self.spread, A, nvis)
-        elif not is_causal:
-            qmu = sc_c if self.mu_d is None else qc @ self.mu_d.T
-            q2 = 0.5 * sc * sc * np.einsum("ij,ij->i", qc, qc, dtype=np.float64)
+        elif self.cov:
+            ek.log_mass_rows_cov(qmu, X[:, off:], q2, self.logn, self.rho, sc, A)
+        elif not is_causal and not self.fused:
             ek.log_mass_rows(qmu, q2, self.logn, self.sig2, sc, self.spread, A)
         if top_p is None:
             ids, scs = ck.row_top_p_serial(sc_c, self.n_cand)
@@ -526,7 +578,9 @@ class _Planner:
             rscore[:] = scs[:, :p]
             est[:] = ids[:, p:p + self.N]
             ek.routed_visible(route, qpc, self.kptr, self.kpos_cs if is_causal else self.no_pos, is_causal, kr)
-            return sc_c, A, p
+            if self.fused:
+                return sc_c, None, p, qmu, q2
+            return sc_c, A, p, None, None
         if is_causal:
             cand = np.empty((R, C), dtype=np.int32)
             ek.rows_sorted_desc(A, cand)
@@ -534,10 +588,11 @@ class _Planner:
             cand = ck.row_top_p_serial(A, self.n_cand)[0]
         sizes = nvis if is_causal else np.broadcast_to(self.count, (R, C))
         n_route = np.empty(R, dtype=np.int64)
-        ek.mass_route(A, cand, sizes, top_p, self.min_keys, self.max_keys, self.N, C, route, n_route, kr, est)
+        ek.mass_route(A, cand, sizes, top_p, _REST_MARGIN, self.min_keys, self.max_keys, self.N, C, route, n_route,
+                      kr, est)
         live = route < C
         rscore[:] = np.where(live, np.take_along_axis(sc_c, np.where(live, route, 0), 1), 0)
-        return sc_c, A, int(n_route.max()) if R else 0
+        return sc_c, A, int(n_route.max()) if R else 0, None, None
 
 
 def mass_routes(index: ClusterIndex, queries: np.ndarray, *, top_p: float, min_keys: int = 0,
@@ -576,7 +631,7 @@ def mass_routes(index: ClusterIndex, queries: np.ndarray, *, top_p: float, min_k
 
 
 def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refined, n_est, top_p, min_keys,
-                      max_keys) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                      max_keys, est_cpu=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Routed attention plus the estimate of unread clusters and / or the mass-driven budget (inside
     ``worker_threads``).  Returns (out, lse, keys read per row).
 
@@ -615,8 +670,9 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
         kmin[nonempty] = np.minimum.reduceat(kpos_p, kptr[:-1][nonempty])
         kmax[nonempty] = np.maximum.reduceat(kpos_p, kptr[:-1][nonempty])
         kpos_sorted = bool(np.all(kpos[1:] >= kpos[:-1]))
-        vbar = vbar32 = B = None
+        vbar = vbar32 = B_T = None
     else:
+        t_stats = time.thread_time()
         kpos_p = kmin = kmax = None
         kpos_sorted = False
         count = index.count_
@@ -629,6 +685,11 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
         xcov = (Vp.T @ Kp).astype(np.float64) - vsum.T @ (index.key_sum_ / safe)
         var_pool = float(np.sum(count * sig2)) / max(S, 1)
         B = (xcov / (S * var_pool)).astype(dtype) if var_pool > 0 else np.zeros((Ev, E), dtype=dtype)
+        B_T = np.ascontiguousarray(B.T)
+        B_T32 = B_T.astype(np.float32)
+        if est_cpu is not None:
+            est_cpu[0] += time.thread_time() - t_stats
+    lock = threading.Lock()
     block = min(L, max(1, _BLOCK_BUDGET // ((P + 1) * (E + Ev + 2) + 3 * C)))
     bufs, scratch = _buffers(block * P + block, E, Ev, kptr, n_threads, dtype)
     for q0 in range(0, L, block):
@@ -639,35 +700,55 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
         route = np.empty((R, P), dtype=np.int32)
         rscore = np.zeros((R, P), dtype=dtype)
         est = np.full((R, N), -1, dtype=np.int32)
-        o_e = np.empty((R, Ev), dtype=np.float64)
+        o_e = np.empty((R, Ev), dtype=dtype)
         s_e = np.empty(R, dtype=np.float64)
         m_e = np.empty(R, dtype=np.float64)
         ws2 = np.empty(R, dtype=np.float64)
         kr = keys_read[q0:q1]
+        qnb = q_norm[q0:q1]
         n_used = np.zeros(R, dtype=np.int64)  # most clusters a row of a chunk routed (at its first row)
 
-        def work(a0: int, b0: int, qb=qb, qpb=qpb, route=route, rscore=rscore, est=est, o_e=o_e, s_e=s_e,
-                 m_e=m_e, ws2=ws2, kr=kr, n_used=n_used) -> None:
+        def work(a0: int, b0: int, qb=qb, qpb=qpb, qnb=qnb, route=route, rscore=rscore, est=est, o_e=o_e,
+                 s_e=s_e, m_e=m_e, ws2=ws2, kr=kr, n_used=n_used) -> None:
             # sub-chunks of _PLAN_ROWS rows: the (rows x C) temporaries stay small and cache-resident
             # instead of fresh multi-MB arrays (page faults on first touch) per chunk
+            wbuf = (np.empty((min(_PLAN_ROWS, b0 - a0), C), dtype=np.float32) if all_rest and not is_causal
+                    else None)
             for a in range(a0, b0, _PLAN_ROWS):
                 b = min(b0, a + _PLAN_ROWS)
-                n_used[a0] = max(n_used[a0], sub(a, b, qb, qpb, route, rscore, est, o_e, s_e, m_e, ws2, kr))
+                n_used[a0] = max(n_used[a0], sub(a, b, qb, qpb, qnb, route, rscore, est, o_e, s_e, m_e, ws2, kr,
+                                                 wbuf))
 
-        def sub(a, b, qb, qpb, route, rscore, est, o_e, s_e, m_e, ws2, kr) -> int:
+        def sub(a, b, qb, qpb, qnb, route, rscore, est, o_e, s_e, m_e, ws2, kr, wbuf) -> int:
             qc = qb[a:b]
-            _, A, used = plan.plan(qc, qpb[a:b], route[a:b], rscore[a:b], est[a:b], kr[a:b])
+            _, A, used, qmu, q2 = plan.plan(qc, qpb[a:b], route[a:b], rscore[a:b], est[a:b], kr[a:b],
+                                            qnb[a:b])
+            t0 = time.thread_time()
             if is_causal:
                 ek.estimate_rows_causal(qc, qpb[a:b], route[a:b], est[a:b], all_rest, kptr, plan.kpos_cs, plan.Gk,
                                         plan.Gk2, Gv, sc, plan.spread, o_e[a:b], s_e[a:b], m_e[a:b], ws2[a:b])
             elif all_rest:  # every unread cluster: float32 weights, then one BLAS product with the means
-                W = np.empty((b - a, C), dtype=np.float32)
-                ek.estimate_weights(A, route[a:b], plan.sig2_32, W, s_e[a:b], m_e[a:b], ws2[a:b])
-                o_e[a:b] = W @ vbar32 + (sc * ws2[a:b])[:, None] * (qc @ B.T)
+                W = wbuf[:b - a]
+                if A is None:
+                    ek.estimate_weights_stats(qmu, q2, plan.logn32, plan.sig2_32, sc, route[a:b], W, s_e[a:b],
+                                              m_e[a:b], ws2[a:b])
+                else:
+                    ek.estimate_weights(A, route[a:b], plan.sig2_32, W, s_e[a:b], m_e[a:b], ws2[a:b])
+                oe = o_e[a:b]
+                reg = qc @ (B_T32 if qc.dtype == np.float32 else B_T)  # the regression term, s ws2 B q
+                reg *= (sc * ws2[a:b]).astype(reg.dtype)[:, None]
+                if oe.dtype == np.float32:
+                    np.matmul(W, vbar32, out=oe)
+                else:
+                    oe[:] = W @ vbar32
+                oe += reg
             else:
                 ek.estimate_rows(A, route[a:b], est[a:b], all_rest, vbar, sig2, o_e[a:b], s_e[a:b], m_e[a:b],
                                  ws2[a:b])
-                o_e[a:b] += (sc * ws2[a:b])[:, None] * (qc @ B.T)
+                o_e[a:b] += (sc * ws2[a:b]).astype(o_e.dtype)[:, None] * (qc @ B_T)
+            if est_cpu is not None and (N != 0 or all_rest):
+                with lock:
+                    est_cpu[0] += time.thread_time() - t0
             return used
 
         index._row_chunks(R, work, n_threads)

@@ -434,6 +434,45 @@ class ClusterIndex:
         self._key_stats = (logn, mu, var)
         return self._key_stats
 
+    def key_cov_factors(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """Low-rank-plus-isotropic factors of each cluster's key covariance, for the mass-driven budget.
+
+        With ``Sigma_c`` the covariance of cluster c's stored keys (``keys_perm_``) and ``lam_1 >= ... >=
+        lam_E`` its eigenvalues (eigenvectors ``u_k``), returns ``W`` (C * r, E) float64, rows
+        ``c * r + k = sqrt(lam_k - rho_c) u_k`` (k < r = min(rank, E)), and ``rho`` (C,) float64, the mean
+        of the other eigenvalues, so that ``q^T Sigma_c q ~= sum_k (W[c r + k] . q)^2 + rho_c |q|^2``
+        (exact when r = E).  Computed from the key store once per rank and cached (``update_stats`` does
+        not change it: it reads the stored keys, not the additive sums).  Empty or one-key clusters: zeros.
+        """
+        self._check_built()
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
+            raise ValueError(f"rank must be an int >= 1; got {rank!r}.")
+        cache = self.__dict__.setdefault("_cov_factors", {})
+        E = self.keys_perm_.shape[1]
+        r = int(min(rank, E))
+        if r in cache:
+            return cache[r]
+        kp = self.keys_perm_
+        kptr = self.cluster_ptr_
+        C = kptr.shape[0] - 1
+        cov = np.zeros((C, E, E), dtype=np.float64)
+        for c in range(C):
+            a, b = int(kptr[c]), int(kptr[c + 1])
+            if b - a > 1:
+                x = kp[a:b].astype(np.float64)
+                x -= x.mean(axis=0)
+                cov[c] = x.T @ x / (b - a)
+        lam, vec = np.linalg.eigh(cov)  # ascending
+        lam = np.maximum(lam, 0.0)
+        top, rest = lam[:, E - r:], lam[:, :E - r]
+        rho = rest.mean(axis=1) if r < E else np.zeros(C)
+        W = vec[:, :, E - r:] * np.sqrt(np.maximum(top - rho[:, None], 0.0))[:, None, :]  # (C, E, r)
+        W = np.ascontiguousarray(W.transpose(0, 2, 1).reshape(C * r, E))
+        for arr in (W, rho):
+            arr.flags.writeable = False
+        cache[r] = (W, rho)
+        return cache[r]
+
     # ---------------------------------------------------------------------------------------- helpers
     def keys_as(self, dtype: np.dtype) -> np.ndarray:
         """The centred keys in cluster order, (S, E) in ``dtype`` (cast once, then cached)."""
