@@ -329,7 +329,9 @@ def test_loose_shift_bound_is_refined_exactly(rng, dtype, scale, atol, is_causal
     q = (rng.standard_normal((L, 16)) * 2).astype(dtype)
     v = rng.standard_normal((S, 3)).astype(dtype)
     # exact_prefix off: every causal row goes through the routed (refined) path being tested
-    sel = ClusterSelector(n_clusters=6, n_probe=2, mode="block", exact_prefix=False).build(k)
+    sel = ClusterSelector(n_clusters=6, n_probe=2, mode="block", exact_prefix=False)
+    sel.causal_block = 64  # causal: segments of 256 keys hold 3 clusters, so rows are routed there
+    sel.build(k)
     out, lse = sel.attend(q, v, scale=scale, is_causal=is_causal)
     assert sel.last_refined_pairs_ > 0
     mask = segment_oracle_mask(sel, q) if is_causal else oracle_mask(sel, q, k)

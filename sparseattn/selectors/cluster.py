@@ -221,9 +221,11 @@ class ClusterSelector(Selector):
         Keys each query of the last ``attend`` read exactly (see ``stats["keys_read"]`` of
         :func:`~sparseattn.attention.routed.routed_attention`).
     index_ : ClusterIndex
-        The built index; every attribute above except ``last_refined_pairs_`` and ``last_keys_read_`` is
-        read from it
+        The index over all keys, built on first use (a selector used only causally never builds it);
+        every attribute above except ``last_refined_pairs_`` and ``last_keys_read_`` is read from it
         (``kmeans_centroids_``, ``coarse_centroids_``, ``parent_``, ``keys_perm_`` too).
+    segments(key_positions) : SegmentedClusterIndex
+        The strictly causal index causal queries use (see "Causal" above).
 
     Examples
     --------
@@ -238,8 +240,8 @@ class ClusterSelector(Selector):
 
     name = "cluster"
     metric = "inner_product"
-    #: Smallest causal segment (and bound of the exact tail); None: about half an average query's routed
-    #: keys (see :class:`~sparseattn.index.segments.SegmentedClusterIndex`).
+    #: Smallest causal segment (and bound of the exact tail); None: about an average query's routed keys
+    #: (see :class:`~sparseattn.index.segments.SegmentedClusterIndex`).
     causal_block: ClassVar[int | None] = None
     requires = ("faiss", "install faiss-cpu")
     guarantee = ("k-means clusters of the (centred) keys, each query routed to its n_probe clusters of "
