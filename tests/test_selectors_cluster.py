@@ -727,3 +727,33 @@ def test_selector_is_a_thin_adapter_over_index_and_routed_attention(rng):
         np.testing.assert_array_equal(a[1], b[1])
     topk = ClusterSelector(n_clusters=9, n_probe=3, split=1.0).build(k)
     assert topk.query(q, 12) == index.search(q, 12)
+
+
+@pytest.mark.parametrize("mode", ["block", "topk"])
+def test_strict_causal_off_routes_over_the_global_index(rng, mode):
+    # strict_causal=False: one index over all keys, routing masked to the visible keys; with exact_prefix
+    # (block mode) a row seeing at most n_probe*S/C = 250 keys attends to all of them.
+    S = L = 1000
+    q, k, v = clustered(rng, S, L)
+    sel = ClusterSelector(n_clusters=16, n_probe=4, mode=mode, strict_causal=False).build(k)
+    visible = causal_mask(L, S)
+    mask = oracle_mask(sel, q, k) & visible
+    if mode == "block":
+        few = visible.sum(axis=1) <= 250
+        mask[few] = visible[few]
+        out, lse = sel.attend(q, v, is_causal=True)
+        ref, ref_lse = masked_attention(q, k, v, mask, 0.25)
+        np.testing.assert_allclose(out, ref, atol=1e-5)
+        np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
+        np.testing.assert_array_equal(sel.query(q, 8, is_causal=True).to_mask(), mask)
+        assert sel.last_keys_read_.mean() < segment_oracle_mask(
+            ClusterSelector(n_clusters=16, n_probe=4, mode=mode).build(k), q).sum(axis=1).mean()
+    else:
+        few = visible.sum(axis=1) <= 8  # Selector.query's rule: at most k allowed keys -> all of them
+        mask[few] = visible[few]
+        got = sel.query(q, 8, is_causal=True).to_mask()
+        assert not (got & ~mask).any()
+        s = np.where(mask, q.astype(np.float64) @ k.astype(np.float64).T, -np.inf)
+        for i in range(0, L, 50):
+            want = np.sort(s[i])[::-1][:min(8, int(mask[i].sum()))]
+            np.testing.assert_allclose(np.sort(s[i, got[i]])[::-1][:want.size], want, rtol=1e-5, atol=1e-4)

@@ -176,12 +176,7 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
     if not index.is_built:
         raise RuntimeError("ClusterIndex is not built: call build(keys) first.")
     S, E = index.keys_.shape
-    q_in = as_float_array(queries, "queries", min_ndim=2, check_finite=check_finite)
-    v_in = as_float_array(values, "values", min_ndim=2, check_finite=check_finite)
-    if q_in.ndim != 2 or q_in.shape[1] != E:
-        raise ValueError(f"queries must have shape (L, E={E}); got {q_in.shape}.")
-    if v_in.ndim != 2 or v_in.shape[0] != S:
-        raise ValueError(f"values must have shape (S={S}, Ev), one row per key; got {v_in.shape}.")
+    q_in, v_in = queries_values(queries, values, S, E, check_finite)
     is_causal = check_bool(is_causal, "is_causal")
     sc = check_scale(scale, E)
     dtype = result_dtype(q_in, index.keys_, v_in)
@@ -444,6 +439,19 @@ def _attend_block(index, q, q_norm, q0, q1, route, route_scores, Kp, Vp, scale, 
         slot, p = slot2.reshape(-1), p + 1
     merge_partials((po[:, :Ev],), po[:, Ev], pm, slot, p, lse_shift[q0:q1], out[q0:q1], lse[q0:q1])
     return refined
+
+
+def queries_values(queries: object, values: object, S: int, E: int, check_finite: bool
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Validated ``queries`` (L, E) and ``values`` (S, Ev) float arrays for attention over S keys of E
+    features (ValueError naming the argument and the expected shape otherwise)."""
+    q_in = as_float_array(queries, "queries", min_ndim=2, check_finite=check_finite)
+    v_in = as_float_array(values, "values", min_ndim=2, check_finite=check_finite)
+    if q_in.ndim != 2 or q_in.shape[1] != E:
+        raise ValueError(f"queries must have shape (L, E={E}); got {q_in.shape}.")
+    if v_in.ndim != 2 or v_in.shape[0] != S:
+        raise ValueError(f"values must have shape (S={S}, Ev), one row per key; got {v_in.shape}.")
+    return q_in, v_in
 
 
 def _check_budget(index: ClusterIndex, estimate: object, top_p: object, min_keys: object, max_keys: object

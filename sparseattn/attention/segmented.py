@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 
 from ..index.segments import SegmentedClusterIndex
-from ..inputs import as_float_array, check_lse, check_scale, positions, result_dtype
+from ..inputs import check_lse, check_scale, positions, result_dtype
 from ..kernels import cluster as ck
 from ..threads import run_jobs, worker_threads
 from .merge import merge_pair
-from .routed import _CLAMP, _check_budget, mass_routes, routed_attention
+from .routed import _CLAMP, _check_budget, mass_routes, queries_values, routed_attention
 
 __all__ = ["segment_routes", "segmented_attention"]
 
@@ -67,12 +67,7 @@ def segmented_attention(index: SegmentedClusterIndex, queries: np.ndarray, value
         raise RuntimeError("SegmentedClusterIndex is not built: call build(keys, key_positions) first.")
     keys = index.keys_
     S, E = keys.shape
-    q_in = as_float_array(queries, "queries", min_ndim=2, check_finite=check_finite)
-    v_in = as_float_array(values, "values", min_ndim=2, check_finite=check_finite)
-    if q_in.ndim != 2 or q_in.shape[1] != E:
-        raise ValueError(f"queries must have shape (L, E={E}); got {q_in.shape}.")
-    if v_in.ndim != 2 or v_in.shape[0] != S:
-        raise ValueError(f"values must have shape (S={S}, Ev), one row per key; got {v_in.shape}.")
+    q_in, v_in = queries_values(queries, values, S, E, check_finite)
     sc = check_scale(scale, E)
     dtype = result_dtype(q_in, keys, v_in)
     q = np.ascontiguousarray(q_in, dtype=dtype)
@@ -87,6 +82,7 @@ def segmented_attention(index: SegmentedClusterIndex, queries: np.ndarray, value
     visible, exact_from, segs = index.cover(qpos, exact_prefix)
     _check_budget(_SizesOnly(index), estimate, top_p, min_keys, max_keys)  # once, even with no segment
     with worker_threads(n):
+        index.prepare(segs, n)
         _attend_exact(q, keys, v, sc, index.order_, visible, exact_from, out, lse, n)
         keys_read += visible - exact_from
         for level, blocks in segs:
@@ -124,6 +120,7 @@ def segment_routes(index: SegmentedClusterIndex, queries: np.ndarray, query_posi
     """The mass-driven routes (``top_p``) of each segment's rows: ``(level, t) -> (rows, p) int32``, -1 = none
     (what :func:`segmented_attention` reads; :func:`~sparseattn.attention.routed.mass_routes` per segment)."""
     _, _, segs = index.cover(query_positions, exact_prefix)
+    index.prepare(segs, n_threads)
     routes: dict[tuple[int, int], np.ndarray] = {}
     for level, blocks in segs:
         for t, rows in blocks:

@@ -377,6 +377,44 @@ def routed_visible(route, qpos, kptr, kpos_cs, causal, out):
         out[r] = tot
 
 
+@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
+def _weights_row(a, w, route_r, sig2, r, s, m, ws2):
+    """Row ``r`` of :func:`estimate_weights`: ``a`` (C,) float32 log masses (set to -inf at the routed
+    clusters ``route_r``, ids >= C: padding) -> ``w`` (C,) weights (``w`` may be ``a`` itself), s[r],
+    m[r], ws2[r]."""
+    C = a.shape[0]
+    lo = np.float32(-80.0 * 1.4426950408889634)
+    ninf = np.float32(-np.inf)
+    zero = np.float32(0.0)
+    for t in range(route_r.shape[0]):
+        c = route_r[t]
+        if c < C:
+            a[c] = ninf
+    M = ninf
+    for c in range(C):
+        M = a[c] if a[c] > M else M
+    if M == ninf:
+        for c in range(C):
+            w[c] = zero
+        s[r] = 0.0
+        m[r] = -np.inf
+        ws2[r] = 0.0
+        return
+    tot = zero
+    t2 = zero
+    for c in range(C):
+        x = (a[c] - M) * _LOG2E
+        x = x if x > lo else lo
+        e = pow2_f32(x)
+        e = e if a[c] > ninf else zero
+        w[c] = e
+        tot += e
+        t2 += e * sig2[c]
+    s[r] = tot
+    m[r] = M
+    ws2[r] = t2
+
+
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def estimate_weights(A, route, sig2, W, s, m, ws2):
     """Weights of the estimate of every cluster not routed (non-causal, ``estimate=-1``), for one GEMM.
@@ -391,41 +429,8 @@ def estimate_weights(A, route, sig2, W, s, m, ws2):
     BLAS product (measured at 2,048 rows, C = 128, Ev = 32: 8.3 ms for the per-cluster loop with a
     scalar exp, under 1 ms here).
     """
-    R, C = A.shape
-    P = route.shape[1]
-    lo = np.float32(-80.0 * 1.4426950408889634)
-    ninf = np.float32(-np.inf)
-    zero = np.float32(0.0)
-    for r in range(R):
-        a = A[r]
-        w = W[r]
-        for t in range(P):
-            c = route[r, t]
-            if c < C:
-                a[c] = ninf
-        M = ninf
-        for c in range(C):
-            M = a[c] if a[c] > M else M
-        if M == ninf:
-            for c in range(C):
-                w[c] = zero
-            s[r] = 0.0
-            m[r] = -np.inf
-            ws2[r] = 0.0
-            continue
-        tot = zero
-        t2 = zero
-        for c in range(C):
-            x = (a[c] - M) * _LOG2E
-            x = x if x > lo else lo
-            e = pow2_f32(x)
-            e = e if a[c] > ninf else zero
-            w[c] = e
-            tot += e
-            t2 += e * sig2[c]
-        s[r] = tot
-        m[r] = M
-        ws2[r] = t2
+    for r in range(A.shape[0]):
+        _weights_row(A[r], W[r], route[r], sig2, r, s, m, ws2)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
@@ -439,10 +444,6 @@ def estimate_weights_stats(qmu, q2, logn, sig2, scale, route, W, s, m, ws2):
     padding).  Writes W (R, C) float32, s, m, ws2 (R,) float64 as :func:`estimate_weights`.
     """
     R, C = qmu.shape
-    P = route.shape[1]
-    lo = np.float32(-80.0 * 1.4426950408889634)
-    ninf = np.float32(-np.inf)
-    zero = np.float32(0.0)
     sc = np.float32(scale)
     for r in range(R):
         w = W[r]
@@ -450,31 +451,4 @@ def estimate_weights_stats(qmu, q2, logn, sig2, scale, route, W, s, m, ws2):
         h = np.float32(q2[r])
         for c in range(C):
             w[c] = logn[c] + sc * qm[c] + h * sig2[c]
-        for t in range(P):
-            c = route[r, t]
-            if c < C:
-                w[c] = ninf
-        M = ninf
-        for c in range(C):
-            M = w[c] if w[c] > M else M
-        if M == ninf:
-            for c in range(C):
-                w[c] = zero
-            s[r] = 0.0
-            m[r] = -np.inf
-            ws2[r] = 0.0
-            continue
-        tot = zero
-        t2 = zero
-        for c in range(C):
-            a = w[c]
-            x = (a - M) * _LOG2E
-            x = x if x > lo else lo
-            e = pow2_f32(x)
-            e = e if a > ninf else zero
-            w[c] = e
-            tot += e
-            t2 += e * sig2[c]
-        s[r] = tot
-        m[r] = M
-        ws2[r] = t2
+        _weights_row(w, w, route[r], sig2, r, s, m, ws2)

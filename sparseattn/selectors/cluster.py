@@ -46,9 +46,13 @@ prefix, to the keys of its routed clusters there (:func:`~sparseattn.attention.s
 or (``mode="topk"``) takes the exact top-k of those candidates.  Each segment reads the fraction
 ``n_probe / n_clusters`` of its keys, so a query reads about ``n_probe * c / n_clusters`` routed keys of
 its ``c`` visible ones, plus its tail.  A row's output depends only on keys and values at or before its
-position (``tests/test_causality.py``).  Measured on the shipped 16k store (queries spread over the
-sequence, defaults): 843-871 keys read per query against 527-761 for masked global routing, output error
-0.110-0.522 against 0.113-0.499 (``benchmarks/results/causal-cluster.md``).
+position (``tests/test_causality.py``).  The price, measured on real keys with queries spread over the
+sequence at the defaults (``benchmarks/results/causal-cluster.md``): on the shipped 16k store 1,024-1,052
+keys read per query against 527-761 for routing over one global index masked to the visible keys (not
+strictly causal), at output error 0.107-0.471 against 0.113-0.499, and 2.5-3x its time (build + attend
+0.087-0.107 s against 0.032-0.039 s; every level of segments costs about one k-means over all keys); on
+the 65k store 2,218-2,247 keys against 1,038-1,177, error 0.170 / 0.700 against 0.221 / 0.848, 0.35-0.37 s
+against 0.12-0.13 s.
 
 Threads: the per-cluster products run on ``n_threads`` worker threads with BLAS held to one thread each
 (on a machine whose other core is busy, multi-threaded BLAS on these small products is 10x slower);
@@ -73,12 +77,13 @@ from ..inputs import check_bool, positions
 from ..kernels import cluster as ck
 from ..pattern import SparsePattern
 from ..threads import worker_threads
-from .base import Selector
+from .base import Selector, fill_small_rows
 from .params import Param, non_negative, positive
 from .registry import register
 
 _MODES = ("topk", "block")
-# Parameters that configure the ClusterIndex (the others, mode and exact_prefix, are query-time choices).
+# Parameters that configure the ClusterIndex (the others, mode, exact_prefix, strict_causal, ..., are
+# query-time choices).
 _INDEX_PARAMS = ("n_clusters", "n_probe", "train_sample", "n_iter", "seed", "center", "spherical", "assign",
                  "route_by", "split", "n_threads")
 
@@ -169,6 +174,13 @@ class ClusterSelector(Selector):
         ``ceil(n_probe * S / n_clusters)`` keys (the routed keys of an average query) attends to all of
         them exactly, instead of through its tail and segments.  Costs at most as much as routing those
         rows.  (Off, such a row still reads its exact tail exactly.)
+    strict_causal : bool, default True
+        Causal queries only.  True: the segments described under "Causal" below (a row depends only on
+        keys and values at or before it).  False: routing over the one index of all keys, masked to each
+        query's visible keys (with ``exact_prefix``) -- faster and fewer keys read (on the shipped 16k
+        store 527-761 keys per query against 1,024-1,052, in about a third of the time), but k-means,
+        centring and routing vectors see later keys, so which past keys a row reads depends on them:
+        not for training or evaluating causal models.
     split : float, default 0 (off)
         When > 0, every cluster holding more than ``split * S / n_clusters`` keys after assignment is
         split by a k-means of its members into ``ceil(size / (S / n_clusters))`` parts, each member
@@ -249,7 +261,7 @@ class ClusterSelector(Selector):
                  "mode=block: attend() is exact softmax attention restricted to all keys of the routed "
                  "clusters (query() returns that key set). n_probe = n_clusters is exact full attention. "
                  "Causal: strictly causal (exact tail + dyadic position segments, each clustered on its "
-                 "own keys); a query seeing at most n_probe*S/C keys attends to all of them (exact_prefix); "
+                 "own keys; strict_causal=False: one global index, masked, not strict); a query seeing at most n_probe*S/C keys attends to all of them (exact_prefix); "
                  "no key -> zeros and lse = -inf. estimate != 0 adds an estimate of "
                  "unread clusters from per-cluster statistics (not exact); top_p routes by estimated mass.")
     params_spec = {
@@ -270,6 +282,9 @@ class ClusterSelector(Selector):
                            when="query"),
         "exact_prefix": Param(bool, True, "causal, mode=block: a query that can see at most n_probe*S/C keys "
                               "attends to all of them exactly", when="query"),
+        "strict_causal": Param(bool, True, "causal: dyadic position segments, each clustered on its own keys "
+                               "(strictly causal); False: one index over all keys masked to the visible ones "
+                               "(faster, but the keys a row reads depend on later keys)", when="query"),
         "split": Param(float, 0.0, "split clusters larger than split * S / n_clusters (0 = never; "
                        "a speed/recall trade)", non_negative),
         "estimate": Param(int, 0, "mode=block: estimate unread clusters from their statistics (0 = off, N = "
@@ -376,7 +391,7 @@ class ClusterSelector(Selector):
                ) -> SparsePattern:
         n = self.n_threads
         prm = self._params
-        if is_causal:
+        if is_causal and prm["strict_causal"]:
             seg = self.segments(kpos)
             q = np.ascontiguousarray(q, dtype=self.keys_.dtype)
             if prm["mode"] != "block":
@@ -392,16 +407,22 @@ class ClusterSelector(Selector):
             if prm["mode"] == "block" and prm["top_p"] is not None:
                 # the mass-driven routes attend() reads (at the default scale 1/sqrt(E))
                 mr = mass_routes(index, q, top_p=prm["top_p"], min_keys=prm["min_keys"], max_keys=prm["max_keys"],
-                                 n_threads=n, check_finite=False)[0]
+                                 is_causal=is_causal, query_positions=qpos, key_positions=kpos, n_threads=n,
+                                 check_finite=False)[0]
                 C = index.n_clusters_
                 route = np.where(mr < 0, C, mr).astype(np.int32)
                 kptr = np.append(index.cluster_ptr_, index.cluster_ptr_[-1])  # cluster C: empty padding
-                indptr, indices = ck.routed_pattern(route, kptr, index.perm_, False, qpos, kpos)
-                return SparsePattern(indptr, indices, index.keys_.shape[0], validate=False)
-            route = index._route_rows(q, n)[0]
-            if prm["mode"] == "block":
-                return index.routed_keys(route, False, qpos, kpos)
-            return index._search(q, route, min(k, index.keys_.shape[0]), False, qpos, kpos, n)
+                indptr, indices = ck.routed_pattern(route, kptr, index.perm_, bool(is_causal), qpos, kpos)
+                pattern = SparsePattern(indptr, indices, index.keys_.shape[0], validate=False)
+            elif prm["mode"] == "block":
+                pattern = index.routed_keys(index._route_rows(q, n)[0], is_causal, qpos, kpos)
+            else:
+                return index._search(q, index._route_rows(q, n)[0], min(k, index.keys_.shape[0]), is_causal,
+                                     qpos, kpos, n)
+            if is_causal and prm["exact_prefix"]:
+                # the rows attend() computes exactly over every visible key
+                pattern = fill_small_rows(pattern, index.prefix_budget(), True, qpos, kpos)
+            return pattern
 
     def attend(self, queries: np.ndarray, values: np.ndarray, *, scale: float | None = None,
                is_causal: bool = False, query_positions: object = None, key_positions: object = None,
@@ -420,14 +441,15 @@ class ClusterSelector(Selector):
         prm = self._params
         budget = dict(estimate=prm["estimate"], top_p=prm["top_p"], min_keys=prm["min_keys"],
                       max_keys=prm["max_keys"])
-        if check_bool(is_causal, "is_causal"):
+        if check_bool(is_causal, "is_causal") and prm["strict_causal"]:
             seg = self.segments(key_positions)
             out = segmented_attention(seg, queries, values, scale=scale, query_positions=query_positions,
                                       exact_prefix=prm["exact_prefix"], n_threads=self.n_threads,
                                       check_finite=check_finite, stats=stats, **budget)
         else:
-            out = routed_attention(self.index_, queries, values, scale=scale, query_positions=query_positions,
-                                   key_positions=key_positions, n_threads=self.n_threads,
+            out = routed_attention(self.index_, queries, values, scale=scale, is_causal=is_causal,
+                                   query_positions=query_positions, key_positions=key_positions,
+                                   exact_prefix=prm["exact_prefix"], n_threads=self.n_threads,
                                    check_finite=check_finite, stats=stats, **budget)
         self.last_refined_pairs_ = stats.get("refined_pairs", 0)
         self.last_keys_read_ = stats["keys_read"]
