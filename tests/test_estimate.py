@@ -380,3 +380,22 @@ def test_estimate_all_rest_matches_its_formula():
             num = num + wc * (vbar[c] + s * sig2[c] * B @ q[i])
             den += wc
         np.testing.assert_allclose(out[i], num / den, rtol=1e-4, atol=1e-6 * np.abs(num / den).max())
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_estimate_beyond_the_unread_clusters_is_every_unread_cluster(is_causal):
+    """estimate=N with fewer than N clusters left after the routed ones estimates all of them: equal to
+    estimate=-1 (causal: through the selector's segments, whose small segments hold few clusters)."""
+    from sparseattn.selectors.cluster import ClusterSelector
+
+    rng = np.random.default_rng(5)
+    k = (rng.standard_normal((1200, 8)) + np.repeat(rng.standard_normal((12, 8)) * 2, 100, axis=0)).astype(np.float32)
+    q = rng.standard_normal((300, 8)).astype(np.float32)
+    v = rng.standard_normal((1200, 4)).astype(np.float32)
+    outs = []
+    for est in (50, -1):
+        sel = ClusterSelector(mode="block", n_clusters=6, n_probe=2, estimate=est)
+        sel.causal_block = 64
+        outs.append(sel.build(k).attend(q, v, is_causal=is_causal, query_positions=np.arange(300) * 4))
+    np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(outs[0][1], outs[1][1], rtol=1e-6, atol=1e-6)

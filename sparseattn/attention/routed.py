@@ -584,7 +584,7 @@ class _Planner:
             p = self.p
             route[:] = ids[:, :p]
             rscore[:] = scs[:, :p]
-            est[:] = ids[:, p:p + self.N]
+            est[:, :ids.shape[1] - p] = ids[:, p:]  # fewer than N clusters left after the routed: -1 padded
             ek.routed_visible(route, qpc, self.kptr, self.kpos_cs if is_causal else self.no_pos, is_causal, kr)
             if self.fused:
                 return sc_c, None, p, qmu, q2
