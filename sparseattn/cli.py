@@ -294,6 +294,16 @@ def _check_k(k: int, shape: dict[str, int], data: str) -> None:
     _check_memory(16.0 * pairs, f"--k {k} ({pairs:,} selected (query, key) pairs)", "lower --k")
 
 
+def _add_run_args(p: argparse.ArgumentParser, thread_users: str, out_what: str) -> None:
+    """The options ``compare`` and ``decode`` share: --threads, --out, --format, --quiet."""
+    p.add_argument("--threads", type=_threads_arg, default=None,
+                   help=f"threads for {thread_users}, 1 to the CPU count (default: all cores)")
+    p.add_argument("--out", default="sparseattn-report", help=f"{out_what} (default ./sparseattn-report; not "
+                   "created for --format table)")
+    p.add_argument("--format", default="table,json,md,html", help="comma list of table,json,md,html")
+    p.add_argument("--quiet", action="store_true", help="no progress or warm-up notes on stderr")
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from . import bench, report
     from .threads import get_num_threads, threads
@@ -495,12 +505,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=positive, default=3, help="timing repeats; medians are reported (default 3)")
     p.add_argument("--max-groups", type=positive, default=12,
                    help="evaluate this many evenly spaced (batch, head) groups of multi-group data (default 12)")
-    p.add_argument("--threads", type=_threads_arg, default=None,
-                   help="threads for Numba/FAISS/BLAS, 1 to the CPU count (default: all cores)")
-    p.add_argument("--out", default="sparseattn-report", help="output folder (default ./sparseattn-report; not "
-                   "created for --format table)")
-    p.add_argument("--format", default="table,json,md,html", help="comma list of table,json,md,html")
-    p.add_argument("--quiet", action="store_true", help="no progress or warm-up notes on stderr")
+    _add_run_args(p, "Numba/FAISS/BLAS", "output folder")
     p.set_defaults(func=_cmd_compare)
 
     from .decode_report import DEFAULT_HEADS, DEFAULT_SELECTORS, DTYPES
@@ -530,13 +535,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=positive, default=64, help="decode steps timed (default 64)")
     p.add_argument("--dtype", type=_choice_arg(DTYPES), default="float32",
                    help="storage of the cache: float32, float16 or bfloat16 (default float32)")
-    p.add_argument("--threads", type=_threads_arg, default=None,
-                   help="threads for Numba/BLAS/torch, 1 to the CPU count (default: all cores)")
     p.add_argument("--no-sdpa", action="store_true", help="do not time torch SDPA")
-    p.add_argument("--out", default="sparseattn-report", help="output folder for decode.json/.md/.html (default "
-                   "./sparseattn-report; not created for --format table)")
-    p.add_argument("--format", default="table,json,md,html", help="comma list of table,json,md,html")
-    p.add_argument("--quiet", action="store_true", help="no progress or warm-up notes on stderr")
+    _add_run_args(p, "Numba/BLAS/torch", "output folder for decode.json/.md/.html")
     p.set_defaults(func=_cmd_decode)
 
     p = sub.add_parser("bench", help="run the benchmark suite (time vs n, accuracy vs speed, recall vs k)",

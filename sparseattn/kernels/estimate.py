@@ -241,6 +241,14 @@ def mass_route(A, cand, sizes, top_p, margin, min_keys, max_keys, n_est, dummy, 
             est[r, u] = cand[r, tt] if tt < K and a[cand[r, tt]] > -np.inf else -1
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _mark_routed(skip, route_r, C, flag):
+    """skip[c] = flag for every routed cluster c of one row (ids >= C: padding)."""
+    for t in range(route_r.shape[0]):
+        if route_r[t] < C:
+            skip[route_r[t]] = flag
+
+
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def estimate_rows(A, route, est, all_rest, vbar, sig2, o, s, m, ws2):
     """One estimated partial per row from whole-cluster statistics (non-causal).
@@ -252,16 +260,13 @@ def estimate_rows(A, route, est, all_rest, vbar, sig2, o, s, m, ws2):
     (R,) ``sum_c w_c sig2_c``.
     """
     R, C = A.shape
-    P = route.shape[1]
     N = est.shape[1]
     Ev = vbar.shape[1]
     skip = np.zeros(C + 1, dtype=np.bool_)
     for r in range(R):
         a = A[r]
         if all_rest:
-            for t in range(P):
-                if route[r, t] < C:
-                    skip[route[r, t]] = True
+            _mark_routed(skip, route[r], C, True)
         M = -np.inf
         n_items = C if all_rest else N
         for t in range(n_items):
@@ -290,9 +295,7 @@ def estimate_rows(A, route, est, all_rest, vbar, sig2, o, s, m, ws2):
         m[r] = M
         ws2[r] = tw2
         if all_rest:
-            for t in range(P):
-                if route[r, t] < C:
-                    skip[route[r, t]] = False
+            _mark_routed(skip, route[r], C, False)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
@@ -306,7 +309,6 @@ def estimate_rows_causal(q, qpos, route, est, all_rest, kptr, kpos_cs, Gk, Gk2, 
     """
     R, E = q.shape
     C = kptr.shape[0] - 1
-    P = route.shape[1]
     N = est.shape[1]
     Ev = Gv.shape[1]
     skip = np.zeros(C + 1, dtype=np.bool_)
@@ -317,9 +319,7 @@ def estimate_rows_causal(q, qpos, route, est, all_rest, kptr, kpos_cs, Gk, Gk2, 
             q2 += qr[e] * qr[e]
         q2 *= 0.5 * scale * scale
         if all_rest:
-            for t in range(P):
-                if route[r, t] < C:
-                    skip[route[r, t]] = True
+            _mark_routed(skip, route[r], C, True)
         orow = o[r]
         for e in range(Ev):
             orow[e] = 0.0
@@ -353,9 +353,7 @@ def estimate_rows_causal(q, qpos, route, est, all_rest, kptr, kpos_cs, Gk, Gk2, 
         m[r] = M
         ws2[r] = tw2
         if all_rest:
-            for t in range(P):
-                if route[r, t] < C:
-                    skip[route[r, t]] = False
+            _mark_routed(skip, route[r], C, False)
 
 
 @njit(cache=True, nogil=True)
