@@ -4,7 +4,7 @@ Run:  python benchmarks/bench_decode.py [--lengths 16384,65536,131072,262144,104
                                         [--kinds clustered,gaussian] [--no-gqa] [--no-storage] [--no-real]
 
 Setup: H = 8 heads, E = 64, float32 unless stated.  For each key kind and cache length n, every kv head's
-keys come from ``sparseattn.data.synthetic("synthetic:n=<n + steps>,d=64,kind=<kind>,seed=<head>")``
+keys come from ``sparseattn.data.synthetic("synthetic:n=<n + steps + 4096>,d=64,kind=<kind>,seed=<head>")``
 (``gaussian`` uses ``norm_profile=minilm``: Gaussian directions with the norms of a real MiniLM head), so
 keys are appended in order; the first n are one prefill ``append`` (timed: the amortised append cost
 includes the k-means of every segment), then each of ``--steps`` decode steps appends one token for every
@@ -19,6 +19,11 @@ Per step, side by side in one loop (so machine load hits all alike; ratios are o
 * accuracy against exact attention over the whole cache (float32 scores, float64 softmax): output
   relative error ``||o - o*|| / ||o*||``, softmax mass of the keys read (``exp(lse - lse*)``) and recall@64
   (the share of the exact top-64 keys the step read).
+
+After the steps, each synthetic case's caches append one more segment (4,096 tokens) one token at a
+time: the decode append cost, amortised over a whole cycle of segment clustering (the open segment's and
+the closing one's k-means included), its clustering share and the largest single append.  Each cache
+``reserve``s the whole run's tokens after its prompt, so no append reallocates.
 
 Extra cases: GQA (32 query heads over 8 kv heads) at 131,072; float16 / bfloat16 storage at 131,072; the
 streaming memory cap (``max_keys`` = n / 4) at 131,072; the real MiniLM store trace (``store65k``, 2 heads,
@@ -58,6 +63,9 @@ from sparseattn.kernels.decode import EVICTED
 
 HERE = Path(__file__).resolve().parent
 TRACE_DIR = Path.home() / ".cache" / "sparseattn" / "traces"
+
+
+CYCLE = 4096  # extra synthetic tokens: one segment (the default) appended one at a time after the steps
 
 
 def log(*a: object) -> None:
@@ -145,6 +153,7 @@ def run_phase(case: str, n: int, K, V, Q, steps: int, specs: list[tuple[str, dic
         t0 = time.perf_counter()
         c.append(K[:, :n], V[:, :n])
         dt = time.perf_counter() - t0
+        c.reserve(K.shape[1] - n)  # the loop's length is known: no reallocation during the steps
         caches[key] = c
         st = c.stats
         prefill[label] = {"append_s": dt, "append_us_per_token": 1e6 * dt / n,
@@ -209,6 +218,28 @@ def run_phase(case: str, n: int, K, V, Q, steps: int, specs: list[tuple[str, dic
                 g = h // (H // hkv)
                 rec.append(np.isin(ref_top[h], c._pos[g, sel]).mean())
             a["recall64"].append(float(np.mean(rec)))
+    # append cost in a generation loop: one token at a time over a whole segment cycle (its clustering,
+    # open and closing, included), on each cache after its steps
+    cycle: dict[str, dict] = {}
+    for key, c in caches.items():
+        m = c.segment
+        lo = n + steps
+        if K.shape[1] < lo + m:
+            continue
+        cs0, t_one = c.stats["cluster_seconds"], []
+        t0 = time.perf_counter()
+        for j in range(lo, lo + m):
+            t1 = time.perf_counter()
+            c.append(K[:, j:j + 1], V[:, j:j + 1])
+            t_one.append(time.perf_counter() - t1)
+        dt = time.perf_counter() - t0
+        cycle[key] = {"cycle_append_us_per_token": 1e6 * dt / m, "cycle_tokens": m,
+                      "cycle_cluster_us_per_token": 1e6 * (c.stats["cluster_seconds"] - cs0) / m,
+                      "cycle_append_p50_us": 1e6 * float(np.median(t_one)),
+                      "cycle_append_max_ms": 1e3 * float(np.max(t_one))}
+        log(f"  {case} n={n} decode append over {m} tokens: {1e6 * dt / m:.1f} us/token "
+            f"(clustering {cycle[key]['cycle_cluster_us_per_token']:.1f}, median single "
+            f"{cycle[key]['cycle_append_p50_us']:.1f} us, max {cycle[key]['cycle_append_max_ms']:.1f} ms)")
     res = {"case": case, "n": n, "heads": H, "kv_heads": hkv, "dim": E, "steps": steps, "selectors": {}}
     for label in times:
         r = summarize(times[label])
@@ -219,6 +250,7 @@ def run_phase(case: str, n: int, K, V, Q, steps: int, specs: list[tuple[str, dic
                      mass=float(np.mean(a["mass"])), recall64=float(np.mean(a["recall64"])),
                      keys_read=float(np.mean(a["read"])), read_fraction=float(np.mean(a["read"])) / (n + steps))
             r.update(prefill.get(label, {}))
+            r.update(cycle.get(json.dumps(specs[labels.index(label)][1], sort_keys=True, default=str), {}))
         res["selectors"][label] = r
     res["decode_append_us_per_token"] = 1e6 * float(np.median(append_ts))
     base = res["selectors"]
@@ -410,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind in kinds:
         for n in lengths:
             log(f"{kind} n={n}: generating")
-            K, V, Q = make_data(kind, n + steps, 8, 1, steps)
+            K, V, Q = make_data(kind, n + steps + CYCLE, 8, 1, steps)
             specs = [s for s in SPARSE if not (s[0] == "topk-64" and n > args.topk_max)]
             results.append(run_phase(kind, n, K, V, Q, steps, specs, with_torch=True, with_dense=True))
             save()
@@ -444,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         if kind == kinds[0] and not args.no_gqa:
             n = 131072
             log(f"{kind} GQA 32/8 n={n}: generating")
-            K, V, Q = make_data(kind, n + steps, 8, 4, steps)
+            K, V, Q = make_data(kind, n + steps + CYCLE, 8, 4, steps)
             specs = [("cluster", {"selector": "cluster"}, {})]
             results.append(run_phase(kind + "/gqa32x8", n, K, V, Q, steps, specs, with_torch=True,
                                      with_dense=True))
@@ -484,8 +516,9 @@ def write_report(path: Path, meta: dict, results: list[dict]) -> None:
              f"step (all heads, one query each); accuracy per step against exact attention over the whole cache.",
              "",
              "| case | n | selector | p50 ms | p99 ms | x torch | x dense | keys read/head | rel. error | mass | "
-             "recall@64 | append us/token | index/KV |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "recall@64 | prefill append us/token | decode append us/token | clustering us/token | "
+             "max append ms | index/KV |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for res in results:
         for label, r in res["selectors"].items():
             def f(key: str, fmt: str, r: dict = r) -> str:
@@ -493,7 +526,9 @@ def write_report(path: Path, meta: dict, results: list[dict]) -> None:
             lines.append(f"| {res['case']} | {res['n']:,} | {label} | {f('p50_ms', '.3f')} | {f('p99_ms', '.3f')} | "
                          f"{f('speedup_vs_torch', '.1f')} | {f('speedup_vs_dense', '.1f')} | {f('keys_read', ',.0f')} | "
                          f"{f('rel_err', '.2e')} | {f('mass', '.4f')} | {f('recall64', '.3f')} | "
-                         f"{f('append_us_per_token', '.1f')} | {f('index_over_kv', '.2%')} |")
+                         f"{f('append_us_per_token', '.1f')} | {f('cycle_append_us_per_token', '.1f')} | "
+                         f"{f('cycle_cluster_us_per_token', '.1f')} | {f('cycle_append_max_ms', '.1f')} | "
+                         f"{f('index_over_kv', '.2%')} |")
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib

@@ -1,6 +1,6 @@
 """Estimation of unread clusters and the mass-driven budget of cluster:mode=block, on real MiniLM keys.
 
-Run:  python benchmarks/bench_estimate.py [--repeats 3] [--quality-rows 2048] [--skip-65k]
+Run:  python benchmarks/bench_estimate.py [--repeats 3] [--quality-rows 2048] [--skip-65k] [--equal-error-only]
 
 Data: the shipped 16,384-key store (every head: 0-3, all 2,048 queries) and the 65,536-key store
 ``store65k`` in ``~/.cache/sparseattn/traces`` when present (heads 0 and 5; timing over all 65,536
@@ -23,6 +23,12 @@ Row-level error against mass kept (:func:`sparseattn.metrics.mass_error_profile`
 and every fixed budget and top_p run above (estimate off and on), pooled per store, binned by the true mass
 kept.
 
+Equal output error: for estimate on (-1) at n_probe 4 and 8, the smallest n_probe of ``EQUAL_ERROR_GRID``
+(capped at C) whose mean error with the estimate off is <= the error on, and the time of both (median
+wall and process CPU seconds of ``--repeats`` interleaved rounds over every query): how much time the
+estimate saves at equal error.  ``--equal-error-only`` runs this section alone and writes
+``results/estimate-equal-error.json`` / ``.md`` (``--out``).
+
 Results: ``results/estimate.json`` (all numbers) and ``results/estimate.md`` (tables).
 """
 
@@ -42,6 +48,8 @@ from sparseattn.metrics import mass_error_profile
 
 TRACE_DIR = os.path.expanduser("~/.cache/sparseattn/traces")
 SWEEP = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+EQUAL_ERROR_ON = (4, 8)
+EQUAL_ERROR_GRID = (4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 def dense_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
@@ -198,6 +206,92 @@ def run_head(name: str, head: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, 
     return res
 
 
+def equal_error_head(name: str, head: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
+                     repeats: int, quality_rows: int, on_probes: tuple[int, ...] = EQUAL_ERROR_ON,
+                     grid: tuple[int, ...] = EQUAL_ERROR_GRID) -> list[dict]:
+    """Estimate on (-1) at each of ``on_probes`` against the smallest estimate-off n_probe of ``grid`` (capped at
+    the number of clusters C) with a mean output error <= the error on; both timed over every query of q
+    (L, E) with :func:`timed`.  k (S, E), v (S, Ev) float32.  One dict per on n_probe."""
+    S = k.shape[0]
+    rows = np.unique(np.linspace(0, q.shape[0] - 1, min(quality_rows, q.shape[0])).astype(np.int64))
+    qq = q[rows]
+    ref, _ = dense_ref(qq, k, v, scale)
+    C = ClusterIndex().sizes(S)[0]
+    steps = sorted({min(g, C) for g in grid})
+    idx_of: dict[int, ClusterIndex] = {}
+    off: dict[int, tuple[float, float]] = {}  # n_probe -> (mean error, mean keys read) with the estimate off
+
+    def index(p: int) -> ClusterIndex:
+        if p not in idx_of:
+            idx_of[p] = ClusterIndex(n_probe=p).build(k)  # same seed: the same clusters for every n_probe
+        return idx_of[p]
+
+    def err_off(p: int) -> tuple[float, float]:
+        if p not in off:
+            st: dict = {}
+            o0, _ = routed_attention(index(p), qq, v, scale=scale, stats=st)
+            off[p] = (float(rel_err(o0, ref).mean()), float(st["keys_read"].mean()))
+        return off[p]
+
+    out = []
+    for p_on in on_probes:
+        if p_on > C:
+            continue
+        st: dict = {}
+        o1, _ = routed_attention(index(p_on), qq, v, scale=scale, estimate=-1, stats=st)
+        e_on, keys_on = float(rel_err(o1, ref).mean()), float(st["keys_read"].mean())
+        p_off, reached = steps[-1], False
+        for p in steps:
+            if err_off(p)[0] <= e_on:
+                p_off, reached = p, True
+                break
+        e_off, keys_off = err_off(p_off)
+        i_on, i_off = index(p_on), index(p_off)
+        routed_attention(i_on, q[:64], v, scale=scale, estimate=-1)  # warm-up (JIT)
+        routed_attention(i_off, q[:64], v, scale=scale)
+        tm = timed({"on": lambda i_on=i_on: routed_attention(i_on, q, v, scale=scale, estimate=-1),
+                    "off": lambda i_off=i_off: routed_attention(i_off, q, v, scale=scale)}, repeats)
+        row = {"data": name, "head": head, "S": S, "n_clusters": C, "L_time": int(q.shape[0]),
+               "L_quality": int(rows.size), "on_n_probe": p_on, "on_err": e_on, "on_keys_read": keys_on,
+               "on_wall_s": tm["on"][0], "on_cpu_s": tm["on"][2], "off_n_probe": p_off, "off_reached": reached,
+               "off_err": e_off, "off_keys_read": keys_off, "off_wall_s": tm["off"][0], "off_cpu_s": tm["off"][2],
+               "off_errors_tried": {str(p): off[p][0] for p in sorted(off)}}
+        row["wall_ratio"] = row["off_wall_s"] / row["on_wall_s"]
+        row["cpu_ratio"] = row["off_cpu_s"] / row["on_cpu_s"]
+        # when no grid value reaches the error on, the ratios are lower bounds (the off budget needed is
+        # larger): below 1.5 the answer is then unknown (None)
+        row["meets_1.5x"] = True if row["cpu_ratio"] >= 1.5 else (False if reached else None)
+        out.append(row)
+        gt = "" if reached else ">"
+        print(f"{name} h{head} equal error: on n_probe={p_on} err {e_on:.4f} keys {keys_on:.0f} wall "
+              f"{row['on_wall_s']:.4f} CPU {row['on_cpu_s']:.4f} | off n_probe={gt}{p_off} err {e_off:.4f} keys "
+              f"{keys_off:.0f} wall {row['off_wall_s']:.4f} CPU {row['off_cpu_s']:.4f} | off/on wall "
+              f"{gt}{row['wall_ratio']:.2f} CPU {gt}{row['cpu_ratio']:.2f}", flush=True)
+    return out
+
+
+def equal_error_md(rows: list[dict]) -> list[str]:
+    """Markdown lines of the equal-output-error section."""
+    lines = ["## Equal output error: estimate on against the estimate-off budget reaching the same error", "",
+             f"Estimate on (-1: every unread cluster) at n_probe {', '.join(map(str, EQUAL_ERROR_ON))}; off: the "
+             f"smallest n_probe of {{{', '.join(map(str, EQUAL_ERROR_GRID))}}} (capped at C) whose mean error is "
+             '<= the error on ("not reached": none is; the largest is shown and the ratios, marked ">", are lower '
+             "bounds). Error on the quality rows; time over every query (median of interleaved repeats, wall and "
+             'process CPU seconds). "meets >= 1.5x": CPU off / on >= 1.5.', "",
+             "| data | head | C | on n_probe | on err | on keys/q | on wall s | on CPU s | off n_probe needed | "
+             "off err | off keys/q | off wall s | off CPU s | wall off/on | CPU off/on | meets >= 1.5x |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gt = "" if r["off_reached"] else ">"
+        need = f"{r['off_n_probe']}" if r["off_reached"] else f"not reached (> {r['off_n_probe']})"
+        meets = {True: "yes", False: "no", None: "unknown (lower bound < 1.5)"}[r["meets_1.5x"]]
+        lines.append(f"| {r['data']} | {r['head']} | {r['n_clusters']} | {r['on_n_probe']} | {r['on_err']:.4f} | "
+                     f"{r['on_keys_read']:.0f} | {r['on_wall_s']:.4f} | {r['on_cpu_s']:.4f} | {need} | "
+                     f"{r['off_err']:.4f} | {r['off_keys_read']:.0f} | {r['off_wall_s']:.4f} | {r['off_cpu_s']:.4f} | "
+                     f"{gt}{r['wall_ratio']:.2f} | {gt}{r['cpu_ratio']:.2f} | {meets} |")
+    return lines
+
+
 def profiles(results: list[dict]) -> dict:
     """Per store and estimate off / on: :func:`mass_error_profile` of the pooled fixed-budget rows."""
     out: dict = {}
@@ -212,7 +306,8 @@ def profiles(results: list[dict]) -> dict:
     return out
 
 
-def write_md(results: list[dict], path: str, command: str, prof: dict | None = None) -> None:
+def write_md(results: list[dict], path: str, command: str, prof: dict | None = None,
+             equal: list[dict] | None = None) -> None:
     lines = ["# Estimation of unread clusters and the mass-driven budget (cluster:mode=block)", "",
              f"Command: `{command}`. Real MiniLM keys (layer 3); error vs float64 dense attention (mean over "
              "rows); mass = true softmax mass of the keys read exactly; time = attend over every query "
@@ -267,8 +362,24 @@ def write_md(results: list[dict], path: str, command: str, prof: dict | None = N
                 if pr["rows"][b]:
                     lines.append(f"| {data} | {case} | [{pr['lo'][b]:.2f}, {pr['hi'][b]:.2f}) | {pr['rows'][b]} | "
                                  f"{pr['mean_mass'][b]:.3f} | {pr['median_err'][b]:.4f} | {pr['p90_err'][b]:.4f} |")
+    if equal:
+        lines += [""] + equal_error_md(equal)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _stores(args: argparse.Namespace):
+    """(data name, head id, q, k, v, scale) of every head the benchmark uses."""
+    t = sa.data.load("store", dtype=np.float32)
+    for h in [int(x) for x in args.heads16k.split(",")]:
+        yield "store16k", int(t.meta.get("heads", [0, 1, 2, 3])[h]), t.q[h], t.k[h], t.v[h], t.scale
+    if not args.skip_65k and os.path.exists(os.path.join(TRACE_DIR, "manifest.json")):
+        t = sa.data.load("store65k", data_dir=TRACE_DIR, dtype=np.float32)
+        heads = t.meta.get("heads", list(range(t.q.shape[0])))
+        for h in range(t.q.shape[0]):
+            yield "store65k", int(heads[h]), t.q[h], t.k[h], t.v[h], t.scale
+    elif not args.skip_65k:
+        print(f"store65k not found in {TRACE_DIR}: skipped")
 
 
 def main() -> None:
@@ -278,31 +389,48 @@ def main() -> None:
     ap.add_argument("--skip-65k", action="store_true")
     ap.add_argument("--heads16k", default="0,1,2,3")
     ap.add_argument("--top-p-repeats", type=int, default=1)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "estimate"))
+    ap.add_argument("--equal-error-only", action="store_true",
+                    help="run only the equal-output-error section (default --out results/estimate-equal-error)")
+    ap.add_argument("--out", default=None, help="output path without extension (default results/estimate, or "
+                    "results/estimate-equal-error with --equal-error-only)")
     args = ap.parse_args()
+    for name in ("repeats", "quality_rows", "top_p_repeats"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    try:
+        heads16k = [int(x) for x in args.heads16k.split(",")]
+    except ValueError:
+        heads16k = []
+    if not heads16k or any(h < 0 or h > 3 for h in heads16k):
+        ap.error(f"--heads16k must be comma-separated head indices of the shipped store (0-3); got {args.heads16k!r}")
+    if args.out is None:
+        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                "estimate-equal-error" if args.equal_error_only else "estimate")
     command = "python benchmarks/bench_estimate.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out",) and v not in (False,))
-    results = []
-    t = sa.data.load("store", dtype=np.float32)
-    for h in [int(x) for x in args.heads16k.split(",")]:
-        results.append(run_head("store16k", int(t.meta.get("heads", [0, 1, 2, 3])[h]), t.q[h], t.k[h], t.v[h],
-                                t.scale, [4, 8, 16], args.repeats, args.quality_rows, args.top_p_repeats))
-    if not args.skip_65k and os.path.exists(os.path.join(TRACE_DIR, "manifest.json")):
-        t = sa.data.load("store65k", data_dir=TRACE_DIR, dtype=np.float32)
-        heads = t.meta.get("heads", list(range(t.q.shape[0])))
-        for h in range(t.q.shape[0]):
-            results.append(run_head("store65k", int(heads[h]), t.q[h], t.k[h], t.v[h], t.scale, [4, 8, 16],
-                                    args.repeats, args.quality_rows, args.top_p_repeats))
-    elif not args.skip_65k:
-        print(f"store65k not found in {TRACE_DIR}: skipped")
+        f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+        for k, v in vars(args).items() if k not in ("out",) and v is not False)
+    if args.equal_error_only:
+        equal = [r for data in _stores(args) for r in equal_error_head(*data, args.repeats, args.quality_rows)]
+        with open(args.out + ".json", "w") as f:
+            json.dump({"command": command, "equal_error": equal}, f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write("\n".join(["# Estimation of unread clusters at equal output error (cluster:mode=block)", "",
+                                f"Command: `{command}`. Real MiniLM keys (layer 3); error vs float64 dense "
+                                "attention (mean over rows).", ""] + equal_error_md(equal)) + "\n")
+        print(f"wrote {args.out}.json and .md")
+        return
+    results, equal = [], []
+    for data in _stores(args):
+        results.append(run_head(*data, [4, 8, 16], args.repeats, args.quality_rows, args.top_p_repeats))
+        equal += equal_error_head(*data, args.repeats, args.quality_rows)
     prof = profiles(results)
     for r in results:
         r.pop("_rows")
     with open(args.out + ".json", "w") as f:
-        json.dump({"command": command, "results": results, "mass_error_profile": prof}, f, indent=1)
-    write_md(results, args.out + ".md", command, prof)
+        json.dump({"command": command, "results": results, "mass_error_profile": prof, "equal_error": equal},
+                  f, indent=1)
+    write_md(results, args.out + ".md", command, prof, equal)
     print(f"wrote {args.out}.json and .md")
-
 
 if __name__ == "__main__":
     main()

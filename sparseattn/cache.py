@@ -82,6 +82,7 @@ from typing import Any
 
 import numpy as np
 
+from .attention.tail import as_tail
 from .inputs import check_positive_int, check_scale, overflow_message
 from .kernels.decode import EVICTED
 from .threads import executor, get_num_threads, single_threaded_blas
@@ -182,8 +183,8 @@ def cluster_segment(keys: np.ndarray, n_clusters: int, *, seed: int = 0, niter: 
     if c == 1:
         return np.zeros(n, dtype=np.int64)
     index = ClusterIndex(n_clusters=c, n_probe=1, n_iter=niter, seed=seed, spherical=True, assign="ip",
-                         n_threads=1).build(np.ascontiguousarray(keys, dtype=np.float32))
-    return index.assignment_.astype(np.int64)
+                         n_threads=1)
+    return index.labels(np.ascontiguousarray(keys, dtype=np.float32))
 
 
 # ---------------------------------------------------------------------------------------------- cache
@@ -486,13 +487,29 @@ class KVCache:
             names.append("_ids")
         return names
 
-    def _reserve(self, extra: int) -> None:
+    def reserve(self, n_tokens: int) -> None:
+        """Allocate storage for ``n_tokens`` more tokens now (per kv head), so that appending them never
+        reallocates.  Storage otherwise grows by half its size when full, and that one append copies the
+        whole cache (a stall proportional to the cache size); a generation loop that knows its length
+        reserves it once after the prompt.  Under ``max_keys`` at most the capped storage is allocated.
+
+        Parameters
+        ----------
+        n_tokens : int >= 0
+        """
+        n_tokens = check_positive_int(n_tokens, "n_tokens", minimum=0)
+        self._reserve(n_tokens, exact=True)
+
+    def _reserve(self, extra: int, *, exact: bool = False) -> None:
         need = self._slots + extra
         if need <= self._cap:
             return
-        new_cap = max(need + self.segment, int(self._cap * 1.5))  # headroom: a prompt, then steps
-        if self.max_keys is not None:
-            new_cap = max(need, min(new_cap, self.max_keys + 2 * self.segment + self.window + self.sinks))
+        new_cap = need if exact else max(need + self.segment, int(self._cap * 1.5))  # headroom: prompt, steps
+        if self.max_keys is not None:  # a capped cache never holds more than `limit` slots
+            limit = self.max_keys + 2 * self.segment + self.window + self.sinks
+            new_cap = min(new_cap, limit) if exact else max(need, min(new_cap, limit))
+            if new_cap <= self._cap:
+                return
         new_cap = -(-new_cap // self.page_size) * self.page_size
         for name in self._slot_arrays():
             old = getattr(self, name)
@@ -570,12 +587,20 @@ class KVCache:
             Non-float dtypes.
         """
         t0 = time.perf_counter()
-        k, v = self._validate_kv(keys, values)
-        T = k.shape[1]
+        hk = self.num_kv_heads
+        if (type(keys) is np.ndarray and type(values) is np.ndarray and self._sdtype.kind == "f"
+                and keys.dtype == self._sdtype
+                and values.dtype == self._sdtype and keys.shape == (hk, 1, self.head_dim)
+                and values.shape == (hk, 1, self.value_dim) and np.isfinite(keys).all()
+                and np.isfinite(values).all()):
+            ks, vs = keys, values  # one decode token already in the storage dtype: nothing to convert
+        else:
+            k, v = self._validate_kv(keys, values)
+            ks = self._encode(k, "keys")
+            vs = self._encode(v, "values")
+        T = ks.shape[1]
         if self._n + T >= _INT32_MAX:
             raise ValueError(f"the cache holds positions as int32: fewer than {_INT32_MAX} tokens in total.")
-        ks = self._encode(k, "keys")
-        vs = self._encode(v, "values")
         done = 0
         while done < T:
             # bounded pieces: under a memory cap, storage is freed between pieces
@@ -586,7 +611,10 @@ class KVCache:
             a, b = self._slots, self._slots + step
             self._K[:, a:b] = ks[:, done:done + step]
             self._V[:, a:b] = vs[:, done:done + step]
-            self._pos[:, a:b] = np.arange(self._n, self._n + step, dtype=np.int32)
+            if step == 1:
+                self._pos[:, a] = self._n
+            else:
+                self._pos[:, a:b] = np.arange(self._n, self._n + step, dtype=np.int32)
             if self.policy == "h2o":
                 self._weight[:, a:b] = 0.0
             self._slots = b
@@ -1132,8 +1160,8 @@ class KVCache:
             out.append(np.arange(self._cptr[g, c], self._cptr[g, c + 1]))
         return out
 
-    def attend(self, queries: object, k: int = 64, *, return_lse: bool = False, selector: str | None = None
-               ) -> Any:
+    def attend(self, queries: object, k: int = 64, *, return_lse: bool = False, selector: str | None = None,
+               tail: object = None) -> Any:
         """Attention of the newest T_q positions' queries over the cache.
 
         Query t sits at position ``n - T_q + t`` (n = positions appended so far): causal among the
@@ -1151,6 +1179,11 @@ class KVCache:
         selector : {None, "dense", "topk", "window"}, optional
             Override the cache's selector for this call (these three work on any cache): ``"dense"`` is
             the exact step over every key, ``"topk"`` exact top-k attention.
+        tail : int or sparseattn.Tail, optional
+            Estimate what the keys the step did not read contribute from a seeded uniform sample of them
+            (``Tail(samples, seed, shrink)``, the estimator of :mod:`sparseattn.attention.tail`; an int is
+            ``Tail(samples)``), merged with the step's exact part by log-sum-exp.  The sampled keys count
+            in ``stats["keys_read_per_query"]``.
 
         Returns
         -------
@@ -1182,9 +1215,17 @@ class KVCache:
         q = np.ascontiguousarray(q, dtype=np.float32)
         T = q.shape[1]
         qpos = np.arange(self._n - T, self._n, dtype=np.int64)
-        out, lse, nread, nest = self._run(q, qpos, k, selector or self.selector)
+        tail = as_tail(tail)
+        out, lse, nread, nest, rec, n_rec = self._run(q, qpos, k, selector or self.selector,
+                                                      record=tail is not None)
         if np.isposinf(lse).any():
             raise ValueError(overflow_message(np.float32, self.scale))
+        if tail is not None:
+            from .attention.cache_tail import cache_tail
+
+            out, lse, n_tail = cache_tail(self, q, qpos, out, lse, rec, n_rec, nread, tail)
+            nread = nread + n_tail
+            self._stats["tail_samples_per_query"] = float(n_tail.mean())
         self._stats["attends"] += 1
         self._stats["keys_read_per_query"] = float(nread.mean())
         self._stats["keys_read_max"] = int(nread.max())
@@ -1199,8 +1240,11 @@ class KVCache:
         self._stats["attend_seconds"] += time.perf_counter() - t0
         return (out, lse) if return_lse else out
 
-    def _run(self, q: np.ndarray, qpos: np.ndarray, k: int, sel: str
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _run(self, q: np.ndarray, qpos: np.ndarray, k: int, sel: str, *, record: bool = False
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """One kernel call: out (H, T, Ev), lse (H, T), keys read and clusters estimated per row (R = H*T),
+        and with ``record`` (or the h2o policy) the slot ranges each row scored: ``rec[r, :n_rec[r]]`` of
+        (first, stop, lim) - slot j of a range was read iff ``pos[g, j] <= qpos[t]`` and ``pos[g, j] < lim``."""
         from .kernels import decode as kd
 
         H, T = q.shape[0], q.shape[1]
@@ -1253,7 +1297,7 @@ class KVCache:
         else:
             fn = kd.decode_parallel if parallel else kd.decode_serial
         h2o = self.policy == "h2o"
-        rec = np.zeros((R if h2o else 0, max(n_ranges, 1), 3), np.int64)
+        rec = np.zeros((R if h2o or record else 0, max(n_ranges, 1), 3), np.int64)
         n_rec = np.zeros(R, np.int64)
         rep = self.num_heads // self.num_kv_heads
         t1 = time.perf_counter()
@@ -1272,4 +1316,4 @@ class KVCache:
                 acc = kd.accumulate_parallel if parallel else kd.accumulate_serial
             acc(q, qpos, rep, K, self._pos, rec, n_rec, lse, np.float32(self.scale), self._weight)
         self._stats["kernel_seconds"] += time.perf_counter() - t1
-        return out, lse, nread, nest
+        return out, lse, nread, nest, rec, n_rec

@@ -402,3 +402,59 @@ def test_bad_arguments_are_named(kwargs: dict, match: str) -> None:
 def test_heavy_hitter_weights_need_h2o() -> None:
     with pytest.raises(ValueError, match="policy='h2o'"):
         KVCache(H, E).heavy_hitter_weights(0)
+
+
+# ------------------------------------------------------------------------------ reserve, one-token appends
+def test_reserve_avoids_reallocation_and_changes_nothing() -> None:
+    n0, n = 100, 260
+    k, v = _kv(n, seed=40)
+    qs = _q(1, seed=41)
+    a = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3)
+    b = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3)
+    for c in (a, b):
+        c.append(k[:, :n0], v[:, :n0])
+    b.reserve(n - n0)
+    kb = b._K
+    for i in range(n0, n):
+        for c in (a, b):
+            c.append(k[:, i:i + 1], v[:, i:i + 1])
+    assert b._K is kb  # no reallocation after reserve
+    np.testing.assert_array_equal(a.attend(qs), b.attend(qs))
+    np.testing.assert_allclose(b.attend(qs, selector="dense"), oracle(qs, k, v, n), atol=2e-5)
+    with pytest.raises(ValueError, match="n_tokens"):
+        b.reserve(-1)
+    capped = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, max_keys=100, window=8)
+    capped.append(k[:, :10], v[:, :10])
+    capped.reserve(10 ** 9)  # bounded by what the cap can ever hold
+    assert capped._cap <= 100 + 2 * SEG + 8 + 4 + capped.page_size
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16"])
+def test_one_token_append_same_as_general_path(dtype: object) -> None:
+    """A (H_kv, 1, E) array already in the storage dtype takes the short path: same state as the general
+    path (float64 input rounded to the storage dtype), same errors."""
+    n = 150
+    k, v = _kv(n, seed=42)
+    a = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3, dtype=dtype)
+    b = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3, dtype=dtype)
+    sd = a._sdtype
+    for i in range(n):
+        ki, vi = k[:, i:i + 1], v[:, i:i + 1]
+        if dtype == "bfloat16":  # values exactly representable in bfloat16, so both paths store the same
+            ki, vi = a._decode(a._encode(ki, "keys")), a._decode(a._encode(vi, "values"))
+        a.append(ki.astype(sd) if sd != np.uint16 else ki, vi.astype(sd) if sd != np.uint16 else vi)
+        b.append(ki.astype(np.float64), vi.astype(np.float64))
+    for name in ("_K", "_V", "_pos", "_cptr", "_ccount"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    bad = np.full((HKV, 1, E), np.nan, dtype=np.float32 if sd == np.uint16 else sd)
+    with pytest.raises(ValueError, match="keys contains NaN or Inf"):
+        a.append(bad, np.zeros((HKV, 1, EV), bad.dtype))
+    with pytest.raises(ValueError, match="values contains NaN or Inf"):
+        a.append(np.zeros((HKV, 1, E), bad.dtype), np.full((HKV, 1, EV), np.inf, bad.dtype))
+    assert len(a) == n  # a refused append changes nothing
+
+
+def test_bfloat16_cache_refuses_raw_uint16() -> None:
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, dtype="bfloat16")
+    with pytest.raises(TypeError, match="keys must have dtype float16, float32 or float64"):
+        c.append(np.zeros((HKV, 1, E), np.uint16), np.zeros((HKV, 1, EV), np.uint16))

@@ -91,3 +91,18 @@ def test_route_and_search(keys):
     pat = full.search(q, 7, is_causal=True, query_positions=np.arange(40) * 10)
     for i in range(40):
         assert np.all(pat.row(i) <= 10 * i)
+
+
+@pytest.mark.parametrize("S,E,C", [(4096, 64, 64), (300, 12, 5), (1000, 7, 31), (50, 3, 1)])
+def test_labels_equal_build_assignment(S: int, E: int, C: int) -> None:
+    """labels() runs the k-means alone: the same assignment build() computes (split = 0)."""
+    x = np.random.default_rng(S).standard_normal((S, E)).astype(np.float32)
+    kw = dict(n_clusters=C, n_probe=1, n_iter=5, seed=3, spherical=True, assign="ip", n_threads=1)
+    built = ClusterIndex(**kw).build(x).assignment_
+    lab = ClusterIndex(**kw).labels(x)
+    assert lab.dtype == np.int64 and lab.shape == (S,)
+    np.testing.assert_array_equal(lab, built)
+    with pytest.raises(ValueError, match="split"):
+        ClusterIndex(split=2.0).labels(x)
+    with pytest.raises(ValueError, match="keys must be"):
+        ClusterIndex().labels(x[0])

@@ -279,6 +279,32 @@ class ClusterIndex:
         self.keys_ = keys
         return self
 
+    def labels(self, keys: np.ndarray) -> np.ndarray:
+        """Cluster of each key from the k-means alone, without building the index (no reordered keys,
+        routing vectors or statistics): the ``assignment_`` that ``build(keys)`` would give.
+
+        Parameters
+        ----------
+        keys : (S, E) float32 or float64 array, S >= 1
+
+        Returns
+        -------
+        (S,) int64 in ``[0, C)``
+        """
+        if self.split > 0:
+            raise ValueError("labels() is the k-means assignment only; with split > 0 use build(keys).assignment_.")
+        keys = np.asarray(keys)
+        if keys.ndim != 2 or keys.dtype not in (np.float32, np.float64) or keys.shape[0] < 1:
+            raise ValueError(f"keys must be a 2-D float32 or float64 array (S >= 1, E); got {keys.dtype} "
+                             f"{keys.shape}.")
+        S = keys.shape[0]
+        C, _, n_train = self.sizes(S)
+        centred = keys - keys.mean(axis=0, dtype=np.float64).astype(keys.dtype) if self.center else keys
+        centred = np.ascontiguousarray(centred)
+        self.centroids_ = self._kmeans(centred, C, n_train).astype(keys.dtype)
+        with worker_threads(self.threads_):
+            return self._assign(centred, self.threads_).astype(np.int64)
+
     def _kmeans(self, centred: np.ndarray, C: int, n_train: int, seed_offset: int = 0) -> np.ndarray:
         """(C, E) float32 centroids of a k-means over ``n_train`` sampled rows of ``centred``."""
         import faiss

@@ -44,6 +44,29 @@ def prefetch_row(typingctx, arr, row):
     return sig, codegen
 
 
+@intrinsic
+def prefetch_l2(typingctx, arr, row, offset):
+    """Hint the CPU to fetch the cache line ``offset`` bytes after ``arr[row, 0]`` into L2 (not L1): for a
+    block of rows read a little later, larger than L1.  A no-op semantically."""
+    sig = types.void(arr, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        zero = context.get_constant(types.intp, 0)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], zero], wraparound=False)
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        addr = builder.gep(builder.bitcast(ptr, i8p), [args[2]])
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        # (address, rw = read, locality 2 = L2 and outer levels, cache type = data)
+        builder.call(fn, [addr, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 _LOG2E = np.float32(1.0 / math.log(2.0))
 # Taylor coefficients of 2**f = exp(f ln 2) on f in [-0.5, 0.5]: truncation error < 1.3e-7 relative.
 _C = [np.float32(math.log(2.0) ** i / math.factorial(i)) for i in range(8)]

@@ -54,7 +54,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ._intrinsics import exp_shifted_f32
+from ._intrinsics import exp_shifted_f32, prefetch_l2
 from ._options import FASTMATH, serial_and_parallel
 from .topk import ORDER_BEST, heap_finish, heap_offer
 
@@ -152,7 +152,8 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
             for e in range(E):
                 s += qi[e] * widen_f16(cv[e])
             if mode == MODE_CLUSTER:
-                n_sel = heap_offer(hs, hb, n_sel, width, s, c)
+                if n_sel < width or s > hs[0]:  # ids ascend: a tie with the root never enters
+                    n_sel = heap_offer(hs, hb, n_sel, width, s, c)
             else:
                 qc[c] = s
                 if ccount[g, c] <= 0 or cminpos[g, c] > qp:
@@ -171,7 +172,8 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
                 a1 = qi[e] * widen_bf16(mn[e]) if BF16 else qi[e] * widen_f16(mn[e])
                 a2 = qi[e] * widen_bf16(mx[e]) if BF16 else qi[e] * widen_f16(mx[e])
                 s += a1 if a1 > a2 else a2
-            n_sel = heap_offer(hs, hb, n_sel, n_probe, s, b)
+            if n_sel < n_probe or s > hs[0]:
+                n_sel = heap_offer(hs, hb, n_sel, n_probe, s, b)
     elif mode == MODE_TOPK:
         for j in range(n_slots):
             if pg[j] > qp:
@@ -180,7 +182,8 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
             s = np.float32(0.0)
             for e in range(E):
                 s += qi[e] * (widen_bf16(kj[e]) if BF16 else widen_f16(kj[e]))
-            n_sel = heap_offer(hs, hb, n_sel, n_probe, s, j)
+            if n_sel < n_probe or s > hs[0]:
+                n_sel = heap_offer(hs, hb, n_sel, n_probe, s, j)
         # attend the chosen slots in ascending slot order (a deterministic sum order)
         hb[:n_sel].sort()
     elif mode == MODE_LIST:
@@ -194,6 +197,8 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
         heap_finish(hs, hb, n_sel, ORDER_BEST)
         n_zone = n_sel - n_probe
         n_sel = n_probe
+    if mode == MODE_CLUSTER or mode == MODE_PAGES:
+        hb[:n_sel].sort()  # read in slot order (clusters and pages are laid out by id): a forward sweep
     # MODE_MASS walk state
     order = np.empty(0, dtype=np.int64)
     tot = 0.0
@@ -267,6 +272,23 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
         else:  # MODE_NONE: the two exact ranges only
             break
         rr += 1
+        if (mode == MODE_CLUSTER or mode == MODE_PAGES) and 2 <= rr and rr - 2 < n_sel:
+            # announce the next routed range while this one is scored: its rows are contiguous, so
+            # one hint per cache line of keys and of values (locality: L2)
+            nxt = hb[rr - 2]
+            if mode == MODE_CLUSTER:
+                na = cptr[g, nxt]
+                nb = cptr[g, nxt + 1]
+            else:
+                na = n_sinks + nxt * page_size
+                nb = min(na + page_size, ex_lo)
+            if nb > na:
+                kbytes = (nb - na) * Kg.shape[1] * Kg.itemsize
+                vbytes = (nb - na) * Vg.shape[1] * Vg.itemsize
+                for off in range(0, kbytes, 64):
+                    prefetch_l2(Kg, na, off)
+                for off in range(0, vbytes, 64):
+                    prefetch_l2(Vg, na, off)
         if record and b > a:
             rec[r, n_recorded, 0] = a
             rec[r, n_recorded, 1] = b
