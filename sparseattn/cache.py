@@ -84,7 +84,7 @@ import numpy as np
 
 from .attention.tail import as_tail
 from .inputs import check_positive_int, check_scale, overflow_message
-from .kernels.decode import EVICTED
+from .kernels.decode import EVICTED, all_finite
 from .threads import executor, get_num_threads, single_threaded_blas
 
 __all__ = ["KVCache"]
@@ -121,6 +121,11 @@ def _to_numpy(x: object, name: str) -> np.ndarray:
     if arr.dtype.kind == "V" and arr.dtype.itemsize == 2:  # e.g. ml_dtypes bfloat16 seen as void
         raise TypeError(f"{name}: unsupported dtype {arr.dtype}; pass float16/32/64.")
     return arr
+
+
+def _finite(arr: np.ndarray) -> bool:
+    """Every element finite (a 3-D float16/32/64 array)."""
+    return bool(np.isfinite(arr).all()) if arr.dtype == np.float16 else all_finite(arr)
 
 
 def _check_float(arr: np.ndarray, name: str) -> None:
@@ -591,8 +596,7 @@ class KVCache:
         if (type(keys) is np.ndarray and type(values) is np.ndarray and self._sdtype.kind == "f"
                 and keys.dtype == self._sdtype
                 and values.dtype == self._sdtype and keys.shape == (hk, 1, self.head_dim)
-                and values.shape == (hk, 1, self.value_dim) and np.isfinite(keys).all()
-                and np.isfinite(values).all()):
+                and values.shape == (hk, 1, self.value_dim) and _finite(keys) and _finite(values)):
             ks, vs = keys, values  # one decode token already in the storage dtype: nothing to convert
         else:
             k, v = self._validate_kv(keys, values)
@@ -703,29 +707,50 @@ class KVCache:
         (replacing those of the open segment, which [a, b) always contains).
 
         Only live keys are clustered; a head's evicted slots in [a, b) (not yet compacted) go to the end
-        of its last cluster's range, where the position mask hides them.
+        of its last cluster's range, where the position mask hides them.  Each head's k-means, reordering
+        and statistics run on a worker thread (FAISS and numpy's copies and reductions release the GIL).
         """
         hk = self.num_kv_heads
         firsts = self._closed_cent.copy()
         self._n_cent[:] = self._closed_cent  # the open segment's routing vectors are recomputed
-        n_live = np.zeros(hk, np.int64)
-        for g in range(hk):  # back to position order (evicted last): the clusters depend on the keys only
-            if b - a > 1 and np.any(np.diff(self._pos[g, a:b]) < 0):
-                self._permute(g, a, b, np.argsort(self._pos[g, a:b], kind="stable"))
-            n_live[g] = int(np.count_nonzero(self._pos[g, a:b] != EVICTED))
-        xs = [self._decode(self._K[g, a:a + n_live[g]]) for g in range(hk)]
-        counts_c = [max(1, int(n_live[g]) // self.cluster_size) for g in range(hk)]
+
+        def head(g: int) -> tuple[Any, ...]:
+            pos = self._pos[g, a:b]
+            # position order, evicted slots last (stable): the clusters depend on the keys only
+            by_pos = np.argsort(pos, kind="stable") if b - a > 1 and np.any(np.diff(pos) < 0) else None
+            nl = int(np.count_nonzero(pos != EVICTED))
+            live = a + (by_pos[:nl] if by_pos is not None else np.arange(nl))
+            if nl == 0:
+                if by_pos is not None:
+                    self._permute(g, a, b, by_pos)
+                return (0,)
+            x = self._decode(self._K[g, live])
+            n_c = max(1, nl // self.cluster_size)
+            labels = cluster_segment(x, n_c, seed=self.seed)
+            order = np.argsort(labels, kind="stable")
+            rest = np.arange(nl, b - a)
+            final = np.concatenate([order, rest]) if by_pos is None else by_pos[np.concatenate([order, rest])]
+            self._permute(g, a, b, final)  # one reordering: position order, then cluster order
+            counts = np.bincount(labels, minlength=n_c)
+            kept = counts > 0
+            starts = np.concatenate([[0], np.cumsum(counts)[:-1]])[kept]
+            sums = np.add.reduceat(x[order], starts, axis=0, dtype=np.float64)
+            means = (sums / counts[kept, None]).astype(np.float32)
+            vsum = np.add.reduceat(self._decode(self._V[g, a:a + nl]), starts, axis=0, dtype=np.float64)
+            seg_pos = self._pos[g, a:a + nl]
+            return (nl, counts[kept], means, (vsum / counts[kept, None]).astype(np.float32),
+                    np.minimum.reduceat(seg_pos, starts), np.maximum.reduceat(seg_pos, starts))
+
         n_threads = min(get_num_threads(), hk)
         with single_threaded_blas():  # parallel over heads, not inside BLAS (oversubscription: ~10x slower)
-            if n_threads > 1:  # one head per worker, each k-means single-threaded (FAISS releases the GIL)
-                all_labels = list(executor(n_threads).map(
-                    lambda xc: cluster_segment(xc[0], xc[1], seed=self.seed), zip(xs, counts_c, strict=True)))
+            if n_threads > 1:  # one head per worker, each k-means single-threaded
+                results = list(executor(n_threads).map(head, range(hk)))
             else:
-                all_labels = [cluster_segment(x, c, seed=self.seed) for x, c in zip(xs, counts_c, strict=True)]
+                results = [head(g) for g in range(hk)]
         for g in range(hk):
-            x, labels, nl = xs[g], all_labels[g], int(n_live[g])
+            res = results[g]
             nc = int(self._n_cent[g])
-            if nl == 0:  # every key of this head evicted: one empty cluster holds the slots
+            if res[0] == 0:  # every key of this head evicted: one empty cluster holds the slots
                 self._grow_centroids(nc + 1)
                 self._cent[g, nc] = 0
                 self._cvmean[g, nc] = 0.0
@@ -734,23 +759,15 @@ class KVCache:
                 self._cptr[g, nc], self._cptr[g, nc + 1] = a, b
                 self._n_cent[g] = nc + 1
                 continue
-            order = np.argsort(labels, kind="stable")
-            counts = np.bincount(labels, minlength=counts_c[g])
-            live = counts > 0
-            starts = np.concatenate([[0], np.cumsum(counts)[:-1]])[live]
-            sums = np.add.reduceat(x[order].astype(np.float64), starts, axis=0)
-            means = (sums / counts[live, None]).astype(np.float32)
-            self._permute(g, a, b, np.concatenate([order, np.arange(nl, b - a)]))
-            vsum = np.add.reduceat(self._decode(self._V[g, a:a + nl]).astype(np.float64), starts, axis=0)
-            seg_pos = self._pos[g, a:a + nl]
+            _, counts, means, vmean, pmin, pmax = res
             m = means.shape[0]
             self._grow_centroids(nc + m)
-            self._cvmean[g, nc:nc + m] = (vsum / counts[live, None]).astype(np.float32)
-            self._ccount[g, nc:nc + m] = counts[live]
-            self._cminpos[g, nc:nc + m] = np.minimum.reduceat(seg_pos, starts)
-            self._cmaxpos[g, nc:nc + m] = np.maximum.reduceat(seg_pos, starts)
+            self._cvmean[g, nc:nc + m] = vmean
+            self._ccount[g, nc:nc + m] = counts
+            self._cminpos[g, nc:nc + m] = pmin
+            self._cmaxpos[g, nc:nc + m] = pmax
             self._cent[g, nc:nc + m] = means.astype(np.float16).view(np.uint16)
-            self._cptr[g, nc + 1:nc + 1 + m] = a + np.cumsum(counts[live])
+            self._cptr[g, nc + 1:nc + 1 + m] = a + np.cumsum(counts)
             self._cptr[g, nc] = a
             self._cptr[g, nc + m] = b  # evicted slots, if any, close the last cluster's range
             self._n_cent[g] = nc + m
@@ -1216,6 +1233,9 @@ class KVCache:
         T = q.shape[1]
         qpos = np.arange(self._n - T, self._n, dtype=np.int64)
         tail = as_tail(tail)
+        if tail is not None and (selector or self.selector) == "cluster" and self.estimate > 0:
+            raise ValueError(f"tail= and estimate={self.estimate} both estimate the keys a step does not read; "
+                             f"use one: a cache with estimate=0, or tail=None.")
         out, lse, nread, nest, rec, n_rec = self._run(q, qpos, k, selector or self.selector,
                                                       record=tail is not None)
         if np.isposinf(lse).any():

@@ -458,3 +458,28 @@ def test_bfloat16_cache_refuses_raw_uint16() -> None:
     c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, dtype="bfloat16")
     with pytest.raises(TypeError, match="keys must have dtype float16, float32 or float64"):
         c.append(np.zeros((HKV, 1, E), np.uint16), np.zeros((HKV, 1, EV), np.uint16))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("where", [(0, 0, 0), (1, 0, E - 1), (0, 0, 7)])
+def test_one_token_append_finds_one_bad_element_in_a_strided_view(bad: float, where: tuple) -> None:
+    k, v = _kv(20, seed=43)
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV)
+    kk = k.copy()
+    kk[where[0], 5, where[2]] = bad
+    with pytest.raises(ValueError, match="keys contains NaN or Inf"):
+        c.append(kk[:, 5:6], v[:, 5:6])  # a strided (H_kv, 1, E) view: the one-token path
+    vv = v.copy()
+    vv[where[0], 5, min(where[2], EV - 1)] = bad
+    with pytest.raises(ValueError, match="values contains NaN or Inf"):
+        c.append(k[:, 5:6], vv[:, 5:6])
+    assert len(c) == 0
+
+
+def test_tail_and_estimation_zone_are_refused_together() -> None:
+    k, v = _kv(300, seed=44)
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=2, estimate=4)
+    c.append(k, v)
+    with pytest.raises(ValueError, match="tail= and estimate=4"):
+        c.attend(_q(1), tail=16)
+    assert c.attend(_q(1), tail=16, selector="window").shape == (H, 1, EV)  # no estimate there

@@ -101,6 +101,19 @@ def widen_bf16(typingctx, x):
     return None
 
 
+@njit(cache=True, nogil=True)
+def all_finite(a):
+    """True iff every element of the 3-D float32/float64 array ``a`` (any strides) is finite; stops at the
+    first NaN or Inf (a small strided array checks ~5x faster than ``np.isfinite(a).all()``)."""
+    for i in range(a.shape[0]):
+        for j in range(a.shape[1]):
+            for e in range(a.shape[2]):
+                x = a[i, j, e]
+                if not (x - x == 0):  # NaN and +-Inf give NaN (no fastmath here)
+                    return False
+    return True
+
+
 @njit(cache=True, inline="always")
 def _raise_max(m_run, m_new, l_run, acc):
     """Online softmax: when ``m_new`` exceeds the running maximum, rescale the running sum and the
