@@ -84,7 +84,7 @@ import numpy as np
 
 from .attention.tail import as_tail
 from .inputs import check_positive_int, check_scale, overflow_message
-from .kernels.decode import EVICTED, all_finite
+from .kernels.decode import EVICTED
 from .threads import executor, get_num_threads, single_threaded_blas
 
 __all__ = ["KVCache"]
@@ -123,9 +123,7 @@ def _to_numpy(x: object, name: str) -> np.ndarray:
     return arr
 
 
-def _finite(arr: np.ndarray) -> bool:
-    """Every element finite (a 3-D float16/32/64 array)."""
-    return bool(np.isfinite(arr).all()) if arr.dtype == np.float16 else all_finite(arr)
+_F32 = np.dtype(np.float32)
 
 
 def _check_float(arr: np.ndarray, name: str) -> None:
@@ -533,16 +531,24 @@ class KVCache:
     def _encode(self, x: np.ndarray, name: str) -> np.ndarray:
         """Round validated float input to the storage dtype (float16 overflow -> ValueError)."""
         if self.storage == "bfloat16":
-            bits = _bf16_bits(x)
+            with np.errstate(over="ignore"):  # float64 beyond float32's range: inf bits, refused below
+                bits = _bf16_bits(x)
             if (bits & 0x7F80 == 0x7F80).any():
                 raise ValueError(f"{name} has values beyond bfloat16's range (|x| > 3.39e38 after rounding); "
                                  f"use dtype=np.float32 storage.")
             return bits
+        if x.dtype == self._sdtype:
+            return x
+        if self.storage == "float16":  # |x| >= 65520 rounds to inf; below, the cast is exact or rounds
+            if x.size and float(np.abs(x).max()) >= 65520.0:
+                raise ValueError(f"{name} has values beyond float16's range (|x| > 65504); use dtype=np.float32 "
+                                 f"or 'bfloat16' storage.")
+            return x.astype(np.float16)
         with np.errstate(over="ignore"):
-            out = np.asarray(x, dtype=self._sdtype)
-        if self.storage == "float16" and x.dtype != np.float16 and not np.isfinite(out).all():
-            raise ValueError(f"{name} has values beyond float16's range (|x| > 65504); use dtype=np.float32 "
-                             f"or 'bfloat16' storage.")
+            out = x.astype(np.float32)
+        if not np.isfinite(out).all():
+            raise ValueError(f"{name} has values beyond float32's range (|x| > 3.4e38); scale them down before "
+                             f"appending (the cache stores float32 at most).")
         return out
 
     def _decode(self, x: np.ndarray) -> np.ndarray:
@@ -593,15 +599,16 @@ class KVCache:
         """
         t0 = time.perf_counter()
         hk = self.num_kv_heads
-        if (type(keys) is np.ndarray and type(values) is np.ndarray and self._sdtype.kind == "f"
-                and keys.dtype == self._sdtype
-                and values.dtype == self._sdtype and keys.shape == (hk, 1, self.head_dim)
-                and values.shape == (hk, 1, self.value_dim) and _finite(keys) and _finite(values)):
-            ks, vs = keys, values  # one decode token already in the storage dtype: nothing to convert
-        else:
-            k, v = self._validate_kv(keys, values)
-            ks = self._encode(k, "keys")
-            vs = self._encode(v, "values")
+        if (type(keys) is np.ndarray and type(values) is np.ndarray and keys.dtype == _F32
+                and values.dtype == _F32 and keys.shape == (hk, 1, self.head_dim)
+                and values.shape == (hk, 1, self.value_dim) and self._n + 1 < _INT32_MAX
+                and self._append_token(keys, values)):
+            self._stats["appends"] += 1
+            self._stats["append_seconds"] += time.perf_counter() - t0
+            return
+        k, v = self._validate_kv(keys, values)
+        ks = self._encode(k, "keys")
+        vs = self._encode(v, "values")
         T = ks.shape[1]
         if self._n + T >= _INT32_MAX:
             raise ValueError(f"the cache holds positions as int32: fewer than {_INT32_MAX} tokens in total.")
@@ -615,25 +622,47 @@ class KVCache:
             a, b = self._slots, self._slots + step
             self._K[:, a:b] = ks[:, done:done + step]
             self._V[:, a:b] = vs[:, done:done + step]
-            if step == 1:
-                self._pos[:, a] = self._n
-            else:
-                self._pos[:, a:b] = np.arange(self._n, self._n + step, dtype=np.int32)
-            if self.policy == "h2o":
-                self._weight[:, a:b] = 0.0
-            self._slots = b
-            self._n += step
-            self._n_live += step
+            self._commit(a, b)
             done += step
-            if self.selector == "pages":
-                self._update_pages(a, b)
-            if self.selector == "cluster":
-                self._cluster_full_segments()
-            if self._index_template is not None:
-                self._index_append(a, b)
-            self._enforce_cap()
         self._stats["appends"] += 1
         self._stats["append_seconds"] += time.perf_counter() - t0
+
+    def _append_token(self, keys: np.ndarray, values: np.ndarray) -> bool:
+        """One float32 token (H_kv, 1, E) / (H_kv, 1, Ev): checked and rounded straight into its slot by
+        one Numba call per array (the decode loop's append).  False, with nothing appended, when a value
+        is not finite or beyond the storage range (the general path then raises the error)."""
+        from .kernels import decode as kd
+
+        store = {"float32": kd.store_token_f32, "float16": kd.store_token_f16,
+                 "bfloat16": kd.store_token_bf16}[self.storage]
+        self._reserve(1)
+        a = self._slots
+        K, V = self._K, self._V
+        if self.storage == "float16":
+            K, V = K.view(np.uint16), V.view(np.uint16)
+        if store(keys, K[:, a]) or store(values, V[:, a]):
+            return False  # slot a is past the end: the partial write is never read
+        self._commit(a, a + 1)
+        return True
+
+    def _commit(self, a: int, b: int) -> None:
+        """Slots [a, b) (just written at the end) become the next positions: indexes, caps follow."""
+        if b == a + 1:
+            self._pos[:, a] = self._n
+        else:
+            self._pos[:, a:b] = np.arange(self._n, self._n + (b - a), dtype=np.int32)
+        if self.policy == "h2o":
+            self._weight[:, a:b] = 0.0
+        self._slots = b
+        self._n += b - a
+        self._n_live += b - a
+        if self.selector == "pages":
+            self._update_pages(a, b)
+        if self.selector == "cluster":
+            self._cluster_full_segments()
+        if self._index_template is not None:
+            self._index_append(a, b)
+        self._enforce_cap()
 
     def _update_pages(self, a: int, b: int) -> None:
         """Recompute the min/max and smallest position of the pages holding slots [a, b) (pages start

@@ -483,3 +483,20 @@ def test_tail_and_estimation_zone_are_refused_together() -> None:
     with pytest.raises(ValueError, match="tail= and estimate=4"):
         c.attend(_q(1), tail=16)
     assert c.attend(_q(1), tail=16, selector="window").shape == (H, 1, EV)  # no estimate there
+
+
+@pytest.mark.parametrize("dtype,big,name", [(np.float32, 1e300, "float32"), (np.float16, 7e4, "float16"),
+                                            ("bfloat16", 1e300, "bfloat16")])
+@pytest.mark.parametrize("t", [1, 3])
+def test_values_beyond_the_storage_range_are_refused_at_append(dtype: object, big: float, name: str, t: int) -> None:
+    c = KVCache(2, 4, dtype=dtype)
+    k = np.ones((2, t, 4))
+    k[1, t - 1, 2] = big
+    with pytest.raises(ValueError, match=f"keys has values beyond {name}'s range"):
+        c.append(k, np.ones((2, t, 4)))
+    with pytest.raises(ValueError, match=f"values has values beyond {name}'s range"):
+        c.append(np.ones((2, t, 4)), -k)
+    assert len(c) == 0
+    edge = np.full((2, 1, 4), 65519.0 if name == "float16" else 1.0, np.float32)  # rounds to 65504: kept
+    c.append(edge, edge)
+    assert np.isfinite(c._decode(c._K[:, :1])).all()
