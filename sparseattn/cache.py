@@ -84,6 +84,7 @@ import numpy as np
 
 from .attention.tail import as_tail
 from .inputs import check_positive_int, check_scale, overflow_message
+from .kernels.cache_ops import least_weight_slot, mark_evicted_clusters, slots_of_positions
 from .kernels.decode import EVICTED
 from .threads import executor, get_num_threads, single_threaded_blas
 
@@ -366,6 +367,7 @@ class KVCache:
         self._slots = 0  # slots in use (live + evicted, not yet compacted)
         self._pad = 0  # evicted slots left after the last compaction
         self._lo_done = 0  # streaming: positions below this (sinks apart) are evicted
+        self._evict_from = 0  # streaming + cluster: no slot before this holds a key still to evict
         self._cap = 0
         self._K = np.zeros((hk, 0, E), self._sdtype)
         self._V = np.zeros((hk, 0, Ev), self._sdtype)
@@ -849,21 +851,14 @@ class KVCache:
         if self.selector != "cluster":  # position order, the evicted ones first: the next e slots
             first = s0 + (self._slots - self._n_live)
             return np.broadcast_to(np.arange(first, first + e, dtype=np.int64), (hk, e)).copy()
+        # clustered regions hold their keys in cluster order: scan every slot (compiled; a head's scan
+        # stops at its e-th victim)
         out = np.empty((hk, e), np.int64)
-        got = 0
-        bounds = [a for a, _ in self._segments] + [self._seg_end, self._open_end, self._slots]
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):  # regions in position order: scan from the oldest
-            if a >= b:
-                continue
-            p = self._pos[:, a:b]
-            hit = (p >= lo0) & (p < lo1)
-            n_hit = int(np.count_nonzero(hit[0]))
-            if n_hit:
-                for g in range(hk):
-                    out[g, got:got + n_hit] = a + np.flatnonzero(hit[g])
-                got += n_hit
-            if got == e or bool(np.any((p[0] >= lo1) & (p[0] != EVICTED))):
-                break
+        got = slots_of_positions(self._pos, max(s0, self._evict_from), self._slots, lo0, lo1, out)
+        if got:  # later victims are newer: they sit in this region or after it
+            starts = [a for a, _ in self._segments] + [self._seg_end, self._open_end]
+            first = int(out[:, :got].min())
+            self._evict_from = max(a for a in starts + [s0] if a <= first)
         return out[:, :got]
 
     def _h2o_victims(self, e: int) -> np.ndarray:
@@ -872,6 +867,10 @@ class KVCache:
         hk, n = self.num_kv_heads, self._slots
         out = np.empty((hk, e), np.int64)
         newest = self._n - self.window
+        if e == 1:  # a decode step: one compiled scan per kv head
+            least_weight_slot(self._pos, self._weight, n, self.sinks, newest, EVICTED, out[:, 0])
+            if (out[:, 0] >= 0).all():
+                return out
         for g in range(hk):
             p = self._pos[g, :n]
             w = np.where((p >= self.sinks) & (p < newest) & (p != EVICTED), self._weight[g, :n], np.inf)
@@ -890,15 +889,14 @@ class KVCache:
         them), clusters holding one are no longer estimated, pages and index maps updated."""
         hk = self.num_kv_heads
         s0 = min(self.sinks, self._slots)
+        kill = np.ascontiguousarray(kill, dtype=np.int64)
+        if self.selector == "cluster":
+            mark_evicted_clusters(self._pos, kill, self._cptr, self._n_cent, self._cmaxpos, EVICTED)
+        else:
+            for g in range(hk):
+                self._pos[g, kill[g]] = EVICTED
         for g in range(hk):
             kg = kill[g]
-            self._pos[g, kg] = EVICTED
-            if self.selector == "cluster":
-                nc = int(self._n_cent[g])
-                inside = kg[kg < self._cptr[g, nc]] if nc else kg[:0]
-                if inside.size:
-                    c = np.searchsorted(self._cptr[g, :nc + 1], inside, side="right") - 1
-                    self._cmaxpos[g, c] = EVICTED
             if self.selector == "pages":
                 for b in np.unique((kg[kg >= s0] - s0) // self.page_size):
                     first = s0 + int(b) * self.page_size
@@ -977,6 +975,7 @@ class KVCache:
             setattr(self, name, new[name])
         self._slots = w
         self._pad = w - self._n_live
+        self._evict_from = 0  # slots moved
         self._stats["compactions"] += 1
         if self.selector == "pages":
             self._update_pages(s0, w)
