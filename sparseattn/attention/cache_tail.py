@@ -38,7 +38,7 @@ from numba import prange
 
 from ..inputs import overflow_message
 from ..kernels._options import serial_and_parallel
-from ..kernels.sample import _GOLDEN, _below, _mix
+from ..kernels.sample import _GOLDEN, _below, _mix, floyd_sample
 from ..pattern import SparsePattern
 from .merge import _merge_parts
 from .tail import Tail, as_tail, shrink_log_weights
@@ -96,18 +96,8 @@ def _sample_rows(pos, n_slots, qpos, rep, rec, n_rec, u, m_rows, enum, seed, idx
                 for c in range(n):
                     picks[c] = members[c]
                 continue
-            # Floyd's algorithm: mi distinct ranks of [0, n), every subset equally likely
             ranks = np.empty(mi, dtype=np.int64)
-            k = 0
-            for j in range(n - mi, n):
-                state, x = _below(state, j + 1)
-                dup = False
-                for c in range(k):
-                    if ranks[c] == x:
-                        dup = True
-                        break
-                ranks[k] = j if dup else x
-                k += 1
+            state = floyd_sample(state, n, mi, ranks)
             ranks.sort()
             for c in range(mi):
                 picks[c] = members[ranks[c]]

@@ -23,22 +23,30 @@ from numba.extending import intrinsic
 from ._options import FASTMATH
 
 
+def _prefetch(context, builder, aryty, ary_val, row, offset, locality):
+    """Emit ``llvm.prefetch`` (read, data) of the byte ``offset`` after ``arr[row, 0]``."""
+    ary = context.make_array(aryty)(context, builder, ary_val)
+    zero = context.get_constant(types.intp, 0)
+    ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [row, zero], wraparound=False)
+    i8p = ir.IntType(8).as_pointer()
+    i32 = ir.IntType(32)
+    addr = builder.bitcast(ptr, i8p)
+    if offset is not None:
+        addr = builder.gep(addr, [offset])
+    fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+    # (address, rw = read, locality, cache type = data)
+    builder.call(fn, [addr, ir.Constant(i32, 0), ir.Constant(i32, locality), ir.Constant(i32, 1)])
+
+
 @intrinsic
 def prefetch_row(typingctx, arr, row):
-    """Hint the CPU to fetch ``arr[row, 0]`` (and its cache line) for reading; a no-op semantically."""
+    """Hint the CPU to fetch ``arr[row, 0]`` (and its cache line) for reading into every cache level; a
+    no-op semantically."""
     sig = types.void(arr, types.intp)
 
     def codegen(context, builder, signature, args):
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        zero = context.get_constant(types.intp, 0)
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], zero], wraparound=False)
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        # (address, rw = read, locality = keep in all cache levels, cache type = data)
-        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        _prefetch(context, builder, signature.args[0], args[0], args[1], None, 3)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -51,17 +59,7 @@ def prefetch_l2(typingctx, arr, row, offset):
     sig = types.void(arr, types.intp, types.intp)
 
     def codegen(context, builder, signature, args):
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        zero = context.get_constant(types.intp, 0)
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1], zero], wraparound=False)
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        addr = builder.gep(builder.bitcast(ptr, i8p), [args[2]])
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        # (address, rw = read, locality 2 = L2 and outer levels, cache type = data)
-        builder.call(fn, [addr, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+        _prefetch(context, builder, signature.args[0], args[0], args[1], args[2], 2)
         return context.get_dummy_value()
 
     return sig, codegen

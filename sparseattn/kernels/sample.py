@@ -37,6 +37,23 @@ def _below(state, n):
     return state, min(r, n - 1)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def floyd_sample(state, n, m, out):
+    """Floyd's algorithm: ``m`` distinct integers of ``[0, n)`` (``m <= n``), every subset equally likely,
+    in ``out[:m]`` (unsorted); returns the next stream state."""
+    k = 0
+    for j in range(n - m, n):
+        state, t = _below(state, j + 1)
+        dup = False
+        for c in range(k):
+            if out[c] == t:
+                dup = True
+                break
+        out[k] = j if dup else t
+        k += 1
+    return state
+
+
 @njit(cache=True, nogil=True)
 def _tail_rank(t, sel):
     """The t-th (0-based) rank in [0, ...) that is not in the sorted array ``sel``."""
@@ -99,17 +116,7 @@ def sample_tail(indptr, indices, visible, order, rank, m, seed, stream):
         u = vis - sel.shape[0]
         state = _mix(base ^ (np.uint64(i) * _GOLDEN))
         picks = np.empty(mi, dtype=np.int64)
-        # Floyd's algorithm: mi distinct integers of [0, u), each subset equally likely.
-        n = 0
-        for j in range(u - mi, u):
-            state, t = _below(state, j + 1)
-            dup = False
-            for c in range(n):
-                if picks[c] == t:
-                    dup = True
-                    break
-            picks[n] = j if dup else t
-            n += 1
+        state = floyd_sample(state, u, mi, picks)
         a = tptr[i]
         for c in range(mi):
             tidx[a + c] = order[_tail_rank(picks[c], sel)]
