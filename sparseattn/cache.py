@@ -503,7 +503,14 @@ class KVCache:
         n_tokens : int >= 0
         """
         n_tokens = check_positive_int(n_tokens, "n_tokens", minimum=0)
-        self._reserve(n_tokens, exact=True)
+        if self._n + n_tokens >= _INT32_MAX:
+            raise ValueError(f"n_tokens={n_tokens}: the cache holds positions as int32, so fewer than "
+                             f"{_INT32_MAX - self._n} more tokens fit; reserve fewer.")
+        try:
+            self._reserve(n_tokens, exact=True)
+        except MemoryError as exc:
+            raise MemoryError(f"n_tokens={n_tokens}: storage for {self._slots + n_tokens} tokens does not fit in "
+                              f"memory; reserve fewer.") from exc
 
     def _reserve(self, extra: int, *, exact: bool = False) -> None:
         need = self._slots + extra

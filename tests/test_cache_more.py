@@ -423,6 +423,10 @@ def test_reserve_avoids_reallocation_and_changes_nothing() -> None:
     np.testing.assert_allclose(b.attend(qs, selector="dense"), oracle(qs, k, v, n), atol=2e-5)
     with pytest.raises(ValueError, match="n_tokens"):
         b.reserve(-1)
+    with pytest.raises(ValueError, match="n_tokens=.*int32"):
+        b.reserve(2 ** 31)
+    with pytest.raises((TypeError, ValueError), match="n_tokens"):
+        b.reserve(2.5)
     capped = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, max_keys=100, window=8)
     capped.append(k[:, :10], v[:, :10])
     capped.reserve(10 ** 9)  # bounded by what the cap can ever hold
