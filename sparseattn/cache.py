@@ -288,6 +288,11 @@ class KVCache:
         Run the step's rows (heads x tokens) on Numba's threads (``True``) or on one thread (``False``);
         default: parallel when the step scores at least ``PARALLEL_MIN_KEYS`` keys in total.
 
+    Threads: ``attend`` calls may run concurrently on one cache (each is one kernel call over arrays it
+    only reads; with ``policy="h2o"`` the accumulated weights of concurrent calls may lose updates), but
+    ``append`` and ``reserve`` change the storage and must not overlap any other call on the same cache:
+    one cache per sequence, or a lock.
+
     Examples
     --------
     >>> import numpy as np

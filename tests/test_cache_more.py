@@ -504,3 +504,17 @@ def test_values_beyond_the_storage_range_are_refused_at_append(dtype: object, bi
     edge = np.full((2, 1, 4), 65519.0 if name == "float16" else 1.0, np.float32)  # rounds to 65504: kept
     c.append(edge, edge)
     assert np.isfinite(c._decode(c._K[:, :1])).all()
+
+
+def test_concurrent_attends_on_one_cache_equal_serial() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    k, v = _kv(2000, seed=45)
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=256, cluster_size=16, n_probe=4)
+    c.append(k, v)
+    qs = [_q(1, seed=100 + i) for i in range(16)]
+    serial = [c.attend(q) for q in qs]
+    with ThreadPoolExecutor(4) as ex:
+        par = list(ex.map(c.attend, qs * 3))
+    for i, out in enumerate(par):
+        np.testing.assert_array_equal(out, serial[i % 16])
