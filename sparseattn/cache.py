@@ -133,6 +133,17 @@ def _check_float(arr: np.ndarray, name: str) -> None:
                         f"Convert with {name}.astype(np.float32).")
 
 
+def routing_bits(means: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Routing vectors (m, E) float -> (float16 bits (m, E) uint16, scales (m,) float32) with
+    ``vector ~= float16(bits) * scale``: each vector is divided by its largest magnitude first, so any
+    finite float32 key mean (1e-40 .. 3e38) keeps float16's relative precision instead of under- or
+    overflowing."""
+    m = np.asarray(means, dtype=np.float64)
+    sc = np.abs(m).max(axis=1) if m.size else np.zeros(m.shape[0])
+    sc = np.where(sc > 0, sc, 1.0)
+    return (m / sc[:, None]).astype(np.float16).view(np.uint16), sc.astype(np.float32)
+
+
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16 bit patterns (uint16), rounding to nearest even."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
@@ -383,7 +394,8 @@ class KVCache:
         self._open_end = 0  # cluster: first tail slot; [seg_end, open_end) is the open segment
         self._closed_cent = np.zeros(hk, np.int64)  # routing vectors of the closed segments, per kv head
         self._segments: list[tuple[int, np.ndarray]] = []  # (first slot, first centroid per kv head)
-        self._cent = np.zeros((hk, 0, E), np.uint16)  # routing vectors, float16 bit patterns
+        self._cent = np.zeros((hk, 0, E), np.uint16)  # routing vectors / their scale, float16 bit patterns
+        self._cscale = np.zeros((hk, 0), np.float32)  # routing vector c = float16(_cent[c]) * _cscale[c]
         self._cptr = np.zeros((hk, 1), np.int64)
         self._n_cent = np.zeros(hk, np.int64)
         self._ccount = np.zeros((hk, 0), np.int64)  # per cluster: live members (estimation zone, top_p)
@@ -430,7 +442,7 @@ class KVCache:
         hk = self.num_kv_heads
         total = self._slots * hk * 4  # int32 position per slot
         if self.selector == "cluster":
-            total += int(self._n_cent.sum()) * (self.head_dim * 2 + 8 + 8 + 8 + 4 * self.value_dim)
+            total += int(self._n_cent.sum()) * (self.head_dim * 2 + 4 + 8 + 8 + 8 + 4 * self.value_dim)
         if self.selector == "pages":
             total += self._n_pages() * hk * (2 * self.head_dim * self._sdtype.itemsize + 4)
         if self.policy == "h2o" and self.max_keys is not None:
@@ -796,6 +808,7 @@ class KVCache:
             if res[0] == 0:  # every key of this head evicted: one empty cluster holds the slots
                 self._grow_centroids(nc + 1)
                 self._cent[g, nc] = 0
+                self._cscale[g, nc] = 1.0
                 self._cvmean[g, nc] = 0.0
                 self._ccount[g, nc] = 0
                 self._cminpos[g, nc] = self._cmaxpos[g, nc] = EVICTED
@@ -809,7 +822,7 @@ class KVCache:
             self._ccount[g, nc:nc + m] = counts
             self._cminpos[g, nc:nc + m] = pmin
             self._cmaxpos[g, nc:nc + m] = pmax
-            self._cent[g, nc:nc + m] = means.astype(np.float16).view(np.uint16)
+            self._cent[g, nc:nc + m], self._cscale[g, nc:nc + m] = routing_bits(means)
             self._cptr[g, nc + 1:nc + 1 + m] = a + np.cumsum(counts)
             self._cptr[g, nc] = a
             self._cptr[g, nc + m] = b  # evicted slots, if any, close the last cluster's range
@@ -817,6 +830,10 @@ class KVCache:
         if closed:
             self._segments.append((a, firsts))
             self._closed_cent = self._n_cent.copy()
+
+    def _routing(self, g: int, nc: int) -> np.ndarray:
+        """Routing vectors ``[0, nc)`` of kv head g, (nc, E) float32."""
+        return self._cent[g, :nc].view(np.float16).astype(np.float32) * self._cscale[g, :nc, None]
 
     def _grow_centroids(self, need: int) -> None:
         if need <= self._cent.shape[1]:
@@ -830,6 +847,7 @@ class KVCache:
             return arr
 
         self._cent = grown(self._cent, 0)
+        self._cscale = grown(self._cscale, 0)
         self._cptr = grown(self._cptr, 1)
         self._cvmean = grown(self._cvmean, 0)
         self._ccount = grown(self._ccount, 0)
@@ -979,7 +997,7 @@ class KVCache:
             for g in range(hk):
                 for c, (lo, hi, cen, vm, cnt, pmn, pmx) in enumerate(cent_lists[g]):
                     self._cptr[g, c], self._cptr[g, c + 1] = lo, hi
-                    self._cent[g, c] = cen
+                    self._cent[g, c], self._cscale[g, c] = cen
                     self._cvmean[g, c] = vm
                     self._ccount[g, c] = cnt
                     self._cminpos[g, c], self._cmaxpos[g, c] = pmn, pmx
@@ -1010,14 +1028,14 @@ class KVCache:
                 continue
             parts.append(keep)
             if keep.size == hi - lo or self._ccount[g, c] == keep.size and self._cmaxpos[g, c] != EVICTED:
-                stats = (self._cent[g, c].copy(), self._cvmean[g, c].copy(), int(keep.size),
+                stats = ((self._cent[g, c].copy(), self._cscale[g, c]), self._cvmean[g, c].copy(), int(keep.size),
                          int(self._cminpos[g, c]), int(self._cmaxpos[g, c]))
             else:  # lost members: statistics of the survivors
                 kk = self._decode(self._K[g, keep]).astype(np.float64)
                 vv = self._decode(self._V[g, keep]).astype(np.float64)
                 pp = self._pos[g, keep]
-                stats = (kk.mean(axis=0).astype(np.float32).astype(np.float16).view(np.uint16),
-                         vv.mean(axis=0).astype(np.float32), int(keep.size), int(pp.min()), int(pp.max()))
+                bits, sc = routing_bits(kk.mean(axis=0)[None])
+                stats = ((bits[0], sc[0]), vv.mean(axis=0).astype(np.float32), int(keep.size), int(pp.min()), int(pp.max()))
             out.append((at, at + keep.size) + stats)
             at += keep.size
         src = np.concatenate(parts) if parts else np.zeros(0, np.int64)
@@ -1029,7 +1047,7 @@ class KVCache:
                 lo, _, *rest = out[-1]
                 out[-1] = (lo, w + R, *rest)
             else:  # no live key of this head here: one empty cluster holds the padding
-                out.append((w, w + R, np.zeros(self.head_dim, np.uint16), np.zeros(self.value_dim, np.float32),
+                out.append((w, w + R, (np.zeros(self.head_dim, np.uint16), 1.0), np.zeros(self.value_dim, np.float32),
                             0, EVICTED, EVICTED))
         return src
 
@@ -1152,7 +1170,7 @@ class KVCache:
             if nc and self.top_p is not None:
                 parts += self._mass_walk(q, g, np.concatenate(parts).astype(np.int64))
             elif nc:
-                sc = self._cent[g, :nc].view(np.float16).astype(np.float32) @ q
+                sc = self._routing(g, nc) @ q
                 top = np.argsort(-sc, kind="stable")[:self.n_probe]
                 parts += [np.arange(self._cptr[g, c], self._cptr[g, c + 1]) for c in top]
         elif sel_name == "pages":
@@ -1199,7 +1217,7 @@ class KVCache:
         exact = exact[pos <= qp]
         s_ex = self._decode(self._K[g, exact]).astype(np.float64) @ q.astype(np.float64) * self.scale
         cnt = self._ccount[g, :nc]
-        qc = self._cent[g, :nc].view(np.float16).astype(np.float64) @ q.astype(np.float64)
+        qc = self._routing(g, nc).astype(np.float64) @ q.astype(np.float64)
         with np.errstate(divide="ignore"):
             la = np.where((cnt > 0) & (self._cminpos[g, :nc] <= qp), qc * self.scale + np.log(cnt), -np.inf)
         m = max(float(s_ex.max()) if s_ex.size else -np.inf, float(la.max()))
@@ -1365,7 +1383,7 @@ class KVCache:
         if self.storage == "float16":  # the kernel reads float16 as uint16 bit patterns
             K, V, pmin, pmax = (a.view(np.uint16) for a in (K, V, pmin, pmax))
         fn(q, qpos, rep, K, V, self._pos, s0, ex_lo, n_slots, hi, mode,
-           n_probe, self._cent, self._cptr, self._n_cent, self._ccount, pmin, pmax, self._pminpos,
+           n_probe, self._cent, self._cscale, self._cptr, self._n_cent, self._ccount, pmin, pmax, self._pminpos,
            self.page_size, np.float32(self.scale), n_est, self._cvmean, self._cminpos, self._cmaxpos,
            float(self.top_p if self.top_p is not None else 1.0), self.top_p_min_keys, self.top_p_max_keys,
            rows_sel, rec, n_rec, out, lse, nread, nest)

@@ -352,3 +352,42 @@ def test_selected_slots_match_keys_read() -> None:
         keep = cache._pos[0, sel]
         ref = reference(q[:1], k[:1], v[:1], n, keep=keep)[0]
         np.testing.assert_allclose(cache.attend(q[:1].repeat(H, 0), k=20)[0], ref[0], atol=2e-5)
+
+
+@pytest.mark.parametrize("kmag,vmag", [(1e-40, 1.0), (1e-20, 1e30), (1.0, 1e-30), (1e10, 1.0), (1e17, 1e-20)])
+@pytest.mark.parametrize("name", ["cluster", "dense", "pages"])
+def test_extreme_magnitudes_match_float64(kmag: float, vmag: float, name: str) -> None:
+    """Keys and values from 1e-40 (subnormal float32) to 1e30, through one-token and chunk appends: the
+    output matches float64 attention over the stored (float32) keys to 1e-4 of the value scale, or the
+    step raises the overflow error (never NaN or inf)."""
+    n = 150
+    rng = np.random.default_rng(int(-np.log10(kmag) * 7 + np.log10(vmag)) % 1000)
+    k = (rng.standard_normal((HKV, n, E)) * kmag).astype(np.float32)
+    v = (rng.standard_normal((HKV, n, EV)) * vmag).astype(np.float32)
+    q = _q(1, seed=5)
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, **FULL[name])
+    c.append(k[:, :100], v[:, :100])
+    for i in range(100, n):  # the one-token path
+        c.append(k[:, i:i + 1], v[:, i:i + 1])
+    try:
+        out, lse = c.attend(q, return_lse=True)
+    except ValueError as exc:  # scores beyond float32: only for the largest keys
+        assert "overflow" in str(exc) and kmag >= 1e17
+        return
+    ref, ref_lse = reference(q, k, v, n)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    np.testing.assert_allclose(out, ref, atol=1e-4 * vmag * 4, rtol=1e-3)
+
+
+def test_routing_bits_keep_relative_precision_at_any_magnitude() -> None:
+    from sparseattn.cache import routing_bits
+
+    rng = np.random.default_rng(9)
+    means = rng.uniform(-1, 1, (5, 16)) * np.array([1e-40, 1e-10, 1.0, 1e10, 3e38])[:, None]
+    means[2] = 0.0  # an all-zero vector stays zero
+    bits, sc = routing_bits(means.astype(np.float32))
+    back = bits.view(np.float16).astype(np.float64) * sc[:, None]
+    big = np.abs(means).max(axis=1, keepdims=True)
+    assert np.isfinite(back).all() and (back[2] == 0).all()
+    # float16 keeps 11 significant bits relative to each vector's largest element
+    assert (np.abs(back - means.astype(np.float32)) <= 1e-3 * big + 1e-44).all()

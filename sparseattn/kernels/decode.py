@@ -8,7 +8,8 @@ rows).  Per row, over the cache of kv head ``h // rep``:
 2. routing (``mode``):
 
    * ``MODE_CLUSTER``: one score ``q . c`` per routing vector of the head (member means of the clusters
-     of every segment, stored as float16 bits), the ``n_probe`` largest kept by a min-heap, then each
+     of every segment, stored as float16 bits of the vector over its largest magnitude, times the float32
+     ``cscale[g, c]``), the ``n_probe`` largest kept by a min-heap, then each
      chosen cluster's contiguous slot range ``[cptr[c], cptr[c + 1])`` scored; with ``n_est > 0`` the
      next ``n_est`` clusters are estimated: one pseudo-key each, score ``scale * q . c + log(ccount)``
      and value ``cvmean[g, c]``, skipped when the cluster holds a key the row may not see
@@ -188,7 +189,7 @@ def _raise_max(m_run, m_new, l_run, acc):
 
 
 def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_probe,
-         cent, cptr, n_cent, ccount, pmin, pmax, pminpos, page_size, scale, n_est, cvmean, cminpos, cmaxpos,
+         cent, cscale, cptr, n_cent, ccount, pmin, pmax, pminpos, page_size, scale, n_est, cvmean, cminpos, cmaxpos,
          top_p, tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest):
     """One row (query head h, token t) of the decode kernel; see the module docstring."""
     T = q.shape[1]
@@ -223,6 +224,7 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
             s = np.float32(0.0)
             for e in range(E):
                 s += qi[e] * widen_f16(cv[e])
+            s *= cscale[g, c]
             if mode == MODE_CLUSTER:
                 if n_sel < width or s > hs[0]:  # ids ascend: a tie with the root never enters
                     n_sel = heap_offer(hs, hb, n_sel, width, s, c)
@@ -473,11 +475,11 @@ ROW = _row_f32
 
 
 def _decode_rows(q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_probe,
-                 cent, cptr, n_cent, ccount, pmin, pmax, pminpos, page_size, scale, n_est, cvmean, cminpos,
+                 cent, cscale, cptr, n_cent, ccount, pmin, pmax, pminpos, page_size, scale, n_est, cvmean, cminpos,
                  cmaxpos, top_p, tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest):
     for r in prange(q.shape[0] * q.shape[1]):
         ROW(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_probe,
-            cent, cptr, n_cent, ccount, pmin, pmax, pminpos, page_size, scale, n_est, cvmean, cminpos, cmaxpos,
+            cent, cscale, cptr, n_cent, ccount, pmin, pmax, pminpos, page_size, scale, n_est, cvmean, cminpos, cmaxpos,
             top_p, tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest)
 
 
