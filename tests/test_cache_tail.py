@@ -285,3 +285,20 @@ def test_property(n: int, window: int, samples: int, selector: str, T: int, seed
         ref, ref_lse, _ = dense_oracle(cache, q)
         np.testing.assert_allclose(out, ref, atol=2e-5)
         np.testing.assert_allclose(lse, ref_lse, atol=2e-5)
+
+
+def test_inconsistent_read_counts_raise_instead_of_hanging() -> None:
+    """Rejection sampling draws a bounded number of times: recorded ranges that cover every key while
+    nread claims none was read end in a RuntimeError, not an endless loop."""
+
+    c = KVCache(2, 8, selector="window", window=4, sinks=0)
+    rng = np.random.default_rng(3)
+    c.append(rng.standard_normal((2, 400, 8)), rng.standard_normal((2, 400, 8)))
+    q = rng.standard_normal((2, 1, 8)).astype(np.float32)
+    out = np.zeros((2, 1, 8), np.float32)
+    lse = np.zeros((2, 1), np.float32)
+    rec = np.array([[[0, 400, 2**31 - 1]]] * 2, np.int64)  # every slot read ...
+    n_rec = np.ones(2, np.int64)
+    nread = np.zeros(2, np.int64)  # ... but counted as none
+    with pytest.raises(RuntimeError, match="disagree"):
+        cache_tail(c, q, np.array([399]), out, lse, rec, n_rec, nread, sa.Tail(100))

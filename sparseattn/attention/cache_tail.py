@@ -60,7 +60,7 @@ def _sample_rows(pos, n_slots, qpos, rep, rec, n_rec, u, m_rows, enum, seed, idx
     rejection sampling over ``[0, n_slots)``); seed int64.  Writes idx (R, m) int64: row r's sampled
     slots, ascending, in ``idx[r, :m_rows[r]]``, and found (R,) int64: the unread visible keys an
     enumerating row counted (``u[r]`` unless the recorded ranges disagree with the keys read; -1 for rows
-    that did not enumerate).
+    that drew by rejection, -2 for one whose draws ran out: its unread set is smaller than ``u[r]``).
     """
     R = m_rows.shape[0]
     T = qpos.shape[0]
@@ -103,7 +103,12 @@ def _sample_rows(pos, n_slots, qpos, rep, rec, n_rec, u, m_rows, enum, seed, idx
                 picks[c] = members[ranks[c]]
         else:
             k = 0
+            budget = 64 * (mi + 16) + 4 * n_slots  # draws; far beyond what 4u >= n_slots, 2m' <= u need
             while k < mi:
+                budget -= 1
+                if budget < 0:
+                    found[r] = -2  # the unread set is smaller than u says: refused by the caller
+                    break
                 state, j = _below(state, n_slots)
                 p = pg[j]
                 if p > qp:
@@ -215,11 +220,12 @@ def cache_tail(cache: Any, q: np.ndarray, qpos: np.ndarray, out: np.ndarray, lse
     (_sample_parallel if par else _sample_serial)(
         cache._pos, n_slots, np.ascontiguousarray(qpos, dtype=np.int64), rep, rec,
         np.ascontiguousarray(n_rec, dtype=np.int64), u, m_rows, enum, int(tail.seed), idx, found)
-    bad = np.flatnonzero((found >= 0) & (found != u))
+    bad = np.flatnonzero(((found >= 0) & (found != u)) | (found == -2))
     if bad.size:
         r = int(bad[0])
-        raise RuntimeError(f"cache_tail: row {r} has {int(found[r])} unread visible keys by its recorded slot "
-                           f"ranges but {int(u[r])} by the keys read (nread); the step's rec/n_rec and nread "
+        have = "fewer" if found[r] == -2 else str(int(found[r]))
+        raise RuntimeError(f"cache_tail: row {r} has {have} unread visible keys by its recorded slot ranges "
+                           f"but {int(u[r])} by the keys read (nread); the step's rec/n_rec and nread "
                            f"disagree (a KVCache bug, please report).")
 
     # score the sampled keys, all rows at once: flat list of (row, slot)
