@@ -133,15 +133,21 @@ def _check_float(arr: np.ndarray, name: str) -> None:
                         f"Convert with {name}.astype(np.float32).")
 
 
-def routing_bits(means: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Routing vectors (m, E) float -> (float16 bits (m, E) uint16, scales (m,) float32) with
-    ``vector ~= float16(bits) * scale``: each vector is divided by its largest magnitude first, so any
-    finite float32 key mean (1e-40 .. 3e38) keeps float16's relative precision instead of under- or
-    overflowing."""
+def routing_codes(means: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Routing vectors (m, E) float -> (int8 codes (m, E), scales (m,) float32) with ``vector ~= codes *
+    scale``: each vector is divided by its largest magnitude over 127 and rounded, so any finite float32
+    key mean (1e-40 .. 3e38) keeps 1/254 of its largest element's magnitude as absolute precision
+    (half a code step) instead of under- or overflowing; one byte per element halves the routing scan's
+    reads against float16."""
     m = np.asarray(means, dtype=np.float64)
-    sc = np.abs(m).max(axis=1) if m.size else np.zeros(m.shape[0])
-    sc = np.where(sc > 0, sc, 1.0)
-    return (m / sc[:, None]).astype(np.float16).view(np.uint16), sc.astype(np.float32)
+    big = np.abs(m).max(axis=1) if m.size else np.zeros(m.shape[0])
+    sc = np.where(big > 0, big / 127.0, 1.0)
+    codes = np.clip(np.rint(m / sc[:, None]), -127, 127).astype(np.int8)
+    sc32 = sc.astype(np.float32)
+    tiny = sc32 == 0  # a largest element below ~1.8e-43: the scale underflows float32; keep the direction
+    if tiny.any():
+        sc32[tiny] = np.float32(1e-45)
+    return codes, sc32
 
 
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -394,8 +400,8 @@ class KVCache:
         self._open_end = 0  # cluster: first tail slot; [seg_end, open_end) is the open segment
         self._closed_cent = np.zeros(hk, np.int64)  # routing vectors of the closed segments, per kv head
         self._segments: list[tuple[int, np.ndarray]] = []  # (first slot, first centroid per kv head)
-        self._cent = np.zeros((hk, 0, E), np.uint16)  # routing vectors / their scale, float16 bit patterns
-        self._cscale = np.zeros((hk, 0), np.float32)  # routing vector c = float16(_cent[c]) * _cscale[c]
+        self._cent = np.zeros((hk, 0, E), np.int8)  # routing vectors / their scale, int8 codes
+        self._cscale = np.zeros((hk, 0), np.float32)  # routing vector c = _cent[c] * _cscale[c]
         self._cptr = np.zeros((hk, 1), np.int64)
         self._n_cent = np.zeros(hk, np.int64)
         self._ccount = np.zeros((hk, 0), np.int64)  # per cluster: live members (estimation zone, top_p)
@@ -442,7 +448,7 @@ class KVCache:
         hk = self.num_kv_heads
         total = self._slots * hk * 4  # int32 position per slot
         if self.selector == "cluster":
-            total += int(self._n_cent.sum()) * (self.head_dim * 2 + 4 + 8 + 8 + 8 + 4 * self.value_dim)
+            total += int(self._n_cent.sum()) * (self.head_dim + 4 + 8 + 8 + 8 + 4 * self.value_dim)
         if self.selector == "pages":
             total += self._n_pages() * hk * (2 * self.head_dim * self._sdtype.itemsize + 4)
         if self.policy == "h2o" and self.max_keys is not None:
@@ -822,7 +828,7 @@ class KVCache:
             self._ccount[g, nc:nc + m] = counts
             self._cminpos[g, nc:nc + m] = pmin
             self._cmaxpos[g, nc:nc + m] = pmax
-            self._cent[g, nc:nc + m], self._cscale[g, nc:nc + m] = routing_bits(means)
+            self._cent[g, nc:nc + m], self._cscale[g, nc:nc + m] = routing_codes(means)
             self._cptr[g, nc + 1:nc + 1 + m] = a + np.cumsum(counts)
             self._cptr[g, nc] = a
             self._cptr[g, nc + m] = b  # evicted slots, if any, close the last cluster's range
@@ -833,7 +839,7 @@ class KVCache:
 
     def _routing(self, g: int, nc: int) -> np.ndarray:
         """Routing vectors ``[0, nc)`` of kv head g, (nc, E) float32."""
-        return self._cent[g, :nc].view(np.float16).astype(np.float32) * self._cscale[g, :nc, None]
+        return self._cent[g, :nc].astype(np.float32) * self._cscale[g, :nc, None]
 
     def _grow_centroids(self, need: int) -> None:
         if need <= self._cent.shape[1]:
@@ -1034,7 +1040,7 @@ class KVCache:
                 kk = self._decode(self._K[g, keep]).astype(np.float64)
                 vv = self._decode(self._V[g, keep]).astype(np.float64)
                 pp = self._pos[g, keep]
-                bits, sc = routing_bits(kk.mean(axis=0)[None])
+                bits, sc = routing_codes(kk.mean(axis=0)[None])
                 stats = ((bits[0], sc[0]), vv.mean(axis=0).astype(np.float32), int(keep.size), int(pp.min()), int(pp.max()))
             out.append((at, at + keep.size) + stats)
             at += keep.size

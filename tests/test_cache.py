@@ -379,15 +379,22 @@ def test_extreme_magnitudes_match_float64(kmag: float, vmag: float, name: str) -
     np.testing.assert_allclose(out, ref, atol=1e-4 * vmag * 4, rtol=1e-3)
 
 
-def test_routing_bits_keep_relative_precision_at_any_magnitude() -> None:
-    from sparseattn.cache import routing_bits
+def test_routing_codes_keep_relative_precision_at_any_magnitude() -> None:
+    from sparseattn.cache import routing_codes
 
     rng = np.random.default_rng(9)
-    means = rng.uniform(-1, 1, (5, 16)) * np.array([1e-40, 1e-10, 1.0, 1e10, 3e38])[:, None]
+    means = rng.uniform(-1, 1, (6, 16)) * np.array([1e-40, 1e-10, 1.0, 1e10, 3e38, 1.0])[:, None]
     means[2] = 0.0  # an all-zero vector stays zero
-    bits, sc = routing_bits(means.astype(np.float32))
-    back = bits.view(np.float16).astype(np.float64) * sc[:, None]
-    big = np.abs(means).max(axis=1, keepdims=True)
+    means[5] *= 0.4
+    means[5, 3] = 0.5  # hand-worked: largest element 0.5 -> scale 0.5 / 127, code 127
+    codes, sc = routing_codes(means.astype(np.float32))
+    assert codes.dtype == np.int8 and sc.dtype == np.float32
+    back = codes.astype(np.float64) * sc[:, None]
+    big = np.abs(means.astype(np.float32).astype(np.float64)).max(axis=1, keepdims=True)
     assert np.isfinite(back).all() and (back[2] == 0).all()
-    # float16 keeps 11 significant bits relative to each vector's largest element
-    assert (np.abs(back - means.astype(np.float32)) <= 1e-3 * big + 1e-44).all()
+    assert codes[5, 3] == 127 and np.isclose(sc[5], 0.5 / 127, rtol=1e-7)
+    # half a code step (1/254 of the largest element) plus float32 rounding of the scale; the 1e-40 row
+    # has a subnormal scale (about 3 significant digits)
+    tol = big / 254 * (1 + 1e-6) + np.array([1e-3, 0, 0, 0, 0, 0])[:, None] * big
+    assert (np.abs(back - means.astype(np.float32)) <= tol).all()
+    assert (np.abs(codes) <= 127).all()

@@ -8,8 +8,8 @@ rows).  Per row, over the cache of kv head ``h // rep``:
 2. routing (``mode``):
 
    * ``MODE_CLUSTER``: one score ``q . c`` per routing vector of the head (member means of the clusters
-     of every segment, stored as float16 bits of the vector over its largest magnitude, times the float32
-     ``cscale[g, c]``), the ``n_probe`` largest kept by a min-heap, then each
+     of every segment, stored as int8 codes of the vector over its largest magnitude / 127, times the
+     float32 ``cscale[g, c]``), the ``n_probe`` largest kept by a min-heap, then each
      chosen cluster's contiguous slot range ``[cptr[c], cptr[c + 1])`` scored; with ``n_est > 0`` the
      next ``n_est`` clusters are estimated: one pseudo-key each, score ``scale * q . c + log(ccount)``
      and value ``cvmean[g, c]``, skipped when the cluster holds a key the row may not see
@@ -223,7 +223,7 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
             cv = cent[g, c]
             s = np.float32(0.0)
             for e in range(E):
-                s += qi[e] * widen_f16(cv[e])
+                s += qi[e] * np.float32(cv[e])
             s *= cscale[g, c]
             if mode == MODE_CLUSTER:
                 if n_sel < width or s > hs[0]:  # ids ascend: a tie with the root never enters
