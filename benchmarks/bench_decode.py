@@ -4,13 +4,17 @@ Run:  python benchmarks/bench_decode.py [--lengths 16384,65536,131072,262144,104
                                         [--kinds clustered,gaussian] [--no-gqa] [--no-storage] [--no-real]
 
 Setup: H = 8 heads, E = 64, float32 unless stated.  For each key kind and cache length n, every kv head's
-keys come from ``sparseattn.data.synthetic("synthetic:n=<n + steps + 4096>,d=64,kind=<kind>,seed=<head>")``
+keys come from ``sparseattn.data.synthetic("synthetic:n=<n + steps * stride + 4096>,d=64,kind=<kind>,seed=<head>")``
 (``gaussian`` uses ``norm_profile=minilm``: Gaussian directions with the norms of a real MiniLM head), so
 keys are appended in order; the first n are one prefill ``append`` (timed: the amortised append cost
-includes the k-means of every segment), then each of ``--steps`` decode steps appends one token for every
-head and attends one query per head (the generator's queries).
+includes the k-means of every segment), then each of ``--steps`` decode steps appends ``--stride`` tokens
+one at a time (default 64: the 64 steps sample one whole segment cycle of 4,096 tokens, so the exact
+tail's length runs through its range instead of sitting at one phase) and attends one query per head
+(the generator's queries) at the last of them.
 
-Per step, side by side in one loop (so machine load hits all alike; ratios are of medians):
+Per step, side by side in one loop (so machine load hits all alike; ratios are of medians), the timed
+calls back to back in an order rotated by one each step (none always runs first, right after the
+single-threaded accuracy reference):
 
 * each selector's ``attend`` (cluster, pages, window, exact top-64) on its cache;
 * our dense step (``attend(selector="dense")``: every key, the same Numba kernel);
@@ -66,6 +70,17 @@ TRACE_DIR = Path.home() / ".cache" / "sparseattn" / "traces"
 
 
 CYCLE = 4096  # extra synthetic tokens: one segment (the default) appended one at a time after the steps
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {v}")
+    return v
 
 
 def log(*a: object) -> None:
@@ -130,10 +145,14 @@ def summarize(ts: list[float]) -> dict:
 
 
 def run_phase(case: str, n: int, K, V, Q, steps: int, specs: list[tuple[str, dict, dict]], *,
-              with_torch: bool, with_dense: bool, ref_label: str | None = None) -> dict:
+              with_torch: bool, with_dense: bool, ref_label: str | None = None, stride: int = 1) -> dict:
     """Prefill each cache, then run ``steps`` decode steps side by side.
 
     specs: (label, KVCache kwargs, attend kwargs); labels sharing kwargs share one cache (same key).
+    Before each step every cache appends ``stride`` tokens one at a time (the last is the step's own), so
+    the steps sample ``steps * stride`` positions of a generation loop.  The timed calls of a step run
+    back to back in an order rotated by one each step, so none of them always follows the untimed
+    accuracy reference.
     """
     import torch
 
@@ -177,30 +196,37 @@ def run_phase(case: str, n: int, K, V, Q, steps: int, specs: list[tuple[str, dic
     # warm-up (JIT, caches)
     for label, _, akw in specs:
         cache_of[label].attend(Q[:, :1], **akw)
+    timed = [("sel", label) for label in labels] + ([("dense", "dense (ours)")] if with_dense else []) \
+        + ([("torch", "torch sdpa")] if with_torch else [])
     for s in range(steps):
-        t0 = time.perf_counter()
-        for c in caches.values():
-            c.append(K[:, n + s:n + s + 1], V[:, n + s:n + s + 1])
-        append_ts.append((time.perf_counter() - t0) / len(caches))
+        for j in range(n + s * stride, n + (s + 1) * stride):
+            t0 = time.perf_counter()
+            for c in caches.values():
+                c.append(K[:, j:j + 1], V[:, j:j + 1])
+            append_ts.append((time.perf_counter() - t0) / len(caches))
         q = np.ascontiguousarray(Q[:, s])
-        # timed calls first, back to back; the accuracy reference (BLAS) runs after them
+        # timed calls back to back, in an order rotated each step; the accuracy reference (BLAS) after them
         outs = {}
-        for label, _, akw in specs:
-            c = cache_of[label]
-            t0 = time.perf_counter()
-            outs[label] = c.attend(q[:, None], return_lse=True, **akw)
-            times[label].append(time.perf_counter() - t0)
-            outs[label] += (c.stats["keys_read_per_query"],)
-        if with_dense:
-            t0 = time.perf_counter()
-            main.attend(q[:, None], selector="dense")
-            times["dense (ours)"].append(time.perf_counter() - t0)
+        kt = vt = None
         if with_torch:
             kt = torch.from_numpy(main._K[:, :main._slots])[None]
             vt = torch.from_numpy(main._V[:, :main._slots])[None]
-            t0 = time.perf_counter()
-            torch_step(torch, kt, vt, q, H != hkv)
-            times["torch sdpa"].append(time.perf_counter() - t0)
+        r = s % len(timed)
+        for kind, label in timed[r:] + timed[:r]:
+            if kind == "sel":
+                c, akw = cache_of[label], specs[labels.index(label)][2]
+                t0 = time.perf_counter()
+                outs[label] = c.attend(q[:, None], return_lse=True, **akw)
+                times[label].append(time.perf_counter() - t0)
+                outs[label] += (c.stats["keys_read_per_query"],)
+            elif kind == "dense":
+                t0 = time.perf_counter()
+                main.attend(q[:, None], selector="dense")
+                times[label].append(time.perf_counter() - t0)
+            else:
+                t0 = time.perf_counter()
+                torch_step(torch, kt, vt, q, H != hkv)
+                times[label].append(time.perf_counter() - t0)
         with single_threaded_blas():
             ref_out, ref_lse, ref_top = exact_step(main, q)
         for label, _, akw in specs:
@@ -223,7 +249,7 @@ def run_phase(case: str, n: int, K, V, Q, steps: int, specs: list[tuple[str, dic
     cycle: dict[str, dict] = {}
     for key, c in caches.items():
         m = c.segment
-        lo = n + steps
+        lo = n + steps * stride
         if K.shape[1] < lo + m:
             continue
         cs0, t_one = c.stats["cluster_seconds"], []
@@ -248,7 +274,7 @@ def run_phase(case: str, n: int, K, V, Q, steps: int, specs: list[tuple[str, dic
             a = acc[label]
             r.update(rel_err=float(np.mean(a["rel_err"])), rel_err_p99=float(np.percentile(a["rel_err"], 99)),
                      mass=float(np.mean(a["mass"])), recall64=float(np.mean(a["recall64"])),
-                     keys_read=float(np.mean(a["read"])), read_fraction=float(np.mean(a["read"])) / (n + steps))
+                     keys_read=float(np.mean(a["read"])), read_fraction=float(np.mean(a["read"])) / (n + stride * (steps + 1) / 2))
             r.update(prefill.get(label, {}))
             r.update(cycle.get(json.dumps(specs[labels.index(label)][1], sort_keys=True, default=str), {}))
         res["selectors"][label] = r
@@ -385,7 +411,10 @@ PAGES = [("pages", {"selector": "pages"}, {})]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="16384,65536,131072,262144,1048576")
-    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--steps", type=_positive_int, default=64, help="timed decode steps per case")
+    ap.add_argument("--stride", type=_positive_int, default=64,
+                    help="tokens appended (one at a time) before each timed step; the default 64 x 64 steps "
+                         "spreads the steps over one whole segment cycle of 4,096 tokens")
     ap.add_argument("--kinds", default="clustered,gaussian")
     ap.add_argument("--no-gqa", action="store_true")
     ap.add_argument("--no-storage", action="store_true")
@@ -410,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(os.cpu_count() or 1)
     lengths = [int(x) for x in args.lengths.split(",") if x]
     kinds = [k for k in args.kinds.split(",") if k]
-    steps = args.steps
+    steps, stride = args.steps, args.stride
     results: list[dict] = []
     if args.append and Path(args.out).is_file():
         results = json.loads(Path(args.out).read_text())["results"]
@@ -418,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "sparseattn": sa.__version__, "cpu": platform.processor(),
             "cores": os.cpu_count(), "numba_threads": numba.get_num_threads(),
             "torch_threads": torch.get_num_threads(), "loadavg_start": os.getloadavg(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": steps, "stride": stride}
 
     if args.top_p_store:
         top_p_store()
@@ -442,12 +471,12 @@ def main(argv: list[str] | None = None) -> int:
     for kind in kinds:
         for n in lengths:
             log(f"{kind} n={n}: generating")
-            K, V, Q = make_data(kind, n + steps + CYCLE, 8, 1, steps)
+            K, V, Q = make_data(kind, n + steps * stride + CYCLE, 8, 1, steps)
             specs = [s for s in SPARSE if not (s[0] == "topk-64" and n > args.topk_max)]
-            results.append(run_phase(kind, n, K, V, Q, steps, specs, with_torch=True, with_dense=True))
+            results.append(run_phase(kind, n, K, V, Q, steps, specs, with_torch=True, with_dense=True, stride=stride))
             save()
             results.append(run_phase(kind + "/pages", n, K, V, Q, steps, PAGES, with_torch=True,
-                                     with_dense=False))
+                                     with_dense=False, stride=stride))
             save()
             if kind == kinds[0] and n == 131072:
                 if not args.no_storage:
@@ -455,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
                              ("cluster f16", {"selector": "cluster", "dtype": np.float16}, {}),
                              ("cluster bf16", {"selector": "cluster", "dtype": "bfloat16"}, {})]
                     results.append(run_phase(kind + "/storage", n, K, V, Q, steps, specs, with_torch=False,
-                                             with_dense=False))
+                                             with_dense=False, stride=stride))
                     save()
                 if not args.no_estimate:
                     specs = [("cluster", {"selector": "cluster"}, {}),
@@ -463,30 +492,32 @@ def main(argv: list[str] | None = None) -> int:
                              ("cluster est512", {"selector": "cluster", "estimate": 512}, {}),
                              ("cluster est4096", {"selector": "cluster", "estimate": 4096}, {})]
                     results.append(run_phase(kind + "/estimate", n, K, V, Q, steps, specs, with_torch=False,
-                                             with_dense=False))
+                                             with_dense=False, stride=stride))
                     save()
                 if not args.no_cap:
                     specs = [("cluster cap n/4", {"selector": "cluster", "max_keys": n // 4}, {}),
                              ("cluster", {"selector": "cluster"}, {})]
                     results.append(run_phase(kind + "/cap", n, K, V, Q, steps, specs, with_torch=False,
-                                             with_dense=False, ref_label="cluster"))
+                                             with_dense=False, ref_label="cluster", stride=stride))
                     save()
             del K, V, Q
             gc.collect()
         if kind == kinds[0] and not args.no_gqa:
             n = 131072
             log(f"{kind} GQA 32/8 n={n}: generating")
-            K, V, Q = make_data(kind, n + steps + CYCLE, 8, 4, steps)
+            K, V, Q = make_data(kind, n + steps * stride + CYCLE, 8, 4, steps)
             specs = [("cluster", {"selector": "cluster"}, {})]
             results.append(run_phase(kind + "/gqa32x8", n, K, V, Q, steps, specs, with_torch=True,
-                                     with_dense=True))
+                                     with_dense=True, stride=stride))
             save()
             del K, V, Q
             gc.collect()
     if not args.no_real and (TRACE_DIR / "manifest.json").is_file():
         t = sa.data.load("store65k", data_dir=TRACE_DIR, dtype=np.float32)
         nk = t.k.shape[1]
-        n = nk - steps
+        n = nk - steps * stride
+        if n < 1:
+            raise SystemExit(f"--steps x --stride ({steps} x {stride}) must be below the trace's {nk} keys.")
         rng = np.random.default_rng(0)
         qi = rng.choice(t.q.shape[1], steps, replace=False)
         K, V = np.ascontiguousarray(t.k), np.ascontiguousarray(t.v)
@@ -499,10 +530,10 @@ def main(argv: list[str] | None = None) -> int:
                      ("topk-64", {"selector": "cluster", "segment": seg}, {"selector": "topk", "k": 64}),
                      ("window", {"selector": "cluster", "segment": seg}, {"selector": "window"})]
             results.append(run_phase("real-store65k", n, K, V, Q, steps, specs, with_torch=True,
-                                     with_dense=True))
+                                     with_dense=True, stride=stride))
             save()
             results.append(run_phase("real-store65k/pages", n, K, V, Q, steps, PAGES, with_torch=True,
-                                     with_dense=False))
+                                     with_dense=False, stride=stride))
             save()
     save()
     return 0
@@ -513,7 +544,9 @@ def write_report(path: Path, meta: dict, results: list[dict]) -> None:
              f"Run {meta['started']} on {meta['cores']} cores (load average {meta['loadavg_start'][0]:.1f} at "
              f"start, {meta.get('loadavg_end', (0,))[0]:.1f} at end; the machine was shared), numba threads "
              f"{meta['numba_threads']}, torch threads {meta['torch_threads']}.  Per-step latency of one decode "
-             f"step (all heads, one query each); accuracy per step against exact attention over the whole cache.",
+             f"step (all heads, one query each), {meta.get('steps', '?')} steps with "
+             f"{meta.get('stride', 1)} tokens appended before each (the timed calls in an order rotated each "
+             f"step); accuracy per step against exact attention over the whole cache.",
              "",
              "| case | n | selector | p50 ms | p99 ms | x torch | x dense | keys read/head | rel. error | mass | "
              "recall@64 | prefill append us/token | decode append us/token | clustering us/token | "
