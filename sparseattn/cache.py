@@ -94,10 +94,14 @@ _SELECTORS = ("cluster", "pages", "window", "topk", "dense")
 _POLICIES = ("streaming", "h2o")
 _BF16_NAMES = ("bfloat16", "bf16")
 _INT32_MAX = 2**31 - 1
-# Keys scored per call below which the kernel runs on one thread: a parallel launch waits for every
-# worker thread, and on a busy shared machine a descheduled worker costs up to a scheduler time slice
-# (measured ~10-20 ms per step at load average 9 on 2 cores, for a step of ~1 ms of work).
-PARALLEL_MIN_KEYS = 32768
+# Work per call (keys scored, plus routing vectors weighted by their bytes against a key's key + value)
+# below which the kernel runs on one thread.  Measured on 2 cores, 8 heads, E = 64, median of 40 steps:
+# 8,192 keys per step (1,024 per head, all exact) 0.22 ms serial against 0.26 ms parallel with warm
+# caches; about 17,000 (16,384 cached keys, cluster selector) 1.30 against 0.80 ms; about 25,000 of a
+# 131,072-key step 2.30 against 1.46 ms with cold caches.  The cost of going parallel: on a busy shared
+# machine a descheduled worker costs up to a scheduler time slice (~10-20 ms per step at load average 9
+# on 2 cores); ``KVCache(parallel=False)`` opts out.
+PARALLEL_MIN_KEYS = 12288
 
 
 # ---------------------------------------------------------------------------------------- conversions
@@ -1366,7 +1370,10 @@ class KVCache:
             mode, n_ranges = kd.MODE_LIST, 2 + rows_sel.shape[1]
         if sel == "cluster":
             budget = self.top_p_max_keys if self.top_p is not None else self.n_probe * self.cluster_size
-            work = (n_slots - ex_lo + s0 + budget) * R
+            # the routing scan: one int8 vector of E bytes per cluster, counted in keys' bytes
+            key_bytes = (self.head_dim + self.value_dim) * self._sdtype.itemsize
+            route = int(self._n_cent.max(initial=0)) * self.head_dim // max(key_bytes, 1)
+            work = (n_slots - ex_lo + s0 + budget + route) * R
         elif sel == "pages":
             work = (self.window + s0 + self.n_probe * self.page_size + self._n_pages() // 8) * R
         elif sel == "window":
