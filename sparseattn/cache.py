@@ -102,6 +102,10 @@ _INT32_MAX = 2**31 - 1
 # machine a descheduled worker costs up to a scheduler time slice (~10-20 ms per step at load average 9
 # on 2 cores); ``KVCache(parallel=False)`` opts out.
 PARALLEL_MIN_KEYS = 12288
+# kernel inputs of a step that lists no rows / records nothing (the kernel never writes them)
+_NO_ROWS = np.full((1, 1), -1, np.int64)
+_NO_REC = np.zeros((0, 1, 3), np.int64)
+_NO_REC_N = np.zeros(0, np.int64)
 
 
 # ---------------------------------------------------------------------------------------- conversions
@@ -418,6 +422,7 @@ class KVCache:
         self._index: list[Any] = [None] * hk  # index selectors: one per kv head (None: not built yet)
         self._index_slot: list[np.ndarray] = [np.zeros(0, np.int64)] * hk  # id -> slot (-1: evicted)
         self._index_dead = 0  # ids of evicted keys still in each head's index
+        self._last_read: tuple[np.ndarray, np.ndarray] | None = None  # keys read, clusters estimated per row
         self._stats: dict[str, Any] = {
             "appends": 0, "append_seconds": 0.0, "cluster_seconds": 0.0, "segments_clustered": 0,
             "attends": 0, "attend_seconds": 0.0, "kernel_seconds": 0.0, "keys_read_per_query": 0.0,
@@ -472,6 +477,10 @@ class KVCache:
         keys read per query of the last attend (mean, min and max), segments, clusters, evicted keys,
         compactions, bytes."""
         out = dict(self._stats)
+        if self._last_read is not None:
+            nread, nest = self._last_read
+            out.update(keys_read_per_query=float(nread.mean()), keys_read_max=int(nread.max()),
+                       keys_read_min=int(nread.min()), clusters_estimated_per_query=float(nest.mean()))
         out.update(segments=len(self._segments), open_segment_keys=self._open_end - self._seg_end,
                    clusters_per_head=float(self._n_cent.mean()),
                    tail_keys=self._slots - self._tail_start(), len=len(self), kv_nbytes=self.kv_nbytes,
@@ -1306,7 +1315,7 @@ class KVCache:
                              f"use one: a cache with estimate=0, or tail=None.")
         out, lse, nread, nest, rec, n_rec = self._run(q, qpos, k, selector or self.selector,
                                                       record=tail is not None)
-        if np.isposinf(lse).any():
+        if lse.max() == np.inf:
             raise ValueError(overflow_message(np.float32, self.scale))
         if tail is not None:
             from .attention.cache_tail import cache_tail
@@ -1315,10 +1324,7 @@ class KVCache:
             nread = nread + n_tail
             self._stats["tail_samples_per_query"] = float(n_tail.mean())
         self._stats["attends"] += 1
-        self._stats["keys_read_per_query"] = float(nread.mean())
-        self._stats["keys_read_max"] = int(nread.max())
-        self._stats["keys_read_min"] = int(nread.min())
-        self._stats["clusters_estimated_per_query"] = float(nest.mean())
+        self._last_read = (nread, nest)  # summarised by ``stats`` (not per step: a decode step is short)
         if squeeze:
             out, lse = out[:, 0], lse[:, 0]
         if torch_in:
@@ -1340,7 +1346,7 @@ class KVCache:
         out = np.empty((H, T, self.value_dim), np.float32)
         lse = np.empty((H, T), np.float32)
         nread = np.empty(R, np.int64)
-        nest = np.zeros(R, np.int64)
+        nest = np.empty(R, np.int64)  # written for every row
         n_est = self.estimate if sel == "cluster" else 0
         s0 = min(self.sinks, self._slots)
         n_slots = self._slots
@@ -1348,7 +1354,7 @@ class KVCache:
         n_probe = self.n_probe
         mode = kd.MODE_NONE
         ex_lo = s0
-        rows_sel = np.full((1, 1), -1, np.int64)
+        rows_sel = _NO_ROWS
         n_ranges = 2  # ranges a row may score (recorded for h2o)
         if sel == "cluster":
             mode, ex_lo = kd.MODE_CLUSTER, self._open_end
@@ -1388,8 +1394,11 @@ class KVCache:
         else:
             fn = kd.decode_parallel if parallel else kd.decode_serial
         h2o = self.policy == "h2o"
-        rec = np.zeros((R if h2o or record else 0, max(n_ranges, 1), 3), np.int64)
-        n_rec = np.zeros(R, np.int64)
+        if h2o or record:
+            rec = np.zeros((R, max(n_ranges, 1), 3), np.int64)
+            n_rec = np.zeros(R, np.int64)
+        else:  # nothing recorded: the kernel reads neither
+            rec, n_rec = _NO_REC, _NO_REC_N
         rep = self.num_heads // self.num_kv_heads
         t1 = time.perf_counter()
         K, V, pmin, pmax = self._K, self._V, self._pmin, self._pmax

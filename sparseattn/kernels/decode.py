@@ -205,6 +205,8 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
     Vg = V[g]
     pg = pos[g]
     sc = np.empty(CHUNK, dtype=np.float32)
+    kbytes = Kg.shape[1] * Kg.itemsize  # bytes of one key row / value row
+    vbytes = Vg.shape[1] * Vg.itemsize
     acc = np.zeros(max(Ev, 1), dtype=np.float32)
     hs = np.empty(width, dtype=np.float32)
     hb = np.empty(width, dtype=np.int64)
@@ -346,23 +348,16 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
         else:  # MODE_NONE: the two exact ranges only
             break
         rr += 1
+        pf_a = 0  # the next routed range [pf_a, pf_b), prefetched row by row while this one is scored
+        pf_b = 0
         if (mode == MODE_CLUSTER or mode == MODE_PAGES) and 2 <= rr and rr - 2 < n_sel:
-            # announce the next routed range while this one is scored: its rows are contiguous, so
-            # one hint per cache line of keys and of values (locality: L2)
             nxt = hb[rr - 2]
             if mode == MODE_CLUSTER:
-                na = cptr[g, nxt]
-                nb = cptr[g, nxt + 1]
+                pf_a = cptr[g, nxt]
+                pf_b = cptr[g, nxt + 1]
             else:
-                na = n_sinks + nxt * page_size
-                nb = min(na + page_size, ex_lo)
-            if nb > na:
-                kbytes = (nb - na) * Kg.shape[1] * Kg.itemsize
-                vbytes = (nb - na) * Vg.shape[1] * Vg.itemsize
-                for off in range(0, kbytes, 64):
-                    prefetch_l2(Kg, na, off)
-                for off in range(0, vbytes, 64):
-                    prefetch_l2(Vg, na, off)
+                pf_a = n_sinks + nxt * page_size
+                pf_b = min(pf_a + page_size, ex_lo)
         if record and b > a:
             rec[r, n_recorded, 0] = a
             rec[r, n_recorded, 1] = b
@@ -374,6 +369,11 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
             n = stop - start
             # scores of the whole chunk (a plain loop that vectorises), then the position masks
             for j in range(start, stop):
+                if pf_a + (j - a) < pf_b:  # one row of the next range per row scored (keys and values)
+                    for off in range(0, kbytes, 64):
+                        prefetch_l2(Kg, pf_a + (j - a), off)
+                    for off in range(0, vbytes, 64):
+                        prefetch_l2(Vg, pf_a + (j - a), off)
                 kj = Kg[j]
                 s = np.float32(0.0)
                 for e in range(E):
