@@ -1053,8 +1053,8 @@ class KVCache:
                 kk = self._decode(self._K[g, keep]).astype(np.float64)
                 vv = self._decode(self._V[g, keep]).astype(np.float64)
                 pp = self._pos[g, keep]
-                bits, sc = routing_codes(kk.mean(axis=0)[None])
-                stats = ((bits[0], sc[0]), vv.mean(axis=0).astype(np.float32), int(keep.size), int(pp.min()), int(pp.max()))
+                codes, sc = routing_codes(kk.mean(axis=0)[None])
+                stats = ((codes[0], sc[0]), vv.mean(axis=0).astype(np.float32), int(keep.size), int(pp.min()), int(pp.max()))
             out.append((at, at + keep.size) + stats)
             at += keep.size
         src = np.concatenate(parts) if parts else np.zeros(0, np.int64)
