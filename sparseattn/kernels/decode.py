@@ -141,39 +141,6 @@ def store_token_f32(src, dst):
     return 0
 
 
-@njit(cache=True, nogil=True)
-def store_token_f16(src, dst):
-    """Round one token ``src`` (H_kv, 1, E) float32 to float16 bits in ``dst`` (H_kv, E) uint16; returns
-    0, 1 at the first NaN/Inf, or 2 when a value rounds beyond float16's range."""
-    for i in range(src.shape[0]):
-        for e in range(src.shape[2]):
-            x = src[i, 0, e]
-            if not (x - x == 0):
-                return 1
-            h = narrow_f16(x)
-            if (h & np.uint16(0x7FFF)) == np.uint16(0x7C00):
-                return 2
-            dst[i, e] = h
-    return 0
-
-
-@njit(cache=True, nogil=True)
-def store_token_bf16(src, dst):
-    """Round one token ``src`` (H_kv, 1, E) float32 to bfloat16 bits (nearest even) in ``dst`` (H_kv, E)
-    uint16; returns 0, 1 at the first NaN/Inf, or 2 when a value rounds beyond bfloat16's range."""
-    for i in range(src.shape[0]):
-        for e in range(src.shape[2]):
-            x = src[i, 0, e]
-            if not (x - x == 0):
-                return 1
-            u = float32_bits(x)
-            r = (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
-            if (r & np.uint32(0x7F80)) == np.uint32(0x7F80):
-                return 2
-            dst[i, e] = np.uint16(r)
-    return 0
-
-
 @njit(cache=True, inline="always")
 def _raise_max(m_run, m_new, l_run, acc):
     """Online softmax: when ``m_new`` exceeds the running maximum, rescale the running sum and the
@@ -466,6 +433,33 @@ def _clone(fn, suffix, constants):
     f.__module__ = fn.__module__
     f.__doc__ = fn.__doc__
     return f
+
+
+def _store_token_16(src, dst):
+    """Round one token ``src`` (H_kv, 1, E) float32 to 16-bit bits in ``dst`` (H_kv, E) uint16: float16
+    (an LLVM ``fptrunc``), or with ``BF16 = True`` bfloat16 (nearest even); returns 0, 1 at the first
+    NaN/Inf, or 2 when a value rounds beyond the format's range (``dst`` then partly written)."""
+    for i in range(src.shape[0]):
+        for e in range(src.shape[2]):
+            x = src[i, 0, e]
+            if not (x - x == 0):
+                return 1
+            if BF16:
+                u = float32_bits(x)
+                r = (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
+                if (r & np.uint32(0x7F80)) == np.uint32(0x7F80):
+                    return 2
+                dst[i, e] = np.uint16(r)
+            else:
+                h = narrow_f16(x)
+                if (h & np.uint16(0x7FFF)) == np.uint16(0x7C00):
+                    return 2
+                dst[i, e] = h
+    return 0
+
+
+store_token_f16 = njit(cache=True, nogil=True)(_clone(_store_token_16, "_f16", {"BF16": False}))
+store_token_bf16 = njit(cache=True, nogil=True)(_clone(_store_token_16, "_bf16", {"BF16": True}))
 
 
 # The row body is its own compiled function: a prange loop over a large body compiled ~10x slower.
