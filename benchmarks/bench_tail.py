@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 import sparseattn as sa
+from sparseattn.bench import iter_workloads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -51,13 +52,7 @@ def _mass(q: np.ndarray, k: np.ndarray, scale: float, lse: np.ndarray, pattern: 
 
 def run(stores: list[str], n_queries: int, repeats: int) -> list[dict]:
     rows = []
-    for name in stores:
-        try:
-            base, _, where = name.partition("@")
-            tr = sa.data.load(base, data_dir=os.path.expanduser(where) if where else None)
-        except (FileNotFoundError, ValueError) as exc:
-            print(f"skip {name}: {exc}", flush=True)
-            continue
+    for _, name, tr in iter_workloads(stores):  # "store", "window" or "NAME@DIR"; q, k, v (heads, n, E)
         scale = float(tr.scale) if tr.scale is not None else tr.k.shape[-1] ** -0.5
         for h in range(tr.k.shape[0]):
             sel = np.linspace(0, tr.q.shape[1] - 1, n_queries).astype(np.int64)

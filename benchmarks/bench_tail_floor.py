@@ -35,7 +35,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-import sparseattn as sa
+from sparseattn.bench import iter_workloads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROPOSALS = ("weights", "optimal", "uniform")
@@ -186,13 +186,8 @@ def oracle_errors(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, bud
 
 def run(stores: list[str], n_queries: int, budgets: list[int], draws: int, seed: int) -> list[dict]:
     rows = []
-    for si, name in enumerate(stores):
-        try:
-            base, _, where = name.partition("@")
-            tr = sa.data.load(base, data_dir=os.path.expanduser(where) if where else None)
-        except (FileNotFoundError, ValueError) as exc:
-            print(f"skip {name}: {exc}", flush=True)
-            continue
+    for si, name, tr in iter_workloads(stores):  # q, k, v (heads, n, E)
+        base = name.partition("@")[0]  # the store's label in the results
         scale = float(tr.scale) if tr.scale is not None else tr.k.shape[-1] ** -0.5
         S = tr.k.shape[1]
         bs = [b for b in budgets if b < S]

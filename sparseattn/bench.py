@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,7 +86,7 @@ def load_workload(spec: str, *, max_groups: int | None = None) -> Workload:
     name, _, where = spec.partition("@")
     if where or spec in ("window", "store"):
         try:
-            trace = data_mod.load(name, dtype=np.float32, data_dir=where or None)
+            trace = data_mod.load(name, dtype=np.float32, data_dir=os.path.expanduser(where) if where else None)
         except FileNotFoundError as exc:
             raise ValueError(f"data {spec!r}: {exc}") from exc
         E = trace.q.shape[-1]
@@ -105,6 +105,17 @@ def load_workload(spec: str, *, max_groups: int | None = None) -> Workload:
                         trace.scale, desc, {"sha256": trace.meta.get("sha256")})
     raise ValueError(f"unknown data {spec!r}: use 'window', 'store', 'NAME@DIR' (a trace made by `sparseattn "
                      f"trace`) or 'synthetic:n=65536,d=64,kind=gaussian'.")
+
+
+def iter_workloads(specs: Iterable[str]) -> Iterator[tuple[int, str, Workload]]:
+    """``(index in specs, spec, workload)`` of each loadable spec (:func:`load_workload`); a spec that
+    does not load (e.g. a trace directory missing on this machine) is skipped with one printed line
+    saying why."""
+    for i, spec in enumerate(specs):
+        try:
+            yield i, spec, load_workload(spec)
+        except ValueError as exc:
+            print(f"skip {spec}: {exc}", flush=True)
 
 
 def machine_info() -> dict[str, Any]:
