@@ -787,6 +787,7 @@ class KVCache:
         hk = self.num_kv_heads
         firsts = self._closed_cent.copy()
         self._n_cent[:] = self._closed_cent  # the open segment's routing vectors are recomputed
+        self._evict_from = min(self._evict_from, a)  # slots [a, b) are reordered below
 
         def head(g: int) -> tuple[Any, ...]:
             pos = self._pos[g, a:b]
@@ -904,6 +905,11 @@ class KVCache:
         # stops at its e-th victim)
         out = np.empty((hk, e), np.int64)
         got = slots_of_positions(self._pos, max(s0, self._evict_from), self._slots, lo0, lo1, out)
+        if got < e and self._evict_from > s0:  # not expected: the whole scan, before giving fewer
+            got = slots_of_positions(self._pos, s0, self._slots, lo0, lo1, out)
+        if got < e:
+            raise RuntimeError(f"sparseattn internal error: {got} of the {e} positions to evict were found; "
+                               f"please report it with the cache's parameters.")
         if got:  # later victims are newer: they sit in this region or after it
             starts = [a for a, _ in self._segments] + [self._seg_end, self._open_end]
             first = int(out[:, :got].min())

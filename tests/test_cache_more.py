@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import dense64
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sparseattn.cache import KVCache
 from sparseattn.kernels.decode import EVICTED
@@ -539,3 +541,57 @@ def test_parallel_and_serial_steps_agree_bitwise(selector: str) -> None:
             res.append(c.attend(q, k=16, return_lse=True, selector=sel))
         np.testing.assert_array_equal(res[0][0], res[1][0])
         np.testing.assert_array_equal(res[0][1], res[1][1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(cap=st.integers(8, 80), segment=st.sampled_from([64, 128, 256]), open_step=st.sampled_from([8, 16, 32, 64]),
+       window=st.integers(0, 12),
+       chunks=st.lists(st.one_of(st.just(1), st.integers(1, 60)), min_size=1, max_size=150))
+def test_streaming_cap_on_clusters_keeps_exactly_sinks_and_newest(cap: int, segment: int, open_step: int,
+                                                                 window: int, chunks: list[int]) -> None:
+    """Streaming cap on the cluster index, the cap well below a segment (few compactions): after every append the cache holds
+    exactly the sinks and the newest ``max_keys - sinks`` positions (clustering the open segment reorders
+    slots the eviction scan had passed), and the dense step equals float64 attention over them."""
+    sinks = 4
+    cap = max(cap, sinks + window)  # the smallest cap the cache accepts
+    n = sum(chunks)
+    k, v = _kv(n, seed=n)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, sinks=sinks, window=window, max_keys=cap,
+                    segment=segment, open_step=open_step, cluster_size=4)
+    done = 0
+    for t in chunks:
+        cache.append(k[:, done:done + t], v[:, done:done + t])
+        done += t
+        keep = np.r_[np.arange(min(sinks, done)), np.arange(max(sinks, done - (cap - sinks)), done)]
+        assert len(cache) == keep.size
+        for g in range(HKV):
+            np.testing.assert_array_equal(cache.positions(g), keep)
+    q = _q(1)
+    out, lse = cache.attend(q, return_lse=True, selector="dense")
+    rep = H // HKV
+    for h in range(H):
+        ref, ref_lse = dense64(q[h], k[h // rep, keep], v[h // rep, keep], cache.scale)
+        np.testing.assert_allclose(out[h], ref, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(lse[h], ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("segment, open_step, cap, window, n", [
+    (64, 32, 20, 0, 100), (256, None, 60, 0, 300), (4096, None, 1000, 64, 4200)])
+def test_streaming_cap_decode_loop_evicts_every_old_key(segment: int, open_step: int | None, cap: int,
+                                                        window: int, n: int) -> None:
+    """One token per append (a decode loop) under a streaming cap below the open segment's step: each
+    append evicts the oldest non-sink key, including after a clustering pass reordered the slots the
+    eviction scan starts from."""
+    k, v = _kv(n, seed=3, hkv=1)
+    cache = KVCache(1, E, value_dim=EV, max_keys=cap, window=window, segment=segment, open_step=open_step,
+                    cluster_size=4)
+    for i in range(n):
+        cache.append(k[:, i:i + 1], v[:, i:i + 1])
+        assert len(cache) == cache.positions(0).size == min(i + 1, cap)
+    keep = np.r_[0:4, n - (cap - 4):n]
+    np.testing.assert_array_equal(cache.positions(0), keep)
+    q = _q(1, h=1)
+    out, lse = cache.attend(q, return_lse=True, selector="dense")
+    ref, ref_lse = dense64(q[0], k[0, keep], v[0, keep], cache.scale)
+    np.testing.assert_allclose(out[0], ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(lse[0], ref_lse, rtol=1e-5, atol=1e-5)
