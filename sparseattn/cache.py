@@ -76,7 +76,9 @@ the rebuild described above.
 
 from __future__ import annotations
 
+import functools
 import numbers
+import threading
 import time
 from typing import Any
 
@@ -105,6 +107,7 @@ PARALLEL_MIN_KEYS = 12288
 # kernel inputs of a step that lists no rows / records nothing (the kernel never writes them)
 _NO_ROWS = np.full((1, 1), -1, np.int64)
 _NO_REC = np.zeros((0, 1, 3), np.int64)
+_OVERFLOW_FIX = "the cache computes in float32: scale the keys or queries down, or pass a smaller scale"
 _NO_REC_N = np.zeros(0, np.int64)
 
 
@@ -247,6 +250,16 @@ def _parse_selector(selector: object) -> Any:
     return get_selector(selector)
 
 
+def _locked(method: Any) -> Any:
+    """Run ``method`` holding the cache's lock (calls on one cache from several threads take turns)."""
+    @functools.wraps(method)
+    def run(self: KVCache, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class KVCache:
     """Key/value cache for autoregressive decoding with sparse attention over an incremental index.
 
@@ -313,10 +326,9 @@ class KVCache:
         Run the step's rows (heads x tokens) on Numba's threads (``True``) or on one thread (``False``);
         default: parallel when the step scores at least ``PARALLEL_MIN_KEYS`` keys in total.
 
-    Threads: ``attend`` calls may run concurrently on one cache (each is one kernel call over arrays it
-    only reads; with ``policy="h2o"`` the accumulated weights of concurrent calls may lose updates), but
-    ``append`` and ``reserve`` change the storage and must not overlap any other call on the same cache:
-    one cache per sequence, or a lock.
+    Threads: one cache may be used from several threads; ``append``, ``reserve``, ``attend``,
+    ``selected_slots`` and ``positions`` hold the cache's lock, so calls on one cache take turns (each
+    kernel call is parallel inside).  For concurrent sequences use one cache per sequence.
 
     Examples
     --------
@@ -392,6 +404,7 @@ class KVCache:
         self.seed = int(seed)
         self.parallel = None if parallel is None else bool(parallel)
         hk, E, Ev = self.num_kv_heads, self.head_dim, self.value_dim
+        self._lock = threading.RLock()  # append / reserve / attend / selected_slots / positions take turns
         self._n = 0  # positions appended so far (the next key's position)
         self._n_live = 0  # keys attendable (per kv head; every head holds as many)
         self._slots = 0  # slots in use (live + evicted, not yet compacted)
@@ -431,6 +444,15 @@ class KVCache:
         }
 
     # ------------------------------------------------------------------------------------- metadata
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_lock", None)  # a lock does not pickle; each copy gets its own
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
     def __len__(self) -> int:
         """Keys attendable now: every appended key, or ``max_keys`` under the cap."""
         return self._n_live
@@ -488,6 +510,7 @@ class KVCache:
                    append_us_per_token=(1e6 * self._stats["append_seconds"] / self._n) if self._n else 0.0)
         return out
 
+    @_locked
     def positions(self, kv_head: int = 0) -> np.ndarray:
         """Sorted positions (int64) of the keys kv head ``kv_head`` can attend to now."""
         p = self._pos[kv_head, :self._slots].astype(np.int64)
@@ -528,6 +551,7 @@ class KVCache:
             names.append("_ids")
         return names
 
+    @_locked
     def reserve(self, n_tokens: int) -> None:
         """Allocate storage for ``n_tokens`` more tokens now (per kv head), so that appending them never
         reallocates.  Storage otherwise grows by half its size when full, and that one append copies the
@@ -625,6 +649,7 @@ class KVCache:
 
 
     # ---------------------------------------------------------------------------------------- append
+    @_locked
     def append(self, keys: object, values: object) -> None:
         """Append T new tokens (positions ``len .. len + T - 1``) for every kv head.
 
@@ -1173,6 +1198,7 @@ class KVCache:
         return out
 
     # ---------------------------------------------------------------------------------------- attend
+    @_locked
     def selected_slots(self, query: object, head: int, k: int = 64, *, selector: str | None = None
                        ) -> np.ndarray:
         """Storage slots the step of one query token of head ``head`` reads (for measuring recall).
@@ -1260,6 +1286,7 @@ class KVCache:
             out.append(np.arange(self._cptr[g, c], self._cptr[g, c + 1]))
         return out
 
+    @_locked
     def attend(self, queries: object, k: int = 64, *, return_lse: bool = False, selector: str | None = None,
                tail: object = None) -> Any:
         """Attention of the newest T_q positions' queries over the cache.
@@ -1308,11 +1335,16 @@ class KVCache:
                              f"(num_heads, head_dim); got {q.shape}.")
         if not np.isfinite(q).all():
             raise ValueError("queries contains NaN or Inf; clean the input.")
+        q_in, q_in_dtype = q, q.dtype
         k = check_positive_int(k, "k")
         if selector not in (None, self.selector, "dense", "topk", "window"):
             raise ValueError(f"selector must be None, 'dense', 'topk' or 'window' (the cache's own is "
                              f"{self.selector!r}); got {selector!r}.")
-        q = np.ascontiguousarray(q, dtype=np.float32)
+        with np.errstate(over="ignore"):  # beyond float32's range: refused just below
+            q = np.ascontiguousarray(q, dtype=np.float32)
+        if q.dtype != q_in_dtype and not np.isfinite(q).all():
+            raise ValueError(f"queries exceed float32's range (largest magnitude {np.abs(q_in).max():.3g}); "
+                             f"{_OVERFLOW_FIX}.")
         T = q.shape[1]
         qpos = np.arange(self._n - T, self._n, dtype=np.int64)
         tail = as_tail(tail)
@@ -1322,7 +1354,7 @@ class KVCache:
         out, lse, nread, nest, rec, n_rec = self._run(q, qpos, k, selector or self.selector,
                                                       record=tail is not None)
         if lse.max() == np.inf:
-            raise ValueError(overflow_message(np.float32, self.scale))
+            raise ValueError(overflow_message(np.float32, self.scale, _OVERFLOW_FIX))
         if tail is not None:
             from .attention.cache_tail import cache_tail
 

@@ -73,10 +73,11 @@ def check_bool(value: object, name: str) -> bool:
     return bool(value)
 
 
-def overflow_message(dtype: np.dtype, scale: float) -> str:
-    """Error text for attention scores that overflow the computation dtype (finite inputs, +inf score)."""
+def overflow_message(dtype: np.dtype, scale: float, fix: str = "pass float64 inputs or a smaller scale") -> str:
+    """Error text for attention scores that overflow the computation dtype (finite inputs, an infinite or NaN
+    score); ``fix`` says what the caller can change."""
     return (f"attention scores overflow {np.dtype(dtype).name} (some q.k * scale is beyond its range with scale={scale:g}); "
-            f"pass float64 inputs or a smaller scale.")
+            f"{fix}.")
 
 
 def check_lse(lse: np.ndarray, dtype: np.dtype, scale: float, *, nan_is_overflow: bool = True) -> None:

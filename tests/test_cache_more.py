@@ -595,3 +595,85 @@ def test_streaming_cap_decode_loop_evicts_every_old_key(segment: int, open_step:
     ref, ref_lse = dense64(q[0], k[0, keep], v[0, keep], cache.scale)
     np.testing.assert_allclose(out[0], ref, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(lse[0], ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_queries_beyond_float32_are_refused() -> None:
+    k, v = _kv(50)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV)
+    cache.append(k, v)
+    q = _q(1).astype(np.float64) * 1e39  # finite in float64, inf in float32
+    with pytest.raises(ValueError, match="float32's range"):
+        cache.attend(q)
+
+
+@pytest.mark.parametrize("selector, cache_selector", [
+    ("dense", "cluster"), (None, "cluster"), ("topk", "cluster"), ("window", "cluster"), (None, "pages")])
+@pytest.mark.parametrize("sign", [-1.0, 1.0])
+def test_scores_overflowing_float32_raise_not_zeros(selector: str | None, cache_selector: str, sign: float) -> None:
+    """Keys of 3e38: q . k is -inf (sign -1: every element the same sign) or NaN (+inf - inf, alternating
+    signs) in float32.  Neither may be dropped as a masked key (zeros, lse = -inf): the overflow error."""
+    keys = np.full((1, 10, E), 3e38, np.float32)
+    if sign > 0:
+        keys[:, :, 1::2] = -3e38
+    cache = KVCache(1, E, value_dim=EV, selector=cache_selector)
+    cache.append(keys, np.ones((1, 10, EV), np.float32))
+    with pytest.raises(ValueError, match="overflow float32"):
+        cache.attend(sign * np.ones((1, 1, E), np.float32), k=4, selector=selector)
+
+
+def test_append_and_attend_from_threads_take_turns() -> None:
+    """One thread appends token by token while three attend: no crash, every output finite, and the cache
+    afterwards equals one filled from a single thread."""
+    import threading
+
+    n0, n = 600, 1400
+    k, v = _kv(n, seed=5)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8)
+    cache.append(k[:, :n0], v[:, :n0])
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def writer() -> None:
+        try:
+            for i in range(n0, n):
+                cache.append(k[:, i:i + 1], v[:, i:i + 1])
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        finally:
+            done.set()
+
+    def reader(seed: int) -> None:
+        q = _q(1, seed=seed)
+        try:
+            while not done.is_set():
+                out = cache.attend(q)
+                assert np.isfinite(out).all()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    ref = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8)
+    ref.append(k[:, :n0], v[:, :n0])
+    for i in range(n0, n):
+        ref.append(k[:, i:i + 1], v[:, i:i + 1])
+    q = _q(1, seed=9)
+    np.testing.assert_array_equal(cache.attend(q), ref.attend(q))
+
+
+def test_cache_pickles_with_its_own_lock() -> None:
+    import pickle
+
+    k, v = _kv(300)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8)
+    cache.append(k, v)
+    copy = pickle.loads(pickle.dumps(cache))
+    assert copy._lock is not cache._lock
+    q = _q(2)
+    np.testing.assert_array_equal(copy.attend(q), cache.attend(q))
+    copy.append(k[:, :1], v[:, :1])
+    assert len(copy) == len(cache) + 1

@@ -39,8 +39,8 @@ test hides it from every row, and a cluster holding one has ``cmaxpos = EVICTED`
 are recomputed without it.  Routed keys must also satisfy ``pos < hi_pos`` so that a key of the exact
 window is never counted twice.  Storage is float32, float16, or bfloat16 (uint16 bit patterns,
 ``BF16 = True``); scores, exp and sums are float32.  A row with no visible key gets zeros and
-``lse = -inf``; a score of ``+inf`` from finite inputs sets ``lse = +inf`` (the caller raises the
-overflow error).
+``lse = -inf``; a visible key's score of ``+inf``, ``-inf`` or NaN (finite inputs: the float32 dot product
+overflowed) sets ``lse = +inf`` (the caller raises the overflow error).
 
 With ``rec`` of nonzero length the kernel records, per row, the slot ranges it scored (``rec[r, i] =
 (first, stop, hi)``, ``n_rec[r]`` of them); ``accumulate_serial`` / ``accumulate_parallel`` replay them
@@ -225,6 +225,10 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
             s = np.float32(0.0)
             for e in range(E):
                 s += qi[e] * (widen_bf16(kj[e]) if BF16 else widen_f16(kj[e]))
+            if not (s > -np.inf and s < np.inf):  # the float32 dot product overflowed (finite inputs)
+                overflow = True
+                n_sel = 0
+                break
             if n_sel < n_probe or s > hs[0]:
                 n_sel = heap_offer(hs, hb, n_sel, n_probe, s, j)
         # attend the chosen slots in ascending slot order (a deterministic sum order)
@@ -354,8 +358,11 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
                     sc[u] = -np.inf
                 else:
                     cnt += 1
-                    if sc[u] > cmax:
-                        cmax = sc[u]
+                    x = sc[u]
+                    if x > cmax:
+                        cmax = x
+                    elif not (x > -np.inf):  # -inf or NaN from finite inputs: the score overflowed
+                        cmax = np.inf
             first = start
             start = stop
             if cnt == 0:
