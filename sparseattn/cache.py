@@ -96,6 +96,7 @@ _SELECTORS = ("cluster", "pages", "window", "topk", "dense")
 _POLICIES = ("streaming", "h2o")
 _BF16_NAMES = ("bfloat16", "bf16")
 _INT32_MAX = 2**31 - 1
+_MAX_SEGMENT = 1 << 24  # keys clustered at once per segment (one k-means)
 # Work per call (keys scored, plus routing vectors weighted by their bytes against a key's key + value)
 # below which the kernel runs on one thread.  Measured on 2 cores, 8 heads, E = 64, median of 40 steps:
 # 8,192 keys per step (1,024 per head, all exact) 0.22 ms serial against 0.26 ms parallel with warm
@@ -361,29 +362,30 @@ class KVCache:
         self._index_template = _parse_selector(selector)
         self.selector = selector
         self.storage, self._sdtype = _resolve_storage(dtype)
-        self.sinks = check_positive_int(sinks, "sinks", minimum=0)
-        self.window = check_positive_int(window, "window", minimum=0)
-        self.page_size = check_positive_int(page_size, "page_size")
-        self.segment = check_positive_int(segment, "segment", minimum=self.page_size)
+        big = _INT32_MAX - 1  # counts of keys or positions: int32
+        self.sinks = check_positive_int(sinks, "sinks", minimum=0, maximum=big)
+        self.window = check_positive_int(window, "window", minimum=0, maximum=big)
+        self.page_size = check_positive_int(page_size, "page_size", maximum=_MAX_SEGMENT)
+        self.segment = check_positive_int(segment, "segment", minimum=self.page_size, maximum=_MAX_SEGMENT)
         if self.segment % self.page_size:
             raise ValueError(f"segment ({self.segment}) must be a multiple of page_size ({self.page_size}).")
-        self.cluster_size = check_positive_int(cluster_size, "cluster_size")
+        self.cluster_size = check_positive_int(cluster_size, "cluster_size", maximum=_MAX_SEGMENT)
         self.open_step = self.segment // 2 if open_step is None else check_positive_int(open_step, "open_step")
         if self.open_step > self.segment:
             raise ValueError(f"open_step ({self.open_step}) must be <= segment ({self.segment}).")
         if policy not in _POLICIES:
             raise ValueError(f"policy must be one of {_POLICIES}; got {policy!r}.")
         self.policy = policy
-        self.max_keys = None if max_keys is None else check_positive_int(max_keys, "max_keys")
+        self.max_keys = None if max_keys is None else check_positive_int(max_keys, "max_keys", maximum=big)
         if self.max_keys is not None and self.max_keys < self.sinks + max(self.window, 1):
             raise ValueError(f"max_keys ({self.max_keys}) must be >= sinks + window "
                              f"({self.sinks} + {self.window}); raise max_keys or lower window.")
-        self.estimate = check_positive_int(estimate, "estimate", minimum=0)
+        self.estimate = check_positive_int(estimate, "estimate", minimum=0, maximum=big)
         if self.estimate and selector != "cluster":
             raise ValueError(f"estimate applies to selector='cluster' only; got selector={selector!r} with "
                              f"estimate={self.estimate}. Pass estimate=0.")
         default_probe = {"cluster": 32, "pages": 128}.get(selector, 0) if isinstance(selector, str) else 0
-        self.n_probe = default_probe if n_probe is None else check_positive_int(n_probe, "n_probe")
+        self.n_probe = default_probe if n_probe is None else check_positive_int(n_probe, "n_probe", maximum=big)
         self.top_p = None
         if top_p is not None:
             if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < float(top_p) <= 1:
@@ -392,16 +394,18 @@ class KVCache:
                 raise ValueError(f"top_p applies to selector='cluster' only (it ranks clusters by estimated "
                                  f"mass); got selector={selector!r}. Pass top_p=None or selector='cluster'.")
             self.top_p = float(top_p)
-        self.top_p_min_keys = check_positive_int(top_p_min_keys, "top_p_min_keys", minimum=0)
-        self.top_p_max_keys = (4 * max(self.n_probe, 1) * self.cluster_size if top_p_max_keys is None
-                               else check_positive_int(top_p_max_keys, "top_p_max_keys", minimum=0))
+        self.top_p_min_keys = check_positive_int(top_p_min_keys, "top_p_min_keys", minimum=0, maximum=big)
+        self.top_p_max_keys = (min(4 * max(self.n_probe, 1) * self.cluster_size, big) if top_p_max_keys is None
+                               else check_positive_int(top_p_max_keys, "top_p_max_keys", minimum=0, maximum=big))
         if self.top_p_min_keys > self.top_p_max_keys:
             raise ValueError(f"top_p_min_keys ({self.top_p_min_keys}) must be <= top_p_max_keys "
                              f"({self.top_p_max_keys}) (the floor and the cap of routed keys per query).")
         self.scale = check_scale(scale, self.head_dim)
         if not self.scale > 0:
             raise ValueError(f"scale must be > 0; got {scale!r}.")
-        self.seed = int(seed)
+        self.seed = check_positive_int(seed, "seed", minimum=0, maximum=_INT32_MAX)
+        if parallel is not None and not isinstance(parallel, (bool, np.bool_)):
+            raise TypeError(f"parallel must be True, False or None (by the step's size); got {parallel!r}.")
         self.parallel = None if parallel is None else bool(parallel)
         hk, E, Ev = self.num_kv_heads, self.head_dim, self.value_dim
         self._lock = threading.RLock()  # append / reserve / attend / selected_slots / positions take turns
@@ -1198,6 +1202,13 @@ class KVCache:
         return out
 
     # ---------------------------------------------------------------------------------------- attend
+    def _check_override(self, selector: str | None) -> None:
+        """The ``selector`` argument of ``attend`` / ``selected_slots``: None, the cache's own, or one that
+        works on any cache."""
+        if selector not in (None, self.selector, "dense", "topk", "window"):
+            raise ValueError(f"selector must be None, 'dense', 'topk' or 'window' (the cache's own is "
+                             f"{self.selector!r}); got {selector!r}.")
+
     @_locked
     def selected_slots(self, query: object, head: int, k: int = 64, *, selector: str | None = None
                        ) -> np.ndarray:
@@ -1208,8 +1219,16 @@ class KVCache:
         a stable sort, so ties at the last routed score may differ from the kernel's heap; ``top_p``: the
         walk recomputed in float64).  ``selector`` overrides the cache's as in :meth:`attend`.
         """
+        self._check_override(selector)
+        head = check_positive_int(head, "head", minimum=0, maximum=self.num_heads - 1)
+        k = check_positive_int(k, "k")
         sel_name = selector or self.selector
-        q = np.asarray(_to_numpy(query, "query"), np.float32).reshape(self.head_dim)
+        q = _to_numpy(query, "query")
+        if q.size != self.head_dim:
+            raise ValueError(f"query must hold head_dim={self.head_dim} values (shape (E,)); got shape {q.shape}.")
+        if not np.isfinite(q).all():
+            raise ValueError("query contains NaN or Inf; clean the input.")
+        q = np.asarray(q, np.float32).reshape(self.head_dim)
         g = head // (self.num_heads // self.num_kv_heads)
         n_slots, s0 = self._slots, min(self.sinks, self._slots)
         pos = self._pos[g, :n_slots].astype(np.int64)
@@ -1337,9 +1356,9 @@ class KVCache:
             raise ValueError("queries contains NaN or Inf; clean the input.")
         q_in, q_in_dtype = q, q.dtype
         k = check_positive_int(k, "k")
-        if selector not in (None, self.selector, "dense", "topk", "window"):
-            raise ValueError(f"selector must be None, 'dense', 'topk' or 'window' (the cache's own is "
-                             f"{self.selector!r}); got {selector!r}.")
+        self._check_override(selector)
+        if not isinstance(return_lse, (bool, np.bool_)):
+            raise TypeError(f"return_lse must be True or False; got {return_lse!r}.")
         with np.errstate(over="ignore"):  # beyond float32's range: refused just below
             q = np.ascontiguousarray(q, dtype=np.float32)
         if q.dtype != q_in_dtype and not np.isfinite(q).all():
@@ -1385,11 +1404,14 @@ class KVCache:
         lse = np.empty((H, T), np.float32)
         nread = np.empty(R, np.int64)
         nest = np.empty(R, np.int64)  # written for every row
-        n_est = self.estimate if sel == "cluster" else 0
+        # probes, estimated clusters and k: no more than there are (the kernel sizes its per-row heaps by them)
+        n_cmax = int(self._n_cent.max(initial=0))
+        n_est = min(self.estimate, n_cmax) if sel == "cluster" else 0
         s0 = min(self.sinks, self._slots)
         n_slots = self._slots
         hi = _INT32_MAX
-        n_probe = self.n_probe
+        n_probe = min(self.n_probe, n_cmax) if sel == "cluster" else min(self.n_probe, self._n_pages())
+        k = min(k, max(n_slots, 1))
         mode = kd.MODE_NONE
         ex_lo = s0
         rows_sel = _NO_ROWS

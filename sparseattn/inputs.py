@@ -45,12 +45,14 @@ def result_dtype(*arrays: np.ndarray) -> np.dtype:
     return np.dtype(np.float32)
 
 
-def check_positive_int(value: object, name: str, *, minimum: int = 1) -> int:
-    """Validate an integer parameter (bools rejected) and return it as ``int``."""
+def check_positive_int(value: object, name: str, *, minimum: int = 1, maximum: int | None = None) -> int:
+    """Validate an integer parameter (bools rejected) in ``[minimum, maximum]`` and return it as ``int``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer >= {minimum}; got {value!r} ({type(value).__name__}).")
     if int(value) < minimum:
         raise ValueError(f"{name} must be >= {minimum}; got {int(value)}.")
+    if maximum is not None and int(value) > maximum:
+        raise ValueError(f"{name} must be <= {maximum:,}; got {int(value):,}.")
     return int(value)
 
 

@@ -677,3 +677,55 @@ def test_cache_pickles_with_its_own_lock() -> None:
     np.testing.assert_array_equal(copy.attend(q), cache.attend(q))
     copy.append(k[:, :1], v[:, :1])
     assert len(copy) == len(cache) + 1
+
+
+@pytest.mark.parametrize("kw, exc, text", [
+    (dict(n_probe=2**40), ValueError, "n_probe must be <="),
+    (dict(n_probe=2**70), ValueError, "n_probe must be <="),
+    (dict(estimate=2**40), ValueError, "estimate must be <="),
+    (dict(cluster_size=10**30), ValueError, "cluster_size must be <="),
+    (dict(segment=2**40), ValueError, "segment must be <="),
+    (dict(top_p=0.9, top_p_max_keys=2**70), ValueError, "top_p_max_keys must be <="),
+    (dict(seed=-1), ValueError, "seed must be >= 0"),
+    (dict(seed="x"), TypeError, "seed must be an integer"),
+    (dict(seed=1.5), TypeError, "seed must be an integer"),
+    (dict(parallel="no"), TypeError, "parallel must be True, False or None"),
+])
+def test_constructor_refuses_out_of_range_values_naming_them(kw: dict, exc: type, text: str) -> None:
+    with pytest.raises(exc, match=text):
+        KVCache(H, E, num_kv_heads=HKV, **kw)
+
+
+def test_budgets_beyond_the_cache_read_everything_without_allocating_them() -> None:
+    """n_probe / estimate / k far beyond the clusters or keys held: the step reads what there is (equal to
+    the dense step) instead of sizing per-row heaps by the request."""
+    k, v = _kv(300)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=2**30,
+                    estimate=2**30)
+    cache.append(k, v)
+    q = _q(2)
+    dense = cache.attend(q, selector="dense")
+    np.testing.assert_allclose(cache.attend(q), dense, atol=2e-6)
+    np.testing.assert_allclose(cache.attend(q, k=2**40, selector="topk"), dense, atol=2e-6)
+    np.testing.assert_allclose(cache.attend(q, k=2**63, selector="topk"), dense, atol=2e-6)
+
+
+def test_attend_and_selected_slots_refuse_bad_arguments_naming_them() -> None:
+    k, v = _kv(100)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8)
+    cache.append(k, v)
+    q = _q(1)
+    with pytest.raises(TypeError, match="return_lse must be True or False"):
+        cache.attend(q, return_lse="no")
+    with pytest.raises(ValueError, match="selector must be None"):
+        cache.selected_slots(q[0, 0], 0, selector="bogus")
+    with pytest.raises(ValueError, match="head must be >= 0"):
+        cache.selected_slots(q[0, 0], -1)
+    with pytest.raises(ValueError, match=f"head must be <= {H - 1}"):
+        cache.selected_slots(q[0, 0], H)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        cache.selected_slots(q[0, 0], 0, k=-5, selector="topk")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        cache.selected_slots(np.full(E, np.nan, np.float32), 0)
+    with pytest.raises(ValueError, match=f"head_dim={E}"):
+        cache.selected_slots(np.ones(E // 2, np.float32), 0)
