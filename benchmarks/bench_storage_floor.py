@@ -49,6 +49,17 @@ from bench_decode import _positive_int, log, make_data  # noqa: E402
 
 from sparseattn.kernels._intrinsics import prefetch_l2  # noqa: E402
 
+MAX_FLUSH_MB = 16384
+
+
+def _flush_mb(text: str) -> int:
+    """argparse type of --flush-mb: a positive integer of at most MAX_FLUSH_MB."""
+    n = _positive_int(text)
+    if n > MAX_FLUSH_MB:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_FLUSH_MB} (MB); got {n}")
+    return n
+
+
 STORAGES = (("float32", np.float32), ("float16", np.float16), ("bfloat16", "bfloat16"))
 LEVELS = ("step", "kernel", "read", "read+prefetch", "launch")
 
@@ -128,10 +139,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=_positive_int, default=131072, help="cached keys per head before the steps")
     ap.add_argument("--steps", type=_positive_int, default=64, help="measured steps")
     ap.add_argument("--stride", type=_positive_int, default=64, help="tokens appended before each step")
-    ap.add_argument("--flush-mb", type=_positive_int, default=128,
-                    help="MB written by both cores before each cold measurement (> the last-level cache)")
-    ap.add_argument("--out", default=str(HERE / "results" / "storage-floor.json"))
+    ap.add_argument("--flush-mb", type=_flush_mb, default=128,
+                    help=f"MB written by both cores before each cold measurement (> the last-level cache; at "
+                         f"most {MAX_FLUSH_MB})")
+    ap.add_argument("--out", default=str(HERE / "results" / "storage-floor.json"),
+                    help="the JSON file to write (the report goes next to it, .md)")
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    if not args.out.strip() or out.is_dir():
+        ap.error(f"--out {args.out!r}: give a file path such as results/storage-floor.json")
+    try:
+        from sparseattn.cli import check_out_dir
+
+        check_out_dir(str(out.parent), "--out's folder")
+    except ValueError as exc:
+        ap.error(str(exc))
 
     import numba
 
@@ -224,7 +246,6 @@ def main(argv: list[str] | None = None) -> int:
                          "bf16_over_f32": _ratio(p50["bfloat16"], p50["float32"]),
                          "ms": {s: [round(1e3 * x, 4) for x in times[(s, level, mode)]] for s in names}}
         res["levels"][level] = row
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": res}, indent=1))
     write_report(out, meta, res)

@@ -300,7 +300,9 @@ class KVCache:
         Granularity of the open segment (default ``segment // 2``): once the tail holds ``open_step +
         window`` keys beyond it, the open segment (the newest, not yet full segment) is re-clustered with
         them, so the exact tail stays below ``open_step + window`` keys; a full segment is closed and
-        never clustered again.  ``open_step = segment`` turns the open segment off.
+        never clustered again.  ``open_step = segment`` turns the open segment off.  Each re-clustering
+        runs a k-means over the whole open segment, so a small ``open_step`` multiplies the append cost
+        (up to ``segment / open_step`` k-means runs per segment instead of about two).
     n_probe : int, optional
         Clusters (``"cluster"``, default 32) or pages (``"pages"``, default 128) attended per query.
     estimate : int, default 0

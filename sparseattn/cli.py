@@ -181,6 +181,8 @@ def kernel_note(quiet: bool = False) -> Iterator[None]:
 # ------------------------------------------------------------------------------------------------------
 def check_out_dir(path: str, option: str = "--out") -> None:
     """Raise ``ValueError`` unless ``path`` is a folder, or can be created as one, and is writable."""
+    if not path.strip():
+        raise ValueError(f"{option}: empty path; give a folder path (created if missing).")
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise ValueError(f"{option} {path}: exists and is not a folder; give a folder path (created if missing).")
@@ -191,6 +193,20 @@ def check_out_dir(path: str, option: str = "--out") -> None:
         raise ValueError(f"{option} {path}: {parent} is a file, not a folder; give a path under a folder.")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{option} {path}: no permission to write in {parent}; choose another folder.")
+    missing = []  # the folders to create, deepest first: created once as a probe, then removed again
+    q = p
+    while not q.exists():
+        missing.append(q)
+        q = q.parent
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{option} {path}: cannot create the folder ({exc.strerror}); choose another "
+                         f"folder.") from None
+    finally:
+        for q in missing:
+            if q.is_dir():
+                q.rmdir()
 
 
 def check_selector_specs(specs: Sequence[str], option: str = "--selectors") -> list[str]:
@@ -389,6 +405,8 @@ def _open_decode_source(spec: str) -> Any:
 def _cmd_decode(args: argparse.Namespace) -> int:
     import importlib.util
 
+    import numpy as np
+
     from . import decode_report
     from .threads import get_num_threads, threads
 
@@ -426,7 +444,16 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     sdpa = not args.no_sdpa and importlib.util.find_spec("torch") is not None
     n_threads = get_num_threads() if args.threads is None else args.threads
     with threads(n_threads):
-        wl = src.workload(heads, length, args.steps)
+        try:
+            wl = src.workload(heads, length, args.steps)
+        except ValueError as exc:
+            raise ValueError(f"--data {args.data}: {exc}") from None
+        if args.dtype == "float16":
+            for name, arr in (("keys", wl.k), ("values", wl.v)):
+                big = float(np.abs(arr).max(initial=0.0))
+                if big > 65504.0:
+                    raise ValueError(f"--dtype float16: the {name} of --data {args.data} reach {big:.3g}, beyond "
+                                     f"float16's range (65504); use --dtype float32 or --dtype bfloat16.")
         with kernel_note(args.quiet), \
                 progress_steps(args.steps + 1 + int(sdpa), "decode", quiet=args.quiet) as say:
             result = decode_report.run_decode(wl, selectors, k=args.k, dtype=args.dtype, sdpa=not args.no_sdpa,

@@ -545,6 +545,13 @@ def load_user(spec: str, *, dtype: object = None, base_dir: str | os.PathLike[st
     _check_user_arrays(arrs, where)  # type: ignore[arg-type]
     target = {role: dt or (arrs[role].dtype if arrs[role].dtype.kind == "f" else np.dtype(np.float32))
               for role in ("q", "k", "v")}
+    for r in ("q", "k", "v"):
+        to = np.dtype(target[r])
+        if arrs[r].dtype.kind == "f" and np.finfo(arrs[r].dtype).max > np.finfo(to).max:
+            big = float(np.abs(arrs[r]).max(initial=0.0))
+            if big > float(np.finfo(to).max):
+                raise ValueError(f"{where}: array {r!r} holds values beyond {to.name}'s range (largest magnitude "
+                                 f"{big:.3g}), the dtype it is computed in; scale the data down.")
     q, k, v = (np.ascontiguousarray(arrs[r], dtype=target[r]) for r in ("q", "k", "v"))
     layout = {"q": _USER_SHAPES["q"], "k": _USER_SHAPES["k"], "v": _USER_SHAPES["v"]}
     if q.ndim > 2:
@@ -601,6 +608,8 @@ def _rng(seed: object) -> np.random.Generator:
     if isinstance(seed, bool) or not isinstance(seed, (numbers.Integral, np.random.SeedSequence)):
         raise TypeError(f"seed must be an int; got {seed!r} ({type(seed).__name__}). "
                         f"Hint: pass seed=0 for a reproducible draw.")
+    if isinstance(seed, numbers.Integral) and int(seed) < 0:
+        raise ValueError(f"seed must be >= 0; got {int(seed)}. Hint: pass seed=0 for a reproducible draw.")
     return np.random.default_rng(seed)  # type: ignore[arg-type]
 
 

@@ -70,3 +70,17 @@ def test_tiny_run_measures_every_level_and_storage(tmp_path) -> None:
         lv["read"]["cold"]["p50_ms"]["float32"], lv["read+prefetch"]["cold"]["p50_ms"]["float32"])
     md = out.with_suffix(".md").read_text()
     assert f"takes {floor:.2f}x the float32 time" in md
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--flush-mb", "99999999"], "must be at most"),
+    (["--out", ""], "--out ''"),
+    (["--out", "."], "give a file path"),
+    (["--out", "/proc/sparseattn-x/r.json"], "cannot create"),
+])
+def test_bad_out_and_flush_refused_before_any_work(argv: list[str], needle: str,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bsf.main(argv)
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err

@@ -290,3 +290,28 @@ def test_decode_ctrl_c_exits_130_with_one_line(capsys, monkeypatch, tmp_path):
     rc, out, err = run(capsys, DECODE + ["--steps", "2", "--out", str(tmp_path / "r"), "--format", "json"])
     assert rc == 130 and err == "sparseattn decode: interrupted\n" and not out
     assert not (tmp_path / "r").exists()
+
+
+def test_out_that_cannot_be_created_or_is_empty(capsys, tmp_path, no_work):
+    assert_user_error(capsys, ["compare", *SMALL, "--out", ""], "--out: empty path")
+    assert_user_error(capsys, ["decode", "--out", "  "], "--out: empty path")
+    # /proc takes no new folders even for root: the probe's mkdir fails, and names --out
+    assert_user_error(capsys, ["decode", "--out", "/proc/sparseattn-x/y"], "--out /proc/sparseattn-x/y: cannot create")
+    # a creatable folder passes the check and is not left behind by it
+    out = tmp_path / "a" / "b"
+    cli.check_out_dir(str(out))
+    assert not (tmp_path / "a").exists()
+
+
+def test_decode_data_beyond_float32_and_float16_name_the_flag(capsys, tmp_path, no_work):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((64, 8))
+    np.savez(tmp_path / "f64.npz", q=q, k=q * 1e200, v=q)
+    assert_user_error(capsys, ["decode", "--data", str(tmp_path / "f64.npz"), "--steps", "2", "--format", "table"],
+                      "--data", "array 'k' holds values beyond float32's range", "4.")
+    np.savez(tmp_path / "f16.npz", q=q.astype(np.float32), k=(q * 1e5).astype(np.float32), v=q.astype(np.float32))
+    assert_user_error(capsys, ["decode", "--data", str(tmp_path / "f16.npz"), "--steps", "2", "--dtype", "float16",
+                               "--format", "table"], "--dtype float16:", "beyond float16's range",
+                      "use --dtype float32 or --dtype bfloat16")
+    assert_user_error(capsys, ["decode", "--data", "synthetic:n=4096,d=16,seed=-1", "--format", "table"],
+                      "--data synthetic:n=4096,d=16,seed=-1:", "seed must be >= 0")
