@@ -85,7 +85,7 @@ from typing import Any
 import numpy as np
 
 from .attention.tail import as_tail
-from .inputs import check_positive_int, check_scale, overflow_message
+from .inputs import check_bool, check_positive_int, check_scale, overflow_message
 from .kernels.cache_ops import least_weight_slot, mark_evicted_clusters, slots_of_positions
 from .kernels.decode import EVICTED
 from .threads import executor, get_num_threads, single_threaded_blas
@@ -108,8 +108,9 @@ PARALLEL_MIN_KEYS = 12288
 # kernel inputs of a step that lists no rows / records nothing (the kernel never writes them)
 _NO_ROWS = np.full((1, 1), -1, np.int64)
 _NO_REC = np.zeros((0, 1, 3), np.int64)
-_OVERFLOW_FIX = "the cache computes in float32: scale the keys or queries down, or pass a smaller scale"
 _NO_REC_N = np.zeros(0, np.int64)
+# what to change when scores overflow (the kernels compute in float32 whatever the inputs)
+_OVERFLOW_FIX = "the cache computes in float32: scale the keys or queries down, or pass a smaller scale"
 
 
 # ---------------------------------------------------------------------------------------- conversions
@@ -406,9 +407,7 @@ class KVCache:
         if not self.scale > 0:
             raise ValueError(f"scale must be > 0; got {scale!r}.")
         self.seed = check_positive_int(seed, "seed", minimum=0, maximum=_INT32_MAX)
-        if parallel is not None and not isinstance(parallel, (bool, np.bool_)):
-            raise TypeError(f"parallel must be True, False or None (by the step's size); got {parallel!r}.")
-        self.parallel = None if parallel is None else bool(parallel)
+        self.parallel = None if parallel is None else check_bool(parallel, "parallel")
         hk, E, Ev = self.num_kv_heads, self.head_dim, self.value_dim
         self._lock = threading.RLock()  # append / reserve / attend / selected_slots / positions take turns
         self._n = 0  # positions appended so far (the next key's position)
@@ -1359,8 +1358,7 @@ class KVCache:
         q_in, q_in_dtype = q, q.dtype
         k = check_positive_int(k, "k")
         self._check_override(selector)
-        if not isinstance(return_lse, (bool, np.bool_)):
-            raise TypeError(f"return_lse must be True or False; got {return_lse!r}.")
+        check_bool(return_lse, "return_lse")
         with np.errstate(over="ignore"):  # beyond float32's range: refused just below
             q = np.ascontiguousarray(q, dtype=np.float32)
         if q.dtype != q_in_dtype and not np.isfinite(q).all():
