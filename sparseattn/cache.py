@@ -130,6 +130,9 @@ def _to_numpy(x: object, name: str) -> np.ndarray:
 
         if t.dtype == torch.bfloat16:
             t = t.float()
+        if t.dtype not in (torch.float16, torch.float32, torch.float64):
+            raise TypeError(f"{name} must have dtype float16, bfloat16, float32 or float64; got {t.dtype}. "
+                            f"Convert with {name}.float().")
         return t.numpy()
     arr = np.asarray(x)
     if arr.dtype.kind == "V" and arr.dtype.itemsize == 2:  # e.g. ml_dtypes bfloat16 seen as void

@@ -308,6 +308,22 @@ def test_torch_tensors_in_and_out() -> None:
     np.testing.assert_allclose(out.numpy(), ref[0].numpy(), atol=2e-5)
 
 
+
+@pytest.mark.parametrize("dtype", ["int64", "float8_e4m3fn", "complex64", "bool"])
+def test_torch_tensors_of_other_dtypes_are_refused_naming_the_argument(dtype: str) -> None:
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch, dtype):
+        pytest.skip(f"torch {torch.__version__} has no {dtype}")
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV)
+    k, v = _kv(3)
+    bad = torch.zeros(k.shape).to(getattr(torch, dtype))
+    with pytest.raises(TypeError, match="keys must have dtype float16, bfloat16, float32 or float64"):
+        cache.append(bad, torch.from_numpy(v))
+    cache.append(k, v)
+    with pytest.raises(TypeError, match="queries must have dtype"):
+        cache.attend(torch.zeros((H, 1, E)).to(getattr(torch, dtype)))
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(1, 260), t=st.integers(1, 4), sinks=st.integers(0, 6), window=st.integers(0, 40),
        chunk=st.integers(1, 97), name=st.sampled_from(["cluster", "pages", "dense"]))
