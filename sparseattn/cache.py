@@ -1118,12 +1118,9 @@ class KVCache:
         if a >= b:
             return
         if self._index[0] is None:
-            n_keys = self._slots - s0
-            if self._index_template.not_supported_reasons(n_keys=n_keys, dim=self.head_dim):
-                self._ids[:, a:b] = -1
-                return  # not enough keys for this backend yet: attend reads every key exactly meanwhile
-            self._index_build()
-            return
+            self._ids[:, a:b] = -1
+            self._index_build()  # once the backend accepts the live keys held; until then attend reads
+            return               # every key exactly
         for g in range(self.num_kv_heads):
             sel = self._index[g]
             start = sel.keys_.shape[0]
@@ -1138,8 +1135,17 @@ class KVCache:
             slot_map[start:start + (b - a)] = np.arange(a, b)
 
     def _index_build(self) -> None:
-        """(Re)build every kv head's index selector from its live non-sink keys."""
+        """(Re)build every kv head's index selector from its live non-sink keys; when the backend cannot
+        train on that many (e.g. PQ or IVF under a small ``max_keys``), drop the index instead: attend then
+        reads every key exactly until a later append brings enough keys."""
         s0 = min(self.sinks, self._slots)
+        live = self._pos[:, s0:self._slots] != EVICTED
+        n_keys = int(live.sum(axis=1).min()) if live.size else 0
+        if self._index_template.not_supported_reasons(n_keys=n_keys, dim=self.head_dim):
+            self._index = [None] * self.num_kv_heads
+            self._ids[:, :self._slots] = -1
+            self._index_dead = 0
+            return
         for g in range(self.num_kv_heads):
             slots = s0 + np.flatnonzero(self._pos[g, s0:self._slots] != EVICTED)
             sel = self._index_template.clone()

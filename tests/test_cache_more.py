@@ -729,3 +729,47 @@ def test_attend_and_selected_slots_refuse_bad_arguments_naming_them() -> None:
         cache.selected_slots(np.full(E, np.nan, np.float32), 0)
     with pytest.raises(ValueError, match=f"head_dim={E}"):
         cache.selected_slots(np.ones(E // 2, np.float32), 0)
+
+
+@pytest.mark.parametrize("spec, cap", [("faiss-ivfpq", 200), ("faiss-ivf:nlist=150", 100)])
+def test_index_selector_that_cannot_train_under_the_cap_reads_everything(spec: str, cap: int) -> None:
+    """PQ / IVF need more training keys than a small cap keeps: appends never fail, the cap holds, and the
+    step reads every live key exactly (equal to the dense step) instead of a stale index."""
+    pytest.importorskip("faiss")
+    rng = np.random.default_rng(0)
+    cache = KVCache(1, E, value_dim=EV, selector=spec, max_keys=cap, segment=64, sinks=2, window=8)
+    for i in range(1000):
+        cache.append(rng.standard_normal((1, 1, E)), rng.standard_normal((1, 1, EV)))
+        assert len(cache) == min(i + 1, cap)
+    q = _q(1, h=1)
+    out = cache.attend(q, k=10_000)
+    assert cache.stats["keys_read_per_query"] == cap
+    np.testing.assert_allclose(out, cache.attend(q, selector="dense"), atol=1e-6)
+
+
+def test_prefill_rows_route_only_to_clusters_they_can_see() -> None:
+    """512 prefill queries over 1,024 keys whose later half matches them best: a row's probes go to clusters
+    holding a key at or before its position, so no row is left with its window alone or nothing."""
+    d = np.ones(8, np.float32) / np.sqrt(8)
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((1, 1024, 8)).astype(np.float32)
+    k[0, 512:] += 4 * d
+    v = rng.standard_normal((1, 1024, 8)).astype(np.float32)
+    cache = KVCache(1, 8, segment=64, cluster_size=8, sinks=0, window=1, n_probe=4)
+    cache.append(k, v)
+    out, lse = cache.attend(np.tile(3 * d, (1, 512, 1)), return_lse=True)
+    assert np.isfinite(lse).all()
+    assert cache.stats["keys_read_min"] >= 1 + 4  # the window key and one visible key per probed cluster
+
+
+def test_tail_samples_beyond_the_keys_cost_no_more_than_the_keys() -> None:
+    """tail=2**40 on a 10-key cache: exact (every unread key enumerated), and no scratch of 2**40 per row."""
+    from sparseattn.attention.tail import Tail
+
+    k, v = _kv(10)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="window", window=2, sinks=1)
+    cache.append(k, v)
+    q = _q(2)
+    dense = cache.attend(q, selector="dense")
+    for samples in (10, 2**40, 2**62):
+        np.testing.assert_allclose(cache.attend(q, tail=Tail(samples, seed=3)), dense, atol=2e-6)

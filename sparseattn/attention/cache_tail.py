@@ -212,6 +212,7 @@ def cache_tail(cache: Any, q: np.ndarray, qpos: np.ndarray, out: np.ndarray, lse
     n_tail = m_rows.copy()
     if not m_rows.any():
         return out, lse, n_tail
+    m = int(m_rows.max())  # scratch sized by the samples drawn, not by the request (which may exceed the keys)
     enum = ~((4 * u >= n_slots) & (2 * m_rows <= u))
     idx = np.full((R, m), -1, dtype=np.int64)
     found = np.full(R, -1, dtype=np.int64)

@@ -9,7 +9,8 @@ rows).  Per row, over the cache of kv head ``h // rep``:
 
    * ``MODE_CLUSTER``: one score ``q . c`` per routing vector of the head (member means of the clusters
      of every segment, stored as int8 codes of the vector over its largest magnitude / 127, times the
-     float32 ``cscale[g, c]``), the ``n_probe`` largest kept by a min-heap, then each
+     float32 ``cscale[g, c]``), the ``n_probe`` largest among the clusters holding a key at or before the
+     row's position (``cminpos <= qp``) kept by a min-heap, then each
      chosen cluster's contiguous slot range ``[cptr[c], cptr[c + 1])`` scored; with ``n_est > 0`` the
      next ``n_est`` clusters are estimated: one pseudo-key each, score ``scale * q . c + log(ccount)``
      and value ``cvmean[g, c]``, skipped when the cluster holds a key the row may not see
@@ -195,6 +196,8 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
                 s += qi[e] * np.float32(cv[e])
             s *= cscale[g, c]
             if mode == MODE_CLUSTER:
+                if cminpos[g, c] > qp:
+                    continue  # every key of the cluster is after the row (a prefill row): not a probe
                 if n_sel < width or s > hs[0]:  # ids ascend: a tie with the root never enters
                     n_sel = heap_offer(hs, hb, n_sel, width, s, c)
             else:
