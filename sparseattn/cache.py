@@ -1139,8 +1139,7 @@ class KVCache:
         train on that many (e.g. PQ or IVF under a small ``max_keys``), drop the index instead: attend then
         reads every key exactly until a later append brings enough keys."""
         s0 = min(self.sinks, self._slots)
-        live = self._pos[:, s0:self._slots] != EVICTED
-        n_keys = int(live.sum(axis=1).min()) if live.size else 0
+        n_keys = self._n_live - s0  # live non-sink keys per kv head (sinks are never evicted)
         if self._index_template.not_supported_reasons(n_keys=n_keys, dim=self.head_dim):
             self._index = [None] * self.num_kv_heads
             self._ids[:, :self._slots] = -1
