@@ -1418,7 +1418,8 @@ class KVCache:
         s0 = min(self.sinks, self._slots)
         n_slots = self._slots
         hi = _INT32_MAX
-        n_probe = min(self.n_probe, n_cmax) if sel == "cluster" else min(self.n_probe, self._n_pages())
+        n_pages = self._n_pages()
+        n_probe = min(self.n_probe, n_cmax if sel == "cluster" else n_pages)
         k = min(k, max(n_slots, 1))
         mode = kd.MODE_NONE
         ex_lo = s0
@@ -1428,7 +1429,7 @@ class KVCache:
             mode, ex_lo = kd.MODE_CLUSTER, self._open_end
             n_ranges = 2 + n_probe
             if self.top_p is not None:
-                mode, n_ranges = kd.MODE_MASS, 2 + int(self._n_cent.max(initial=0))
+                mode, n_ranges = kd.MODE_MASS, 2 + n_cmax
         elif sel == "pages":
             ex_lo = max(s0, n_slots - self.window)
             mode, n_ranges = kd.MODE_PAGES, 2 + n_probe
@@ -1446,10 +1447,10 @@ class KVCache:
             budget = self.top_p_max_keys if self.top_p is not None else self.n_probe * self.cluster_size
             # the routing scan: one int8 vector of E bytes per cluster, counted in keys' bytes
             key_bytes = (self.head_dim + self.value_dim) * self._sdtype.itemsize
-            route = int(self._n_cent.max(initial=0)) * self.head_dim // max(key_bytes, 1)
+            route = n_cmax * self.head_dim // max(key_bytes, 1)
             work = (n_slots - ex_lo + s0 + budget + route) * R
         elif sel == "pages":
-            work = (self.window + s0 + self.n_probe * self.page_size + self._n_pages() // 8) * R
+            work = (self.window + s0 + self.n_probe * self.page_size + n_pages // 8) * R
         elif sel == "window":
             work = (self.window + s0) * R
         elif mode == kd.MODE_LIST:
