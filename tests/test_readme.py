@@ -1,4 +1,5 @@
-"""The README's Python examples run: every ```python block, in order, in one namespace.
+"""The Python examples of README.md and of every page in docs/ run: every ```python block of a file, in
+order, in one namespace per file (``__name__ == "__main__"``, as when the blocks are saved as a script).
 
 The README path can be overridden with the environment variable ``SPARSEATTN_README`` (e.g. to check a
 section before it is pasted into README.md).  Blocks run in a temporary working directory, so an example
@@ -13,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-README = Path(os.environ.get("SPARSEATTN_README", Path(__file__).resolve().parents[1] / "README.md"))
+ROOT = Path(__file__).resolve().parents[1]
+README = Path(os.environ.get("SPARSEATTN_README", ROOT / "README.md"))
+DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 _BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 
@@ -49,14 +52,30 @@ def test_a_raising_block_fails_with_its_line():
         run_blocks(blocks, {}, "t.md")
 
 
-def test_readme_python_blocks_run(tmp_path, monkeypatch):
-    assert README.is_file(), f"README not found at {README}"
-    blocks = python_blocks(README.read_text(encoding="utf-8"))
-    assert blocks, f"{README} has no ```python block: the library quick start is missing"
+def _run_file(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     saved = dict(os.environ)  # Dask's nanny (the distributed example) sets OMP/BLAS thread variables here
     try:
-        run_blocks(blocks, {"__name__": "__readme__"}, README.name)
+        run_blocks(python_blocks(path.read_text(encoding="utf-8")), {"__name__": "__main__"}, path.name)
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def test_readme_python_blocks_run(tmp_path, monkeypatch):
+    assert README.is_file(), f"README not found at {README}"
+    assert python_blocks(README.read_text(encoding="utf-8")), \
+        f"{README} has no ```python block: the library quick start is missing"
+    _run_file(README, tmp_path, monkeypatch)
+
+
+def test_docs_pages_exist_and_are_linked_from_the_readme():
+    assert DOCS, "docs/ has no pages"
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    for page in DOCS:
+        assert f"docs/{page.name}" in text, f"README.md does not link docs/{page.name}"
+
+
+@pytest.mark.parametrize("page", DOCS, ids=[p.name for p in DOCS])
+def test_docs_python_blocks_run(page, tmp_path, monkeypatch):
+    _run_file(page, tmp_path, monkeypatch)
