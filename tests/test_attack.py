@@ -160,21 +160,11 @@ def test_attack_subprocess_survives_every_case(attack_run):
 
 #: Findings outside the selector boundary, reported to the owner of the code named; kept strict: the test
 #: below fails when one stops reproducing, so the entry gets removed with the fix.
-KNOWN_FINDINGS: dict[str, str] = {}
-
-
 def test_attack_cases_give_valid_results_or_named_errors(attack_run):
     _, records = attack_run
     fails = [f"{r['done']}: {r['status']}" for r in records
-             if r.get("status", "").startswith("FAIL") and r["done"] not in KNOWN_FINDINGS]
+             if r.get("status", "").startswith("FAIL")]
     assert not fails, f"{len(fails)} failing cases:\n" + "\n".join(fails[:40])
-
-
-def test_known_findings_still_reproduce(attack_run):
-    _, records = attack_run
-    status = {r["done"]: r["status"] for r in records if "done" in r}
-    fixed = [label for label in KNOWN_FINDINGS if not status.get(label, "").startswith("FAIL")]
-    assert not fixed, f"fixed (remove from KNOWN_FINDINGS): {fixed}"
 
 
 def test_attack_covers_every_registered_selector_and_mostly_runs(attack_run):

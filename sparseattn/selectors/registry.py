@@ -13,27 +13,26 @@ Spec strings: ``"name"`` or ``"name:p1=v1,p2=v2"``; ``"+"`` joins parts into a u
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
-
-if TYPE_CHECKING:
-    from .base import Selector
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 __all__ = [
-    "available_selectors", "get_selector", "parse_spec", "register", "register_union", "selector_classes",
+    "SelectorProtocol", "available_selectors", "get_selector", "parse_spec", "register", "register_union", "selector_classes",
     "spec_string",
 ]
 
-_REGISTRY: dict[str, type[Selector]] = {}
-_UNION: list[type[Selector]] = []  # at most one class: how "a+b" specs are combined
+_REGISTRY: dict[str, type[SelectorProtocol]] = {}
+_UNION: list[type[SelectorProtocol]] = []  # at most one class: how "a+b" specs are combined
 
 _T = TypeVar("_T", bound=type)
 
 
 @runtime_checkable
-class _SelectorLike(Protocol):
-    """What ``get_selector`` accepts in place of a spec string (any :class:`Selector` instance)."""
+class SelectorProtocol(Protocol):
+    """The selector surface the registry relies on: every :class:`~sparseattn.selectors.base.Selector`
+    satisfies it (the registry types against it so that it imports nothing from ``base``)."""
 
     name: str
+    attends: bool
 
     def build(self, keys: Any, *, check_finite: bool = True) -> Any: ...
 
@@ -82,7 +81,7 @@ def register_union(cls: _T) -> _T:
     return cls
 
 
-def selector_classes() -> dict[str, type[Selector]]:
+def selector_classes() -> dict[str, type[SelectorProtocol]]:
     """name -> class for every registered selector, sorted by name."""
     return dict(sorted(_REGISTRY.items()))
 
@@ -112,14 +111,14 @@ def parse_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
     return parts
 
 
-def get_selector(spec: str | Selector, **params: Any) -> Selector:
+def get_selector(spec: str | SelectorProtocol, **params: Any) -> SelectorProtocol:
     """A selector from a name or spec string (``"window:width=64+faiss-hnsw:M=32"``), or an instance as is.
 
     Keyword parameters apply to a single-name spec and override the string's.  Unknown names or
     parameters raise ``ValueError`` listing the valid ones; an unavailable backend raises ``ImportError``
     saying what to install.  The selector is not built.
     """
-    if not isinstance(spec, str) and isinstance(spec, _SelectorLike):
+    if not isinstance(spec, str) and isinstance(spec, SelectorProtocol):
         if params:
             raise ValueError("parameters cannot be given together with a Selector instance; use "
                              "selector.set_params(...).")
@@ -136,7 +135,7 @@ def get_selector(spec: str | Selector, **params: Any) -> Selector:
     return _from_part(name, parsed)
 
 
-def _from_part(name: str, params: dict[str, Any]) -> Selector:
+def _from_part(name: str, params: dict[str, Any]) -> SelectorProtocol:
     classes = selector_classes()
     if name not in classes:
         raise ValueError(f"unknown selector {name!r}; available: {', '.join(classes)}.")
@@ -147,7 +146,7 @@ def _from_part(name: str, params: dict[str, Any]) -> Selector:
     return cls(**params)
 
 
-def spec_string(sel: Selector) -> str:
+def spec_string(sel: SelectorProtocol) -> str:
     """The spec string that :func:`get_selector` parses back to an equal selector.
 
     Parameters whose value is None (derived from the data or from k) are left out.  A union gives its
