@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -33,7 +35,27 @@ def test_import_sparseattn_does_not_import_dask() -> None:
 
 
 distributed = pytest.importorskip("distributed")  # CI installs the extra; skipped only where it is missing
-from sparseattn.distributed import ShardedKeyStore, ShardError  # noqa: E402
+from sparseattn.distributed import ClientClosedError, ShardedKeyStore, ShardError  # noqa: E402
+
+
+def bounded(fn, seconds: float = 60.0):
+    """fn() run in a thread and awaited at most ``seconds``: a call that hangs fails the test instead of CI."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the test thread below
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        pytest.fail(f"the call did not return within {seconds} s (it hangs)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _warm_kernels() -> None:
@@ -278,9 +300,109 @@ def test_shard_that_raises_gives_a_clear_error(client, data) -> None:
             store.attend(Q, k=8)
 
 
+def test_overflowing_queries_refused_before_sending_then_good_calls(client, data) -> None:
+    """Queries whose scores would overflow are a ValueError naming them, sent nowhere; the store stays usable."""
+    Q, K, V = data
+    with ShardedKeyStore(client, K[:2000], V[:2000], n_shards=2, timeout=60) as store:
+        for bad in (np.full((3, E), 3e38, np.float32),  # finite, but q.k overflows float32
+                    np.full((3, E), 1e39, np.float64)):  # beyond float32, the store's dtype
+            calls = store.stats["calls"]
+            with pytest.raises(ValueError, match="queries"):
+                bounded(lambda b=bad: store.attend(b, k=8))
+            assert store.stats["calls"] == calls  # refused in the client: nothing was sent
+        with pytest.raises(ValueError, match="scale"):
+            store.attend(Q, scale=1e300)
+        for _ in range(2):
+            out, lse = bounded(lambda: store.attend(Q, k=2000))  # k >= shard size: every key
+        truth, truth_lse = dense64(Q, K[:2000], V[:2000])
+    assert rel(out, truth) <= 1e-5
+    assert np.allclose(lse, truth_lse, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_timeout_then_good_calls(client, data, replicas) -> None:
+    """A call that times out fails with ShardError, but the live replicas stay in use for later calls."""
+    Q, K, V = data
+    big = np.random.default_rng(5).standard_normal((6000, E)).astype(np.float32)
+    with ShardedKeyStore(client, K, V, n_shards=2, replicas=replicas) as store:
+        with pytest.raises(ShardError, match=r"(?s)timeout=0.001 s.*still alive"):
+            bounded(lambda: store.attend(big, k=16, batch_size=6000, timeout=0.001))
+        out, lse = bounded(lambda: store.attend(Q, k=S))  # waits for the abandoned call, then answers
+        out2, _ = bounded(lambda: store.attend(Q, k=S, timeout=60))
+    truth, truth_lse = dense64(Q, K, V)
+    assert rel(out, truth) <= 1e-5 and rel(out2, truth) <= 1e-5
+    assert np.allclose(lse, truth_lse, rtol=1e-6, atol=1e-5)
+
+
+def test_closed_client_with_another_client_connected_raises_at_once(cluster, data) -> None:
+    """The store's client closed, another client of the cluster still open: a named error, no hang."""
+    Q, K, V = data
+    own = distributed.Client(cluster[0].scheduler_address, set_as_default=False)
+    store = ShardedKeyStore(own, K[:1000], V[:1000])
+    bounded(lambda: store.attend(Q[:5], k=8))
+    own.close()
+    for _ in range(2):
+        with pytest.raises(ClientClosedError, match="client is closed"):
+            bounded(lambda: store.attend(Q[:5], k=8), 20)
+    with pytest.raises(ClientClosedError, match="new ShardedKeyStore"):
+        bounded(lambda: store.worker_memory(), 20)
+    bounded(store.close, 20)
+
+
+def test_closed_client_alone_raises_named_error() -> None:
+    """The only client of a cluster closed: the same named error, not dask's internal one."""
+    rng = np.random.default_rng(6)
+    K, V, Q = (rng.standard_normal((n, 8)).astype(np.float32) for n in (300, 300, 4))
+    with distributed.LocalCluster(n_workers=1, processes=False, dashboard_address=":0",
+                                  silence_logs=logging.CRITICAL) as cl:
+        own = distributed.Client(cl, set_as_default=False)
+        store = ShardedKeyStore(own, K, V)
+        out = bounded(lambda: store.attend(Q, k=300))[0]
+        assert rel(out, dense64(Q, K, V)[0]) <= 1e-5
+        own.close()
+        with pytest.raises(ClientClosedError, match="client is closed"):
+            bounded(lambda: store.attend(Q, k=8), 20)
+        bounded(store.close, 20)
+
+
 def _kill_worker(client, address: str) -> None:
     pid = client.run(os.getpid, workers=[address])[address]
     os.kill(pid, signal.SIGKILL)
+
+
+def _kill_and_wait_until_noticed(client, address: str) -> None:
+    """Kill a worker and wait until the scheduler has dropped it: the death falls *between* two calls."""
+    _kill_worker(client, address)
+    deadline = time.monotonic() + 30
+    while address in client.nthreads():
+        assert time.monotonic() < deadline, f"the scheduler did not notice that {address} died"
+        time.sleep(0.1)
+
+
+def test_worker_killed_between_calls_retried_on_live_replica(client, data) -> None:
+    Q, K, V = data
+    client.wait_for_workers(2, timeout=120)
+    truth, truth_lse = dense64(Q, K[:2000], V[:2000])
+    with ShardedKeyStore(client, K[:2000], V[:2000], n_shards=2, replicas=2) as store:
+        assert rel(bounded(lambda: store.attend(Q, k=2000))[0], truth) <= 1e-5
+        _kill_and_wait_until_noticed(client, store.shards[0].workers[0])
+        for _ in range(2):  # the retry, then the lost replica skipped
+            out, lse = bounded(lambda: store.attend(Q, k=2000))
+            assert rel(out, truth) <= 1e-5
+            assert np.allclose(lse, truth_lse, rtol=1e-6, atol=1e-5)
+        assert store.stats["retries"] >= 1
+
+
+def test_worker_killed_between_calls_without_replica_raises_shard_error(client, data) -> None:
+    Q, K, V = data
+    client.wait_for_workers(2, timeout=120)
+    with ShardedKeyStore(client, K[:2000], V[:2000], n_shards=2) as store:
+        bounded(lambda: store.attend(Q, k=8))
+        _kill_and_wait_until_noticed(client, store.shards[0].workers[0])
+        for _ in range(2):
+            with pytest.raises(ShardError, match=r"(?s)shard 0 .*was lost.*no replica is left"):
+                bounded(lambda: store.attend(Q, k=8), 30)
+    bounded(store.close, 20)
 
 
 def test_killed_worker_retry_on_replica_then_clear_error(client, data) -> None:
