@@ -905,8 +905,14 @@ class ShardedKeyStore:
             why = self._health(i, r)
             if why is not None:
                 self._dead[(i, r)] = why
-            failures.append(f"replica {r} on {self._workers[i][r]}: {_describe(err)} "
-                            + (f"(dropped: {why})" if why else "(the worker is alive; the replica stays in use)"))
+            if why is not None:
+                state = f"dropped: {why}"
+            elif isinstance(err, TimeoutError):
+                state = ("the worker is alive and may still be computing the abandoned call, which later calls "
+                         "to it wait behind; the replica stays in use")
+            else:
+                state = "the worker is alive; the replica stays in use"
+            failures.append(f"replica {r} on {self._workers[i][r]}: {_describe(err)} ({state})")
             nxt = [x for x in self._live(i) if x not in tried]
             if not nxt:
                 raise self._lost(i, failures) from err
@@ -943,24 +949,51 @@ class ShardedKeyStore:
         return sum(s.nbytes for s in self.shards)
 
     def worker_memory(self) -> dict[str, int]:
-        """Resident set size in bytes of each worker process holding a shard (first live replica)."""
+        """Resident set size in bytes of each worker process holding a live replica of a shard."""
         self._check_open()
-        calls = {}
+        targets: dict[str, tuple[int, int]] = {}
         for i in range(self.n_shards):
             for r in self._live(i):
-                calls.setdefault(self._workers[i][r], (i, self._actors[i][r].memory()))
-        return {w: int(self._wait(c, i, "measuring memory of")) for w, (i, c) in calls.items()}
+                targets.setdefault(self._workers[i][r], (i, r))
+        sizes = self._ask(list(targets.values()), "memory", "measuring memory of")
+        return {w: int(v) for w, v in zip(targets, sizes, strict=True) if v is not None}
 
     def busy_seconds(self) -> list[float]:
         """Seconds each shard (first live replica) has spent computing in attend, in shard order.
 
         With the wall time of :meth:`attend` this splits a call into compute and overhead (scheduling,
-        serialisation, transfer, merge).
+        serialisation, transfer, merge).  Shards with no live replica are left out.
         """
         self._check_open()
-        calls = [(i, self._actors[i][self._live(i)[0]].busy_seconds()) for i in range(self.n_shards)
-                 if self._live(i)]
-        return [float(self._wait(c, i, "reading the timers of")) for i, c in calls]
+        found: dict[int, float] = {}
+        pending = [i for i in range(self.n_shards) if self._live(i)]
+        while pending:
+            got = self._ask([(i, self._live(i)[0]) for i in pending], "busy_seconds", "reading the timers of")
+            found.update((i, float(v)) for i, v in zip(pending, got, strict=True) if v is not None)
+            pending = [i for i in pending if i not in found and self._live(i)]
+        return [found[i] for i in sorted(found)]
+
+    def _ask(self, targets: list[tuple[int, int]], method: str, action: str) -> list[Any]:
+        """One argument-free call per (shard, replica), sent together; None for a replica found lost."""
+        self._check_client()
+        calls = [(i, r, *self._submit(i, r, method, ())) for i, r in targets]
+        out = []
+        for i, r, fut, err in calls:
+            if fut is not None:
+                try:
+                    out.append(self._await(fut, self.timeout, i, r))
+                    continue
+                except ClientClosedError:
+                    raise
+                except Exception as exc:
+                    err = exc
+            why = self._health(i, r)
+            if why is None:
+                raise ShardError(f"{action} shard {i} on worker {self._workers[i][r]} failed: "
+                                 f"{_describe(err)}") from err
+            self._dead[(i, r)] = why
+            out.append(None)
+        return out
 
     def _check_open(self) -> None:
         if self._closed:

@@ -350,7 +350,8 @@ def test_closed_client_with_another_client_connected_raises_at_once(cluster, dat
 
 
 def test_closed_client_alone_raises_named_error() -> None:
-    """The only client of a cluster closed: the same named error, not dask's internal one."""
+    """The only client of a cluster (in-process workers) closed: the same named error, not a hang or dask's
+    internal error."""
     rng = np.random.default_rng(6)
     K, V, Q = (rng.standard_normal((n, 8)).astype(np.float32) for n in (300, 300, 4))
     with distributed.LocalCluster(n_workers=1, processes=False, dashboard_address=":0",
@@ -391,6 +392,9 @@ def test_worker_killed_between_calls_retried_on_live_replica(client, data) -> No
             assert rel(out, truth) <= 1e-5
             assert np.allclose(lse, truth_lse, rtol=1e-6, atol=1e-5)
         assert store.stats["retries"] >= 1
+        survivor = store.shards[0].workers[1]
+        assert list(bounded(store.worker_memory)) == [survivor]  # the lost worker is left out, no error
+        assert len(bounded(store.busy_seconds)) == 2  # both shards answer from the survivor
 
 
 def test_worker_killed_between_calls_without_replica_raises_shard_error(client, data) -> None:
