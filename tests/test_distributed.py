@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import signal
@@ -56,6 +57,42 @@ def bounded(fn, seconds: float = 60.0):
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+_BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "bench_distributed.py")
+_spec = importlib.util.spec_from_file_location("bench_distributed", _BENCH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--chunk", "0"], "--chunk"), (["--k", "0"], "--k"), (["--k", "x"], "--k"), (["--repeats", "-1"], "--repeats"),
+    (["--sizes", ""], "--sizes"), (["--workers", "1,,2"], "--workers"), (["--batches", "0"], "--batches"),
+    (["--memory-limit", "0"], "--memory-limit"), (["--selector", "nope"], "--selector"),
+    (["--role", "baseline"], "--n"),
+])
+def test_bench_flags_refused_in_one_line(argv, flag, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flag in err, err
+
+
+def test_bench_quick_keeps_explicit_flags(monkeypatch, tmp_path) -> None:
+    """--quick only fills the flags not given: explicit --sizes/--workers/--batches/--repeats win."""
+    calls: list = []
+    monkeypatch.setattr(bench, "bench_size", lambda n, w, b, r, *rest: calls.append((n, w, b, r)) or [])
+    monkeypatch.setattr(bench, "bench_memory", lambda *args: calls.append(("memory", *args[:3])) or {})
+    monkeypatch.setattr(bench, "scaling_model", lambda rows: {})
+    monkeypatch.setattr(bench, "write_markdown", lambda result, path: path.write_text(""))
+    out = str(tmp_path / "d.json")
+    bench.main(["--quick", "--sizes", "1000,2000", "--workers", "3", "--batches", "7", "--repeats", "5",
+                "--memory-limit", "0.25", "--out", out])
+    assert calls == [(1000, [3], [7], 5), (2000, [3], [7], 5), ("memory", 1 << 18, 4, int(0.25 * 2**30))]
+    calls.clear()
+    bench.main(["--quick", "--skip-memory", "--out", out])
+    assert calls == [(1 << 18, [1, 2], [256], 2)]
 
 
 def _warm_kernels() -> None:
