@@ -15,8 +15,10 @@ first shards.
 Each shard lives in one worker process (a Dask actor) together with its selector's index, built once when
 the store is made and reused by every :meth:`ShardedKeyStore.attend`; queries travel to the workers and
 ``(output, lse)`` travel back, never the keys.  With ``replicas=r`` each shard is held by ``r`` workers
-and a call that fails on one is retried on the next; a shard with no working replica raises
-:class:`ShardError`, never a partial answer.
+and a call that fails on one is retried on the next (also when the worker died between two calls); a
+replica is dropped for good only when its worker is lost, so a timeout or a failed computation does not
+condemn a live one.  A shard with no working replica raises :class:`ShardError`, never a partial answer;
+a closed client raises :class:`ClientClosedError` before anything is sent.
 
 What the result equals: with ``k_scope="shard"`` (the default, one round trip) each shard's selector
 picks up to ``k`` of *its own* keys per query, and the merged answer is the attention over the union of
@@ -29,13 +31,16 @@ attend over their share: for exact ``"topk"`` this is the single-process
 ``sparse_attention(q, keys, values, "topk", k=k)``.  Either way the answer equals the single-process
 attention over the same selected keys up to float rounding.
 
-Example (five lines from one process to a Dask cluster)::
+Example (from one process to a Dask cluster; a script that starts a LocalCluster needs the
+``__main__`` guard, since its worker processes import the script)::
 
     from dask.distributed import Client, LocalCluster
     from sparseattn.distributed import ShardedKeyStore
-    client = Client(LocalCluster(n_workers=4, threads_per_worker=1))  # or Client("tcp://scheduler:8786")
-    store = ShardedKeyStore(client, keys, values, selector="topk")    # keys (S, E), values (S, Ev)
-    out, lse = store.attend(queries, k=64)                            # (L, Ev), (L,)
+
+    if __name__ == "__main__":
+        with LocalCluster(n_workers=4, threads_per_worker=1) as cluster, Client(cluster) as client:
+            store = ShardedKeyStore(client, keys, values, selector="topk")  # keys (S, E), values (S, Ev)
+            out, lse = store.attend(queries, k=64)                          # (L, Ev), (L,)
 
 Needs the optional extra ``dask`` (``pip install "sparseattn[dask]"``); sparseattn must be installed on
 every worker too.
@@ -370,7 +375,8 @@ class ShardedKeyStore:
         Total rows; required for an iterable or a callable (the shard ranges are fixed up front).
     replicas : int, default 1
         Workers holding each shard (a failed call is retried on the next replica); at most the number of
-        workers.
+        workers.  A replica is dropped only when a health check finds it lost (its worker gone, or its
+        shard state gone): a timeout or an error on a live worker fails that call only.
     workers : sequence of str, optional
         Worker addresses to use (default: every worker of the cluster).
     batch_size : int, default 1024
@@ -378,7 +384,10 @@ class ShardedKeyStore:
     block_rows : int, default 65,536
         Rows per message (array input) or per ``keys(start, stop)`` call (callable input).
     timeout : float, optional
-        Seconds to wait for one shard call before treating it as failed (default: no limit).
+        Seconds to wait for one shard call before that call fails and is retried on the next replica
+        (default: no limit on a live shard's work).  A timed-out replica stays in use.  Whatever the
+        timeout, a wait ends soon after the client closes (:class:`ClientClosedError`) or the shard's worker
+        is lost (retry, or :class:`ShardError`).
 
     Attributes
     ----------
@@ -508,7 +517,8 @@ class ShardedKeyStore:
                                        workers=[w], allow_other_workers=False, pure=False) for w in ws]
             self._futures.append(futs)
             self._workers.append(ws)
-        self._actors = [[self._wait(f, i, "creating") for f in futs] for i, futs in enumerate(self._futures)]
+        self._actors = [[self._wait(f, i, "creating", r) for r, f in enumerate(futs)]
+                        for i, futs in enumerate(self._futures)]
 
         if is_array:
             for i in range(n_shards):
@@ -517,19 +527,20 @@ class ShardedKeyStore:
                     hi = min(lo + block_rows, stop)
                     pb = None if pos is None else pos[lo:hi]
                     calls = [a.write(lo - start, karr[lo:hi], varr[lo:hi], pb) for a in self._actors[i]]
-                    for c in calls:
-                        self._wait(c, i, "loading")
+                    for r, c in enumerate(calls):
+                        self._wait(c, i, "loading", r)
         elif callable(keys):
-            calls = [(i, a.load(keys, block_rows)) for i in range(n_shards) for a in self._actors[i]]
-            for i, c in calls:
-                self._wait(c, i, "loading (keys(start, stop) on the worker)")
+            calls = [(i, r, a.load(keys, block_rows)) for i in range(n_shards)
+                     for r, a in enumerate(self._actors[i])]
+            for i, r, c in calls:
+                self._wait(c, i, "loading (keys(start, stop) on the worker)", r)
         else:
             self._stream(iter(keys))
 
         summaries = []
         calls = [[a.finalize() for a in actors] for actors in self._actors]
         for i, cs in enumerate(calls):
-            summaries.append([self._wait(c, i, "building the selector of") for c in cs][0])
+            summaries.append([self._wait(c, i, "building the selector of", r) for r, c in enumerate(cs)][0])
         first = summaries[0]
         for i, s in enumerate(summaries):
             if (s["E"], s["Ev"], s["dtype"]) != (first["E"], first["Ev"], first["dtype"]):
@@ -564,17 +575,17 @@ class ShardedKeyStore:
                 i = int(np.searchsorted(self._bounds, lo, side="right")) - 1
                 hi = min(row + n, self._bounds[i + 1])
                 sl = slice(lo - row, hi - row)
-                calls += [(i, a.write(lo - self._bounds[i], kb[sl], vb[sl], None if pb is None else pb[sl]))
-                          for a in self._actors[i]]
+                calls += [(i, r, a.write(lo - self._bounds[i], kb[sl], vb[sl], None if pb is None else pb[sl]))
+                          for r, a in enumerate(self._actors[i])]
                 lo = hi
-            for i, c in calls:
-                self._wait(c, i, "loading")
+            for i, r, c in calls:
+                self._wait(c, i, "loading", r)
             row += n
         if row != self._n:
             raise ValueError(f"the blocks held {row} rows but n_keys={self._n}; pass the right n_keys.")
 
     def _wait(self, fut: Any, shard: int, action: str, replica: int | None = None) -> Any:
-        """Result of one construction or housekeeping call, within the store's timeout."""
+        """Result of one construction call to ``replica`` of ``shard``, within the store's timeout."""
         try:
             return self._await(fut, self.timeout, shard, replica)
         except ClientClosedError:
@@ -590,9 +601,9 @@ class ShardedKeyStore:
         status = getattr(self.client, "status", "closed")
         if status != "running":
             raise ClientClosedError(
-                f"the store's Dask client is {status} (not running), so the store cannot reach its shards, and "
-                f"the cluster dropped the shards of a closed client. Keep the client open while the store is "
-                f"in use, or build a new ShardedKeyStore with a live client.")
+                f"the store's Dask client is {status}, not running, so the store cannot reach its shards (and "
+                f"the cluster drops the shards of a closed client). Keep the client open while the store is in "
+                f"use, or build a new ShardedKeyStore with a live client.")
 
     def _gone(self, i: int, r: int) -> str | None:
         """Why replica r of shard i is lost for good, from the cluster's own record; None while it is held."""
@@ -924,7 +935,7 @@ class ShardedKeyStore:
 
     def _lost(self, i: int, failures: list[str]) -> ShardError:
         s = self.shards[i]
-        dropped = [f"replica {r} on {self._workers[i][r]}: {why}" for (j, r), why in self._dead.items() if j == i]
+        dropped = [f"replica {r} on {self._workers[i][r]}: {why}" for (j, r), why in list(self._dead.items()) if j == i]
         cause = "; ".join(failures) if failures else "every replica was lost earlier: " + "; ".join(dropped)
         alive = len(self._live(i))
         advice = (f"{alive} replica(s) are still alive: the call can be repeated (raise timeout= if it timed "
