@@ -558,6 +558,7 @@ class ShardedKeyStore:
         self._first = np.array([s.first_position for s in self.shards], dtype=np.int64)
         self._key_norm = max(s["key_norm"] for s in summaries)
         self._dead: dict[tuple[int, int], str] = {}
+        self._order = [list(range(len(actors))) for actors in self._actors]
         self._lock = threading.Lock()
         self.stats = {"calls": 0, "queries": 0, "bytes_sent": 0, "bytes_received": 0, "retries": 0}
 
@@ -868,7 +869,9 @@ class ShardedKeyStore:
         return merge_attention(outs, lses)
 
     def _live(self, i: int) -> list[int]:
-        return [r for r in range(len(self._actors[i])) if (i, r) not in self._dead]
+        """Replicas of shard i not found lost, in order of preference."""
+        with self._lock:
+            return [r for r in self._order[i] if (i, r) not in self._dead]
 
     def _submit(self, i: int, r: int, method: str, args: tuple) -> tuple[Any, BaseException | None]:
         """Send one call to replica r of shard i: (future, None), or (None, the error) if it could not go."""
@@ -914,8 +917,12 @@ class ShardedKeyStore:
                         self.stats["bytes_received"] += a.nbytes + b.nbytes
                     return a, b
             why = self._health(i, r)
-            if why is not None:
-                self._dead[(i, r)] = why
+            with self._lock:
+                if why is not None:
+                    self._dead[(i, r)] = why
+                elif len(self._order[i]) > 1:  # alive but failed: ask the other replicas first next time
+                    self._order[i].remove(r)
+                    self._order[i].append(r)
             if why is not None:
                 state = f"dropped: {why}"
             elif isinstance(err, TimeoutError):
@@ -1002,7 +1009,8 @@ class ShardedKeyStore:
             if why is None:
                 raise ShardError(f"{action} shard {i} on worker {self._workers[i][r]} failed: "
                                  f"{_describe(err)}") from err
-            self._dead[(i, r)] = why
+            with self._lock:
+                self._dead[(i, r)] = why
             out.append(None)
         return out
 

@@ -371,6 +371,28 @@ def test_timeout_then_good_calls(client, data, replicas) -> None:
     assert np.allclose(lse, truth_lse, rtol=1e-6, atol=1e-5)
 
 
+def test_stalled_worker_fails_over_and_is_kept(client, data, monkeypatch) -> None:
+    """A stopped (not dead) worker: the call times out there and is answered by the other replica; the
+    stalled replica is not dropped, so it answers when the other one stalls in turn."""
+    import sparseattn.distributed as sd
+
+    Q, K, V = data
+    monkeypatch.setattr(sd, "PING_TIMEOUT", 1.0)
+    truth, _ = dense64(Q, K[:2000], V[:2000])
+    with ShardedKeyStore(client, K[:2000], V[:2000], n_shards=1, replicas=2) as store:
+        bounded(lambda: store.attend(Q, k=8))
+        for w in store.shards[0].workers:  # stall one replica's worker, then the other's
+            pid = client.run(os.getpid, workers=[w])[w]
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                out, _ = bounded(lambda: store.attend(Q, k=2000, timeout=1.0))
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert rel(out, truth) <= 1e-5
+        assert store.stats["retries"] >= 1
+        assert sorted(bounded(store.worker_memory)) == sorted(store.shards[0].workers)  # both still in use
+
+
 def test_closed_client_with_another_client_connected_raises_at_once(cluster, data) -> None:
     """The store's client closed, another client of the cluster still open: a named error, no hang."""
     Q, K, V = data
