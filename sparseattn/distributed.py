@@ -450,6 +450,7 @@ class ShardedKeyStore:
             raise ValueError(f"timeout must be a positive number of seconds or None; got {timeout!r}.")
         self.timeout = None if timeout is None else float(timeout)
 
+        self._check_client()
         nthreads = self.client.nthreads()
         if workers is None:
             addrs = sorted(nthreads)

@@ -406,6 +406,8 @@ def test_closed_client_with_another_client_connected_raises_at_once(cluster, dat
     with pytest.raises(ClientClosedError, match="new ShardedKeyStore"):
         bounded(lambda: store.worker_memory(), 20)
     bounded(store.close, 20)
+    with pytest.raises(ClientClosedError, match="client is closed"):
+        bounded(lambda: ShardedKeyStore(own, K[:1000], V[:1000]), 20)
 
 
 def test_closed_client_alone_raises_named_error() -> None:
