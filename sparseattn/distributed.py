@@ -204,8 +204,8 @@ class _Shard:
         with threads(self.n_threads):
             self.selector = get_selector(self.spec).build(self.keys)
         nbytes = self.keys.nbytes + self.values.nbytes + (0 if self.positions is None else self.positions.nbytes)
-        norm = max((float(np.sqrt(np.square(self.keys[lo:lo + SEND_ROWS], dtype=np.float64).sum(axis=1)).max())
-                    for lo in range(0, self.n_rows, SEND_ROWS)), default=0.0)
+        norm = max((_max_row_norm(self.keys[lo:lo + SEND_ROWS]) for lo in range(0, self.n_rows, SEND_ROWS)),
+                   default=0.0)
         return {"first": int(pos[0]), "last": int(pos[-1]), "E": int(self.keys.shape[1]),
                 "Ev": int(self.values.shape[1]), "dtype": self.keys.dtype.str, "nbytes": int(nbytes),
                 "pid": os.getpid(), "key_norm": norm}
@@ -314,6 +314,14 @@ def _split_block(block: Any, name: str) -> tuple[np.ndarray, np.ndarray, np.ndar
     if len(block) == 3 and block[2] is not None:
         pb = _int1d(block[2], f"{name} positions", kb.shape[0])
     return kb, vb, pb
+
+
+def _max_row_norm(x: np.ndarray) -> float:
+    """Largest Euclidean norm of the rows of a finite 2-D array, in float64 without overflow."""
+    m = float(np.abs(x).max()) if x.size else 0.0
+    if m == 0.0:
+        return 0.0
+    return m * float(np.sqrt(np.square(x / m, dtype=np.float64).sum(axis=1)).max())
 
 
 def _describe(exc: BaseException | None) -> str:
@@ -802,7 +810,7 @@ class ShardedKeyStore:
         """
         if not q.size or self._key_norm == 0:
             return
-        qn = float(np.sqrt(np.square(q, dtype=np.float64).sum(axis=1)).max())
+        qn = _max_row_norm(q)
         bound = qn * self._key_norm * max(abs(scale), 1.0)
         if bound > fmax:
             raise ValueError(

@@ -354,6 +354,15 @@ def test_overflowing_queries_refused_before_sending_then_good_calls(client, data
         truth, truth_lse = dense64(Q, K[:2000], V[:2000])
     assert rel(out, truth) <= 1e-5
     assert np.allclose(lse, truth_lse, rtol=1e-6, atol=1e-5)
+    # Huge but safe magnitudes in a float64 store are answered, not refused: scores stay ~|q| |k| ~ 1e2.
+    K64, V64, Q64 = K[:1000].astype(np.float64) * 1e200, V[:1000].astype(np.float64), Q.astype(np.float64) * 1e-200
+    with ShardedKeyStore(client, K64, V64, n_shards=2) as store:
+        out, lse = bounded(lambda: store.attend(Q64, k=1000))
+        with pytest.raises(ValueError, match="queries could overflow"):
+            store.attend(np.full((3, E), 1e110), k=8)  # |q| |k| ~ 5e311: beyond float64
+    truth, truth_lse = dense64(Q64, K64, V64)
+    assert out.dtype == np.float64 and rel(out, truth) <= 1e-12
+    assert np.allclose(lse, truth_lse, rtol=1e-12)
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
