@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -358,39 +358,92 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Argument errors as one line on stderr, exit code 2 (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number; got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0; got {text}")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    items = [t.strip() for t in text.split(",")]
+    if not text.strip() or any(not t for t in items):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 256,1024; got "
+                                         f"{text!r}")
+    return [_positive_int(t) for t in items]
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _Parser(prog="bench_distributed.py", description=__doc__.splitlines()[0])
     ap.add_argument("--role", default="main", choices=["main", "baseline", "rlimit"])
-    ap.add_argument("--sizes", default=f"{1 << 20},{1 << 22}")
-    ap.add_argument("--workers", default="1,2,4")
-    ap.add_argument("--batches", default="256,1024")
-    ap.add_argument("--large-batches", default=None, help="batches for sizes above 1M (default: --batches)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sizes", type=_int_list, default=None,
+                    help=f"store sizes in keys (default {1 << 20},{1 << 22}; --quick: {1 << 18})")
+    ap.add_argument("--workers", type=_int_list, default=None, help="worker counts (default 1,2,4; --quick: 1,2)")
+    ap.add_argument("--batches", type=_int_list, default=None, help="query batches (default 256,1024; --quick: 256)")
+    ap.add_argument("--large-batches", type=_int_list, default=None,
+                    help="batches for sizes above 1M (default: --batches)")
+    ap.add_argument("--repeats", type=_positive_int, default=None, help="interleaved repeats (default 3; --quick: 2)")
     ap.add_argument("--selector", default="topk")
-    ap.add_argument("--k", type=int, default=64)
-    ap.add_argument("--chunk", type=int, default=128, help="queries per shard call (bounds score memory)")
-    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--memory-workers", type=int, default=4)
-    ap.add_argument("--memory-limit", type=float, default=1.5, help="GiB per worker in the memory test")
+    ap.add_argument("--k", type=_positive_int, default=64)
+    ap.add_argument("--chunk", type=_positive_int, default=128, help="queries per shard call (bounds score memory)")
+    ap.add_argument("--cores", type=_positive_int, default=os.cpu_count() or 1)
+    ap.add_argument("--memory-workers", type=_positive_int, default=4)
+    ap.add_argument("--memory-limit", type=_positive_float, default=None,
+                    help="GiB per worker in the memory test (default 1.5; --quick: 0.4)")
     ap.add_argument("--skip-memory", action="store_true")
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="a small run: defaults --sizes, --workers, --batches, --repeats and the memory test to "
+                         "small values (flags given explicitly are kept)")
     ap.add_argument("--append", action="store_true", help="add the rows to an existing --out file")
-    ap.add_argument("--n", type=int)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--limit", type=int)
+    ap.add_argument("--n", type=_positive_int)
+    ap.add_argument("--threads", type=_positive_int, default=1)
+    ap.add_argument("--limit", type=_positive_int)
     ap.add_argument("--out", default=str(RESULTS / "distributed.json"))
     a = ap.parse_args(argv)
+    try:
+        import sparseattn
+
+        sparseattn.get_selector(a.selector)
+    except (ValueError, TypeError) as exc:
+        ap.error(f"argument --selector: {str(exc).splitlines()[0]}")
+    if a.role != "main" and a.n is None:
+        ap.error(f"argument --n: required with --role {a.role}")
     if a.role == "baseline":
         return baseline_server(a.n, a.selector, a.k, a.threads, a.chunk)
     if a.role == "rlimit":
+        if a.limit is None:
+            ap.error("argument --limit: required with --role rlimit")
         return rlimit_probe(a.n, a.limit, a.selector)
-    sizes = [int(x) for x in a.sizes.split(",")]
-    workers = [int(x) for x in a.workers.split(",")]
-    batches = [int(x) for x in a.batches.split(",")]
-    if a.quick:
-        sizes, workers, batches, a.repeats = [1 << 18], [1, 2], [256], 2
+    quick = {"sizes": [1 << 18], "workers": [1, 2], "batches": [256], "repeats": 2, "memory_limit": 0.4}
+    full = {"sizes": [1 << 20, 1 << 22], "workers": [1, 2, 4], "batches": [256, 1024], "repeats": 3,
+            "memory_limit": 1.5}
+    for name, value in (quick if a.quick else full).items():
+        if getattr(a, name) is None:
+            setattr(a, name, value)
+    sizes, workers, batches = a.sizes, a.workers, a.batches
     rows = []
-    large = [int(x) for x in a.large_batches.split(",")] if a.large_batches else batches
+    large = a.large_batches or batches
     for n in sizes:
         rows += bench_size(n, workers, batches if n <= 1 << 20 else large, a.repeats, a.selector, a.k, a.cores,
                            a.chunk)
@@ -405,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
     result["model"] = scaling_model([r for r in result["rows"] if r["selector"] == "topk"] or result["rows"])
     if not a.skip_memory:
         n_mem = (1 << 18) if a.quick else (1 << 22)
-        limit = int(a.memory_limit * 2**30) if not a.quick else int(0.4 * 2**30)
+        limit = int(a.memory_limit * 2**30)
         result["memory"] = bench_memory(n_mem, a.memory_workers, limit, a.selector, 32)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

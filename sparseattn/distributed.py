@@ -15,8 +15,10 @@ first shards.
 Each shard lives in one worker process (a Dask actor) together with its selector's index, built once when
 the store is made and reused by every :meth:`ShardedKeyStore.attend`; queries travel to the workers and
 ``(output, lse)`` travel back, never the keys.  With ``replicas=r`` each shard is held by ``r`` workers
-and a call that fails on one is retried on the next; a shard with no working replica raises
-:class:`ShardError`, never a partial answer.
+and a call that fails on one is retried on the next (also when the worker died between two calls); a
+replica is dropped for good only when its worker is lost, so a timeout or a failed computation does not
+condemn a live one.  A shard with no working replica raises :class:`ShardError`, never a partial answer;
+a closed client raises :class:`ClientClosedError` before anything is sent.
 
 What the result equals: with ``k_scope="shard"`` (the default, one round trip) each shard's selector
 picks up to ``k`` of *its own* keys per query, and the merged answer is the attention over the union of
@@ -29,13 +31,16 @@ attend over their share: for exact ``"topk"`` this is the single-process
 ``sparse_attention(q, keys, values, "topk", k=k)``.  Either way the answer equals the single-process
 attention over the same selected keys up to float rounding.
 
-Example (five lines from one process to a Dask cluster)::
+Example (from one process to a Dask cluster; a script that starts a LocalCluster needs the
+``__main__`` guard, since its worker processes import the script)::
 
     from dask.distributed import Client, LocalCluster
     from sparseattn.distributed import ShardedKeyStore
-    client = Client(LocalCluster(n_workers=4, threads_per_worker=1))  # or Client("tcp://scheduler:8786")
-    store = ShardedKeyStore(client, keys, values, selector="topk")    # keys (S, E), values (S, Ev)
-    out, lse = store.attend(queries, k=64)                            # (L, Ev), (L,)
+
+    if __name__ == "__main__":
+        with LocalCluster(n_workers=4, threads_per_worker=1) as cluster, Client(cluster) as client:
+            store = ShardedKeyStore(client, keys, values, selector="topk")  # keys (S, E), values (S, Ev)
+            out, lse = store.attend(queries, k=64)                          # (L, Ev), (L,)
 
 Needs the optional extra ``dask`` (``pip install "sparseattn[dask]"``); sparseattn must be installed on
 every worker too.
@@ -64,7 +69,7 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess by t
 
 from . import SparsePattern, get_selector, merge_attention, sparse_attention, threads
 
-__all__ = ["ShardError", "ShardInfo", "ShardedKeyStore"]
+__all__ = ["ClientClosedError", "ShardError", "ShardInfo", "ShardedKeyStore"]
 
 #: Rows per message when keys are sent from the client to a shard (bounds each message to ~32 MiB at
 #: E = Ev = 64, float32).
@@ -72,10 +77,30 @@ SEND_ROWS = 1 << 16
 #: Default number of queries per shard call.
 BATCH_SIZE = 1024
 _FLOATS = (np.float16, np.float32, np.float64)
+#: Seconds a health check waits for a shard's answer to a ping before calling it unresponsive (which does
+#: not condemn it: only a shard whose worker or state is gone is dropped).
+PING_TIMEOUT = 10.0
+#: Seconds between checks, while a shard call runs, that the client is still open and the shard's worker
+#: still holds it (so a wait ends soon after either is lost, whatever the timeout).
+_POLL = 0.2
+#: Status of an actor's key once its worker is gone (or its client released it).
+_GONE = ("lost", "error", "cancelled")
 
 
 class ShardError(RuntimeError):
     """A shard could not answer (its worker died, or its computation raised); no partial result is given."""
+
+
+class ClientClosedError(RuntimeError):
+    """The store's Dask client is closed (or not connected), so the store cannot reach its shards.
+
+    The cluster drops a closed client's shards, so the store cannot be reused: build a new
+    :class:`ShardedKeyStore` with a live client.
+    """
+
+
+class _ShardGone(Exception):
+    """Internal: the key of a shard's actor is no longer held by the cluster (worker lost)."""
 
 
 @dataclass(frozen=True)
@@ -179,9 +204,16 @@ class _Shard:
         with threads(self.n_threads):
             self.selector = get_selector(self.spec).build(self.keys)
         nbytes = self.keys.nbytes + self.values.nbytes + (0 if self.positions is None else self.positions.nbytes)
+        norm = max((_max_row_norm(self.keys[lo:lo + SEND_ROWS]) for lo in range(0, self.n_rows, SEND_ROWS)),
+                   default=0.0)
         return {"first": int(pos[0]), "last": int(pos[-1]), "E": int(self.keys.shape[1]),
                 "Ev": int(self.values.shape[1]), "dtype": self.keys.dtype.str, "nbytes": int(nbytes),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "key_norm": norm}
+
+    async def ping(self) -> bool:
+        """True while the shard is built.  A coroutine, so the worker answers it on its event loop at once,
+        not after the computation its actor thread may be running."""
+        return self.selector is not None
 
     def _positions(self) -> np.ndarray:
         if self.positions is not None:
@@ -284,6 +316,18 @@ def _split_block(block: Any, name: str) -> tuple[np.ndarray, np.ndarray, np.ndar
     return kb, vb, pb
 
 
+def _max_row_norm(x: np.ndarray) -> float:
+    """Largest Euclidean norm of the rows of a finite 2-D array, in float64 without overflow."""
+    m = float(np.abs(x).max()) if x.size else 0.0
+    if m == 0.0:
+        return 0.0
+    return m * float(np.sqrt(np.square(x / m, dtype=np.float64).sum(axis=1)).max())
+
+
+def _describe(exc: BaseException | None) -> str:
+    return "no error recorded" if exc is None else f"{type(exc).__name__}: {exc}"
+
+
 def _float2d(x: Any, name: str) -> np.ndarray:
     arr = np.asarray(x)
     if arr.dtype not in _FLOATS:
@@ -339,7 +383,8 @@ class ShardedKeyStore:
         Total rows; required for an iterable or a callable (the shard ranges are fixed up front).
     replicas : int, default 1
         Workers holding each shard (a failed call is retried on the next replica); at most the number of
-        workers.
+        workers.  A replica is dropped only when a health check finds it lost (its worker gone, or its
+        shard state gone): a timeout or an error on a live worker fails that call only.
     workers : sequence of str, optional
         Worker addresses to use (default: every worker of the cluster).
     batch_size : int, default 1024
@@ -347,7 +392,10 @@ class ShardedKeyStore:
     block_rows : int, default 65,536
         Rows per message (array input) or per ``keys(start, stop)`` call (callable input).
     timeout : float, optional
-        Seconds to wait for one shard call before treating it as failed (default: no limit).
+        Seconds to wait for one shard call before that call fails and is retried on the next replica
+        (default: no limit on a live shard's work).  A timed-out replica stays in use.  Whatever the
+        timeout, a wait ends soon after the client closes (:class:`ClientClosedError`) or the shard's worker
+        is lost (retry, or :class:`ShardError`).
 
     Attributes
     ----------
@@ -410,6 +458,7 @@ class ShardedKeyStore:
             raise ValueError(f"timeout must be a positive number of seconds or None; got {timeout!r}.")
         self.timeout = None if timeout is None else float(timeout)
 
+        self._check_client()
         nthreads = self.client.nthreads()
         if workers is None:
             addrs = sorted(nthreads)
@@ -477,7 +526,8 @@ class ShardedKeyStore:
                                        workers=[w], allow_other_workers=False, pure=False) for w in ws]
             self._futures.append(futs)
             self._workers.append(ws)
-        self._actors = [[self._wait(f, i, "creating") for f in futs] for i, futs in enumerate(self._futures)]
+        self._actors = [[self._wait(f, i, "creating", r) for r, f in enumerate(futs)]
+                        for i, futs in enumerate(self._futures)]
 
         if is_array:
             for i in range(n_shards):
@@ -486,19 +536,20 @@ class ShardedKeyStore:
                     hi = min(lo + block_rows, stop)
                     pb = None if pos is None else pos[lo:hi]
                     calls = [a.write(lo - start, karr[lo:hi], varr[lo:hi], pb) for a in self._actors[i]]
-                    for c in calls:
-                        self._wait(c, i, "loading")
+                    for r, c in enumerate(calls):
+                        self._wait(c, i, "loading", r)
         elif callable(keys):
-            calls = [(i, a.load(keys, block_rows)) for i in range(n_shards) for a in self._actors[i]]
-            for i, c in calls:
-                self._wait(c, i, "loading (keys(start, stop) on the worker)")
+            calls = [(i, r, a.load(keys, block_rows)) for i in range(n_shards)
+                     for r, a in enumerate(self._actors[i])]
+            for i, r, c in calls:
+                self._wait(c, i, "loading (keys(start, stop) on the worker)", r)
         else:
             self._stream(iter(keys))
 
         summaries = []
         calls = [[a.finalize() for a in actors] for actors in self._actors]
         for i, cs in enumerate(calls):
-            summaries.append([self._wait(c, i, "building the selector of") for c in cs][0])
+            summaries.append([self._wait(c, i, "building the selector of", r) for r, c in enumerate(cs)][0])
         first = summaries[0]
         for i, s in enumerate(summaries):
             if (s["E"], s["Ev"], s["dtype"]) != (first["E"], first["Ev"], first["dtype"]):
@@ -514,7 +565,9 @@ class ShardedKeyStore:
         self.shards = [ShardInfo(i, self._bounds[i], self._bounds[i + 1], s["first"], s["last"],
                                  tuple(self._workers[i]), s["nbytes"]) for i, s in enumerate(summaries)]
         self._first = np.array([s.first_position for s in self.shards], dtype=np.int64)
-        self._dead: set[tuple[int, int]] = set()
+        self._key_norm = max(s["key_norm"] for s in summaries)
+        self._dead: dict[tuple[int, int], str] = {}
+        self._order = [list(range(len(actors))) for actors in self._actors]
         self._lock = threading.Lock()
         self.stats = {"calls": 0, "queries": 0, "bytes_sent": 0, "bytes_received": 0, "retries": 0}
 
@@ -532,28 +585,92 @@ class ShardedKeyStore:
                 i = int(np.searchsorted(self._bounds, lo, side="right")) - 1
                 hi = min(row + n, self._bounds[i + 1])
                 sl = slice(lo - row, hi - row)
-                calls += [(i, a.write(lo - self._bounds[i], kb[sl], vb[sl], None if pb is None else pb[sl]))
-                          for a in self._actors[i]]
+                calls += [(i, r, a.write(lo - self._bounds[i], kb[sl], vb[sl], None if pb is None else pb[sl]))
+                          for r, a in enumerate(self._actors[i])]
                 lo = hi
-            for i, c in calls:
-                self._wait(c, i, "loading")
+            for i, r, c in calls:
+                self._wait(c, i, "loading", r)
             row += n
         if row != self._n:
             raise ValueError(f"the blocks held {row} rows but n_keys={self._n}; pass the right n_keys.")
 
-    def _wait(self, fut: Any, shard: int, action: str) -> Any:
+    def _wait(self, fut: Any, shard: int, action: str, replica: int | None = None) -> Any:
+        """Result of one construction call to ``replica`` of ``shard``, within the store's timeout."""
         try:
-            return fut.result(timeout=self.timeout) if hasattr(self, "timeout") else fut.result()
+            return self._await(fut, self.timeout, shard, replica)
+        except ClientClosedError:
+            raise
         except (ValueError, TypeError) as exc:  # the shard rejected its input: the caller's mistake
             raise type(exc)(f"shard {shard}: {exc}") from exc
         except Exception as exc:
             raise ShardError(f"{action} shard {shard} on worker(s) {self._workers[shard]} failed: "
-                             f"{type(exc).__name__}: {exc}") from exc
+                             f"{_describe(exc)}") from exc
+
+    def _check_client(self) -> None:
+        """Raise ClientClosedError unless the client can reach the cluster (checked before any blocking call)."""
+        status = getattr(self.client, "status", "closed")
+        if status != "running":
+            raise ClientClosedError(
+                f"the store's Dask client is {status}, not running, so the store cannot reach its shards (and "
+                f"the cluster drops the shards of a closed client). Keep the client open while the store is in "
+                f"use, or build a new ShardedKeyStore with a live client.")
+
+    def _gone(self, i: int, r: int) -> str | None:
+        """Why replica r of shard i is lost for good, from the cluster's own record; None while it is held."""
+        futs = self._futures[i] if i < len(self._futures) else []
+        status = futs[r].status if r < len(futs) else "finished"
+        if status in _GONE:
+            return f"its worker {self._workers[i][r]} was lost (the cluster reports the shard {status})"
+        return None
+
+    def _await(self, fut: Any, timeout: float | None, i: int | None = None, r: int | None = None) -> Any:
+        """``fut.result()``, waited in short slices: ends with ClientClosedError once the client closes,
+        ``_ShardGone`` once replica r of shard i is lost, TimeoutError after ``timeout`` seconds."""
+        t0 = time.monotonic()
+        while not fut.done():
+            self._check_client()
+            if r is not None and (why := self._gone(i, r)) is not None:
+                raise _ShardGone(why)
+            step = _POLL
+            if timeout is not None:
+                left = timeout - (time.monotonic() - t0)
+                if left <= 0:
+                    raise TimeoutError(f"no answer within timeout={timeout:g} s")
+                step = min(step, left)
+            try:
+                return fut.result(timeout=step)
+            except TimeoutError:
+                continue  # the slice ran out (or the call itself raised TimeoutError: done, re-raised below)
+        self._check_client()
+        return fut.result(timeout=_POLL * 10)
+
+    def _health(self, i: int, r: int) -> str | None:
+        """Health check of replica r of shard i after a failed call: why it is lost for good, or None.
+
+        Only a replica whose worker is gone, whose worker refuses the ping, or whose shard state is gone is
+        lost; a slow or busy one (a timeout, or a ping unanswered within PING_TIMEOUT) is not condemned.
+        """
+        self._check_client()
+        why = self._gone(i, r)
+        if why is not None:
+            return why
+        try:
+            built = self._await(self._actors[i][r].ping(), PING_TIMEOUT, i, r)
+        except ClientClosedError:
+            raise
+        except _ShardGone as exc:
+            return str(exc)
+        except TimeoutError:
+            return None  # busy (or slow to answer): not evidence of death
+        except Exception as exc:
+            return self._gone(i, r) or f"its worker {self._workers[i][r]} does not answer ({_describe(exc)})"
+        return None if built else f"its shard state on worker {self._workers[i][r]} is gone (cleared)"
 
     # ----------------------------------------------------------------------------------------- queries
     def attend(self, queries: np.ndarray, k: int = 64, *, is_causal: bool = False,
                query_positions: np.ndarray | None = None, scale: float | None = None,
-               batch_size: int | None = None, k_scope: str = "shard") -> tuple[np.ndarray, np.ndarray]:
+               batch_size: int | None = None, k_scope: str = "shard",
+               timeout: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Attention of every query over the whole store: per-shard results merged exactly.
 
         Parameters
@@ -581,6 +698,9 @@ class ShardedKeyStore:
             ``sparse_attention(q, keys, values, "topk", k=k)``): each shard sends its selection's scores,
             the client ranks them and asks each shard for attention over its share; two round trips, and
             only for selectors that rank keys by score.
+        timeout : float, optional
+            Seconds to wait for each shard call of this attend (default: the store's ``timeout``).  A call
+            that times out is retried on the shard's next replica; the replica itself stays in use.
 
         Returns
         -------
@@ -589,17 +709,36 @@ class ShardedKeyStore:
 
         Raises
         ------
+        ValueError, TypeError
+            Bad arguments, named; among them queries whose scores could overflow the store's dtype
+            (``|q| * max |k| * max(|scale|, 1)`` beyond its largest value), refused before anything is sent.
+        ClientClosedError
+            The store's client is closed: checked before any call is sent, and while waiting.
         ShardError
             A shard failed on every replica (worker lost, computation raised, timeout): the answer would
-            be partial, so none is returned.
+            be partial, so none is returned.  A replica is dropped for good only when its worker is lost
+            (or its shard state is gone); after a timeout or an error of a live worker, later calls use it
+            again.
+
+        Notes
+        -----
+        No wait is unbounded by a fault: while a shard call runs, the client and the shard's worker are
+        checked every fraction of a second, so the call ends with an error soon after either is lost.
         """
         self._check_open()
+        self._check_client()
         q = _float2d(queries, "queries")
         if q.shape[1] != self.dim:
             raise ValueError(f"queries must have E = {self.dim} features like the keys; got shape {q.shape}.")
         if not np.isfinite(q).all():
             raise ValueError("queries must be finite (no NaN or inf).")
-        q = np.ascontiguousarray(q, dtype=self.dtype)
+        with np.errstate(over="ignore"):  # beyond the store dtype's range: refused just below
+            qc = np.ascontiguousarray(q, dtype=self.dtype)
+        if not np.isfinite(qc).all():
+            raise ValueError(f"queries exceed {self.dtype.name}'s range, the store's dtype (largest magnitude "
+                             f"{float(np.abs(q).max()):.3g}); scale the queries down, or build the store from "
+                             f"float64 keys and values.")
+        q = qc
         k = _check_int(k, "k")
         if not isinstance(is_causal, (bool, np.bool_)):
             raise TypeError(f"is_causal must be a bool; got {is_causal!r}.")
@@ -608,9 +747,21 @@ class ShardedKeyStore:
                 else _int1d(query_positions, "query_positions", L))
         if scale is None:
             scale = 1.0 / math.sqrt(self.dim)
-        elif not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale == 0:
+        elif (isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale)
+              or scale == 0):
             raise ValueError(f"scale must be a finite non-zero number; got {scale!r}.")
+        fmax = float(np.finfo(self.dtype).max)
+        if abs(float(scale)) > fmax:
+            raise ValueError(f"scale={scale:g} overflows the store's dtype {self.dtype.name}; pass a smaller "
+                             f"scale, or build the store from float64 keys and values.")
+        self._check_scores(q, float(scale), fmax)
         bs = self.batch_size if batch_size is None else _check_int(batch_size, "batch_size")
+        if timeout is None:
+            timeout = self.timeout
+        elif isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds or None (the store's timeout); "
+                             f"got {timeout!r}.")
+        timeout = None if timeout is None else float(timeout)
 
         if k_scope not in ("shard", "store"):
             raise ValueError(f"k_scope must be 'shard' (each shard picks k keys) or 'store' (the k best keys of "
@@ -642,15 +793,35 @@ class ShardedKeyStore:
                     parts.append((i, rows, args, self._call(i, "select", args)))
             batches.append((lo, hi, parts))
         if k_scope == "store":
-            batches = [(lo, hi, self._store_topk(parts, hi - lo, k, float(scale))) for lo, hi, parts in batches]
+            batches = [(lo, hi, self._store_topk(parts, hi - lo, k, float(scale), timeout))
+                       for lo, hi, parts in batches]
         for lo, hi, parts in batches:
             if parts:  # else no key is visible to any query of this batch: zeros and -inf stay
-                out[lo:hi], lse[lo:hi] = self._merge(parts, hi - lo, "attend" if k_scope == "shard" else "attend_ids")
+                out[lo:hi], lse[lo:hi] = self._merge(parts, hi - lo, "attend" if k_scope == "shard" else "attend_ids",
+                                                     timeout)
         return out, lse
 
-    def _store_topk(self, parts: list, n: int, k: int, scale: float) -> list:
+    def _check_scores(self, q: np.ndarray, scale: float, fmax: float) -> None:
+        """Refuse queries whose scores could overflow the store's dtype, before anything is sent.
+
+        Every product, partial sum and score of ``q . k * scale`` (in either order of the scaling) is bounded
+        by ``|q| * max_j |k_j| * max(|scale|, 1)`` (Cauchy-Schwarz), so below the dtype's largest value no
+        score can overflow on any shard.
+        """
+        if not q.size or self._key_norm == 0:
+            return
+        qn = _max_row_norm(q)
+        bound = qn * self._key_norm * max(abs(scale), 1.0)
+        if bound > fmax:
+            raise ValueError(
+                f"queries could overflow the attention scores in {self.dtype.name}, the store's dtype: the "
+                f"largest query norm {qn:.3g} times the largest key norm {self._key_norm:.3g} times "
+                f"max(|scale|, 1) = {max(abs(scale), 1.0):.3g} is {bound:.3g}, beyond {fmax:.3g}. Scale the "
+                f"queries down (or pass a smaller scale), or build the store from float64 keys and values.")
+
+    def _store_topk(self, parts: list, n: int, k: int, scale: float, timeout: float | None) -> list:
         """Second round of k_scope="store": each query's k best keys over all shards, asked of their shards."""
-        results = [self._result(i, "select", args, call) for i, rows, args, call in parts]
+        results = [self._result(i, "select", args, call, timeout) for i, rows, args, call in parts]
         width = sum(r[0].shape[1] for r in results)
         scores = np.full((n, width), -np.inf, dtype=self.dtype)
         gid = np.full((n, width), np.iinfo(np.int64).max, dtype=np.int64)
@@ -687,13 +858,13 @@ class ShardedKeyStore:
             second.append((i, rows, args2, self._call(i, "attend_ids", args2)))
         return second
 
-    def _merge(self, parts: list, n: int, method: str) -> tuple[np.ndarray, np.ndarray]:
+    def _merge(self, parts: list, n: int, method: str, timeout: float | None) -> tuple[np.ndarray, np.ndarray]:
         """Wait for one batch's shard results and merge them; every expected shard must have answered."""
         outs = np.zeros((len(parts), n, self.value_dim), dtype=self.dtype)
         lses = np.full((len(parts), n), -np.inf, dtype=self.dtype)
         merged = 0
         for p, (i, rows, args, call) in enumerate(parts):
-            o, ls = self._result(i, method, args, call)
+            o, ls = self._result(i, method, args, call, timeout)
             if o.shape != (rows.size, self.value_dim) or ls.shape != (rows.size,):
                 raise ShardError(f"shard {i} returned shapes {o.shape} and {ls.shape}; expected "
                                  f"{(rows.size, self.value_dim)} and {(rows.size,)}.")
@@ -707,45 +878,88 @@ class ShardedKeyStore:
         return merge_attention(outs, lses)
 
     def _live(self, i: int) -> list[int]:
-        return [r for r in range(len(self._actors[i])) if (i, r) not in self._dead]
+        """Replicas of shard i not found lost, in order of preference."""
+        with self._lock:
+            return [r for r in self._order[i] if (i, r) not in self._dead]
 
-    def _call(self, i: int, method: str, args: tuple) -> tuple[int, Any]:
+    def _submit(self, i: int, r: int, method: str, args: tuple) -> tuple[Any, BaseException | None]:
+        """Send one call to replica r of shard i: (future, None), or (None, the error) if it could not go."""
+        try:
+            return getattr(self._actors[i][r], method)(*args), None
+        except Exception as exc:  # e.g. dask's "Worker holding Actor was lost" for a worker gone since
+            return None, exc
+
+    def _call(self, i: int, method: str, args: tuple) -> tuple[int, Any, BaseException | None]:
         live = self._live(i)
         if not live:
-            raise self._lost(i, None)
+            raise self._lost(i, [])
         r = live[0]
         with self._lock:
             self.stats["calls"] += 1
             self.stats["bytes_sent"] += sum(a.nbytes for a in args if isinstance(a, np.ndarray))
-        return r, getattr(self._actors[i][r], method)(*args)
+        return (r, *self._submit(i, r, method, args))
 
-    def _result(self, i: int, method: str, args: tuple, call: tuple[int, Any]) -> tuple[np.ndarray, np.ndarray]:
-        r, fut = call
+    def _result(self, i: int, method: str, args: tuple, call: tuple[int, Any, BaseException | None],
+                timeout: float | None) -> tuple[np.ndarray, np.ndarray]:
+        """The answer of shard i, retried on its other live replicas after a failure.
+
+        A failed replica is dropped only when its health check says it is lost (:meth:`_health`); a
+        timeout or an error of a healthy replica fails this call only.
+        """
+        r, fut, err = call
+        tried = [r]
+        failures: list[str] = []
         while True:
-            try:
-                a, b = fut.result(timeout=self.timeout)
-                a, b = np.asarray(a), np.asarray(b)
-                with self._lock:
-                    self.stats["bytes_received"] += a.nbytes + b.nbytes
-                return a, b
-            except Exception as exc:
-                self._dead.add((i, r))
-                live = self._live(i)
-                if not live:
-                    raise self._lost(i, exc) from exc
-                r = live[0]
-                with self._lock:
-                    self.stats["retries"] += 1
-                fut = getattr(self._actors[i][r], method)(*args)
+            if fut is not None:
+                try:
+                    res = self._await(fut, timeout, i, r)
+                    err = None
+                except ClientClosedError:
+                    raise
+                except (ValueError, TypeError) as exc:  # the shard's own checks refused the input
+                    raise type(exc)(f"queries refused by shard {i}: {exc}") from exc
+                except Exception as exc:
+                    err = exc
+                if err is None:
+                    a, b = (np.asarray(x) for x in res)
+                    with self._lock:
+                        self.stats["bytes_received"] += a.nbytes + b.nbytes
+                    return a, b
+            why = self._health(i, r)
+            with self._lock:
+                if why is not None:
+                    self._dead[(i, r)] = why
+                elif len(self._order[i]) > 1:  # alive but failed: ask the other replicas first next time
+                    self._order[i].remove(r)
+                    self._order[i].append(r)
+            if why is not None:
+                state = f"dropped: {why}"
+            elif isinstance(err, TimeoutError):
+                state = ("the worker is alive and may still be computing the abandoned call, which later calls "
+                         "to it wait behind; the replica stays in use")
+            else:
+                state = "the worker is alive; the replica stays in use"
+            failures.append(f"replica {r} on {self._workers[i][r]}: {_describe(err)} ({state})")
+            nxt = [x for x in self._live(i) if x not in tried]
+            if not nxt:
+                raise self._lost(i, failures) from err
+            r = nxt[0]
+            tried.append(r)
+            with self._lock:
+                self.stats["retries"] += 1
+            fut, err = self._submit(i, r, method, args)
 
-    def _lost(self, i: int, exc: BaseException | None) -> ShardError:
+    def _lost(self, i: int, failures: list[str]) -> ShardError:
         s = self.shards[i]
-        cause = f"{type(exc).__name__}: {exc}" if exc is not None else "every replica failed earlier"
+        dropped = [f"replica {r} on {self._workers[i][r]}: {why}" for (j, r), why in list(self._dead.items()) if j == i]
+        cause = "; ".join(failures) if failures else "every replica was lost earlier: " + "; ".join(dropped)
+        alive = len(self._live(i))
+        advice = (f"{alive} replica(s) are still alive: the call can be repeated (raise timeout= if it timed "
+                  f"out)" if alive else "no replica is left: rebuild the store (ShardedKeyStore(...)) on live "
+                  "workers, or build it with replicas=2 to survive a worker loss")
         return ShardError(
             f"shard {i} (rows [{s.start}, {s.stop}), positions [{s.first_position}, {s.last_position}]) on "
-            f"worker(s) {list(s.workers)} failed ({cause}). No partial answer is returned. If a worker died, "
-            f"rebuild the store (ShardedKeyStore(...)) on live workers, or build it with replicas=2 to survive "
-            f"a worker loss; if the shard's computation raised, the cause above says why.")
+            f"worker(s) {list(s.workers)} failed ({cause}). No partial answer is returned; {advice}.")
 
     # ------------------------------------------------------------------------------------ housekeeping
     def __len__(self) -> int:
@@ -762,39 +976,78 @@ class ShardedKeyStore:
         return sum(s.nbytes for s in self.shards)
 
     def worker_memory(self) -> dict[str, int]:
-        """Resident set size in bytes of each worker process holding a shard (first live replica)."""
+        """Resident set size in bytes of each worker process holding a live replica of a shard."""
         self._check_open()
-        calls = {}
+        targets: dict[str, tuple[int, int]] = {}
         for i in range(self.n_shards):
             for r in self._live(i):
-                calls.setdefault(self._workers[i][r], (i, self._actors[i][r].memory()))
-        return {w: int(self._wait(c, i, "measuring memory of")) for w, (i, c) in calls.items()}
+                targets.setdefault(self._workers[i][r], (i, r))
+        sizes = self._ask(list(targets.values()), "memory", "measuring memory of")
+        return {w: int(v) for w, v in zip(targets, sizes, strict=True) if v is not None}
 
     def busy_seconds(self) -> list[float]:
         """Seconds each shard (first live replica) has spent computing in attend, in shard order.
 
         With the wall time of :meth:`attend` this splits a call into compute and overhead (scheduling,
-        serialisation, transfer, merge).
+        serialisation, transfer, merge).  Shards with no live replica are left out.
         """
         self._check_open()
-        calls = [(i, self._actors[i][self._live(i)[0]].busy_seconds()) for i in range(self.n_shards)
-                 if self._live(i)]
-        return [float(self._wait(c, i, "reading the timers of")) for i, c in calls]
+        found: dict[int, float] = {}
+        pending = [i for i in range(self.n_shards) if self._live(i)]
+        while pending:
+            got = self._ask([(i, self._live(i)[0]) for i in pending], "busy_seconds", "reading the timers of")
+            found.update((i, float(v)) for i, v in zip(pending, got, strict=True) if v is not None)
+            pending = [i for i in pending if i not in found and self._live(i)]
+        return [found[i] for i in sorted(found)]
+
+    def _ask(self, targets: list[tuple[int, int]], method: str, action: str) -> list[Any]:
+        """One argument-free call per (shard, replica), sent together; None for a replica found lost."""
+        self._check_client()
+        calls = [(i, r, *self._submit(i, r, method, ())) for i, r in targets]
+        out = []
+        for i, r, fut, err in calls:
+            if fut is not None:
+                try:
+                    out.append(self._await(fut, self.timeout, i, r))
+                    continue
+                except ClientClosedError:
+                    raise
+                except Exception as exc:
+                    err = exc
+            why = self._health(i, r)
+            if why is None:
+                raise ShardError(f"{action} shard {i} on worker {self._workers[i][r]} failed: "
+                                 f"{_describe(err)}") from err
+            with self._lock:
+                self._dead[(i, r)] = why
+            out.append(None)
+        return out
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the store is closed; build a new ShardedKeyStore.")
 
     def _release(self) -> None:
-        for actors in getattr(self, "_actors", []):
-            for a in actors:
+        if getattr(self.client, "status", "closed") == "running":  # else the cluster dropped the shards
+            calls = []
+            for actors in getattr(self, "_actors", []):
+                for a in actors:
+                    try:
+                        calls.append(a.clear())
+                    except Exception:  # a lost worker holds nothing any more
+                        pass
+            deadline = time.monotonic() + 10.0
+            for c in calls:
                 try:
-                    a.clear().result(timeout=10)
-                except Exception:  # a dead worker holds nothing any more
+                    c.result(timeout=max(0.01, deadline - time.monotonic()))
+                except Exception:
                     pass
         for futs in self._futures:
             for f in futs:
-                f.release()
+                try:
+                    f.release()
+                except Exception:  # a closed client has released them already
+                    pass
         self._futures = []
         self._actors = []
         if self._owns_client:

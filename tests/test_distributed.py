@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -33,7 +36,63 @@ def test_import_sparseattn_does_not_import_dask() -> None:
 
 
 distributed = pytest.importorskip("distributed")  # CI installs the extra; skipped only where it is missing
-from sparseattn.distributed import ShardedKeyStore, ShardError  # noqa: E402
+from sparseattn.distributed import ClientClosedError, ShardedKeyStore, ShardError  # noqa: E402
+
+
+def bounded(fn, seconds: float = 60.0):
+    """fn() run in a thread and awaited at most ``seconds``: a call that hangs fails the test instead of CI."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the test thread below
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        pytest.fail(f"the call did not return within {seconds} s (it hangs)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+_BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "bench_distributed.py")
+_spec = importlib.util.spec_from_file_location("bench_distributed", _BENCH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--chunk", "0"], "--chunk"), (["--k", "0"], "--k"), (["--k", "x"], "--k"), (["--repeats", "-1"], "--repeats"),
+    (["--sizes", ""], "--sizes"), (["--workers", "1,,2"], "--workers"), (["--batches", "0"], "--batches"),
+    (["--memory-limit", "0"], "--memory-limit"), (["--selector", "nope"], "--selector"),
+    (["--role", "baseline"], "--n"),
+])
+def test_bench_flags_refused_in_one_line(argv, flag, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flag in err, err
+
+
+def test_bench_quick_keeps_explicit_flags(monkeypatch, tmp_path) -> None:
+    """--quick only fills the flags not given: explicit --sizes/--workers/--batches/--repeats win."""
+    calls: list = []
+    monkeypatch.setattr(bench, "bench_size", lambda n, w, b, r, *rest: calls.append((n, w, b, r)) or [])
+    monkeypatch.setattr(bench, "bench_memory", lambda *args: calls.append(("memory", *args[:3])) or {})
+    monkeypatch.setattr(bench, "scaling_model", lambda rows: {})
+    monkeypatch.setattr(bench, "write_markdown", lambda result, path: path.write_text(""))
+    out = str(tmp_path / "d.json")
+    bench.main(["--quick", "--sizes", "1000,2000", "--workers", "3", "--batches", "7", "--repeats", "5",
+                "--memory-limit", "0.25", "--out", out])
+    assert calls == [(1000, [3], [7], 5), (2000, [3], [7], 5), ("memory", 1 << 18, 4, int(0.25 * 2**30))]
+    calls.clear()
+    bench.main(["--quick", "--skip-memory", "--out", out])
+    assert calls == [(1 << 18, [1, 2], [256], 2)]
 
 
 def _warm_kernels() -> None:
@@ -278,9 +337,146 @@ def test_shard_that_raises_gives_a_clear_error(client, data) -> None:
             store.attend(Q, k=8)
 
 
+def test_overflowing_queries_refused_before_sending_then_good_calls(client, data) -> None:
+    """Queries whose scores would overflow are a ValueError naming them, sent nowhere; the store stays usable."""
+    Q, K, V = data
+    with ShardedKeyStore(client, K[:2000], V[:2000], n_shards=2, timeout=60) as store:
+        for bad in (np.full((3, E), 3e38, np.float32),  # finite, but q.k overflows float32
+                    np.full((3, E), 1e39, np.float64)):  # beyond float32, the store's dtype
+            calls = store.stats["calls"]
+            with pytest.raises(ValueError, match="queries"):
+                bounded(lambda b=bad: store.attend(b, k=8))
+            assert store.stats["calls"] == calls  # refused in the client: nothing was sent
+        with pytest.raises(ValueError, match="scale"):
+            store.attend(Q, scale=1e300)
+        for _ in range(2):
+            out, lse = bounded(lambda: store.attend(Q, k=2000))  # k >= shard size: every key
+        truth, truth_lse = dense64(Q, K[:2000], V[:2000])
+    assert rel(out, truth) <= 1e-5
+    assert np.allclose(lse, truth_lse, rtol=1e-6, atol=1e-5)
+    # Huge but safe magnitudes in a float64 store are answered, not refused: scores stay ~|q| |k| ~ 1e2.
+    K64, V64, Q64 = K[:1000].astype(np.float64) * 1e200, V[:1000].astype(np.float64), Q.astype(np.float64) * 1e-200
+    with ShardedKeyStore(client, K64, V64, n_shards=2) as store:
+        out, lse = bounded(lambda: store.attend(Q64, k=1000))
+        with pytest.raises(ValueError, match="queries could overflow"):
+            store.attend(np.full((3, E), 1e110), k=8)  # |q| |k| ~ 5e311: beyond float64
+    truth, truth_lse = dense64(Q64, K64, V64)
+    assert out.dtype == np.float64 and rel(out, truth) <= 1e-12
+    assert np.allclose(lse, truth_lse, rtol=1e-12)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_timeout_then_good_calls(client, data, replicas) -> None:
+    """A call that times out fails with ShardError, but the live replicas stay in use for later calls."""
+    Q, K, V = data
+    big = np.random.default_rng(5).standard_normal((6000, E)).astype(np.float32)
+    with ShardedKeyStore(client, K, V, n_shards=2, replicas=replicas) as store:
+        with pytest.raises(ShardError, match=r"(?s)timeout=0.001 s.*still alive"):
+            bounded(lambda: store.attend(big, k=16, batch_size=6000, timeout=0.001))
+        out, lse = bounded(lambda: store.attend(Q, k=S))  # waits for the abandoned call, then answers
+        out2, _ = bounded(lambda: store.attend(Q, k=S, timeout=60))
+    truth, truth_lse = dense64(Q, K, V)
+    assert rel(out, truth) <= 1e-5 and rel(out2, truth) <= 1e-5
+    assert np.allclose(lse, truth_lse, rtol=1e-6, atol=1e-5)
+
+
+def test_stalled_worker_fails_over_and_is_kept(client, data, monkeypatch) -> None:
+    """A stopped (not dead) worker: the call times out there and is answered by the other replica; the
+    stalled replica is not dropped, so it answers when the other one stalls in turn."""
+    import sparseattn.distributed as sd
+
+    Q, K, V = data
+    monkeypatch.setattr(sd, "PING_TIMEOUT", 1.0)
+    truth, _ = dense64(Q, K[:2000], V[:2000])
+    with ShardedKeyStore(client, K[:2000], V[:2000], n_shards=1, replicas=2) as store:
+        bounded(lambda: store.attend(Q, k=8))
+        for w in store.shards[0].workers:  # stall one replica's worker, then the other's
+            pid = client.run(os.getpid, workers=[w])[w]
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                out, _ = bounded(lambda: store.attend(Q, k=2000, timeout=1.0))
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert rel(out, truth) <= 1e-5
+        assert store.stats["retries"] >= 1
+        assert sorted(bounded(store.worker_memory)) == sorted(store.shards[0].workers)  # both still in use
+
+
+def test_closed_client_with_another_client_connected_raises_at_once(cluster, data) -> None:
+    """The store's client closed, another client of the cluster still open: a named error, no hang."""
+    Q, K, V = data
+    own = distributed.Client(cluster[0].scheduler_address, set_as_default=False)
+    store = ShardedKeyStore(own, K[:1000], V[:1000])
+    bounded(lambda: store.attend(Q[:5], k=8))
+    own.close()
+    for _ in range(2):
+        with pytest.raises(ClientClosedError, match="client is closed"):
+            bounded(lambda: store.attend(Q[:5], k=8), 20)
+    with pytest.raises(ClientClosedError, match="new ShardedKeyStore"):
+        bounded(lambda: store.worker_memory(), 20)
+    bounded(store.close, 20)
+    with pytest.raises(ClientClosedError, match="client is closed"):
+        bounded(lambda: ShardedKeyStore(own, K[:1000], V[:1000]), 20)
+
+
+def test_closed_client_alone_raises_named_error() -> None:
+    """The only client of a cluster (in-process workers) closed: the same named error, not a hang or dask's
+    internal error."""
+    rng = np.random.default_rng(6)
+    K, V, Q = (rng.standard_normal((n, 8)).astype(np.float32) for n in (300, 300, 4))
+    with distributed.LocalCluster(n_workers=1, processes=False, dashboard_address=":0",
+                                  silence_logs=logging.CRITICAL) as cl:
+        own = distributed.Client(cl, set_as_default=False)
+        store = ShardedKeyStore(own, K, V)
+        out = bounded(lambda: store.attend(Q, k=300))[0]
+        assert rel(out, dense64(Q, K, V)[0]) <= 1e-5
+        own.close()
+        with pytest.raises(ClientClosedError, match="client is closed"):
+            bounded(lambda: store.attend(Q, k=8), 20)
+        bounded(store.close, 20)
+
+
 def _kill_worker(client, address: str) -> None:
     pid = client.run(os.getpid, workers=[address])[address]
     os.kill(pid, signal.SIGKILL)
+
+
+def _kill_and_wait_until_noticed(client, address: str) -> None:
+    """Kill a worker and wait until the scheduler has dropped it: the death falls *between* two calls."""
+    _kill_worker(client, address)
+    deadline = time.monotonic() + 30
+    while address in client.nthreads():
+        assert time.monotonic() < deadline, f"the scheduler did not notice that {address} died"
+        time.sleep(0.1)
+
+
+def test_worker_killed_between_calls_retried_on_live_replica(client, data) -> None:
+    Q, K, V = data
+    client.wait_for_workers(2, timeout=120)
+    truth, truth_lse = dense64(Q, K[:2000], V[:2000])
+    with ShardedKeyStore(client, K[:2000], V[:2000], n_shards=2, replicas=2) as store:
+        assert rel(bounded(lambda: store.attend(Q, k=2000))[0], truth) <= 1e-5
+        _kill_and_wait_until_noticed(client, store.shards[0].workers[0])
+        for _ in range(2):  # the retry, then the lost replica skipped
+            out, lse = bounded(lambda: store.attend(Q, k=2000))
+            assert rel(out, truth) <= 1e-5
+            assert np.allclose(lse, truth_lse, rtol=1e-6, atol=1e-5)
+        assert store.stats["retries"] >= 1
+        survivor = store.shards[0].workers[1]
+        assert list(bounded(store.worker_memory)) == [survivor]  # the lost worker is left out, no error
+        assert len(bounded(store.busy_seconds)) == 2  # both shards answer from the survivor
+
+
+def test_worker_killed_between_calls_without_replica_raises_shard_error(client, data) -> None:
+    Q, K, V = data
+    client.wait_for_workers(2, timeout=120)
+    with ShardedKeyStore(client, K[:2000], V[:2000], n_shards=2) as store:
+        bounded(lambda: store.attend(Q, k=8))
+        _kill_and_wait_until_noticed(client, store.shards[0].workers[0])
+        for _ in range(2):
+            with pytest.raises(ShardError, match=r"(?s)shard 0 .*was lost.*no replica is left"):
+                bounded(lambda: store.attend(Q, k=8), 30)
+    bounded(store.close, 20)
 
 
 def test_killed_worker_retry_on_replica_then_clear_error(client, data) -> None:
