@@ -136,7 +136,8 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
         least ``min_keys`` keys when available and never more than ``max_keys``.  ``top_p = 1``: every
         cluster with a visible key (within ``max_keys``).  Non-causal log masses are second order with
         each cluster's key covariance (its top 8 eigen-directions plus an isotropic rest:
-        :meth:`~sparseattn.index.cluster.ClusterIndex.key_cov_factors`), so that a row keeps about
+        :meth:`~sparseattn.index.cluster.ClusterIndex.key_cov_factors`; the term capped as under
+        "Estimation" below except for the cap of 2), so that a row keeps about
         ``top_p`` of the true softmax mass or more: measured on the MiniLM stores (16k and 65k keys, every
         head), top_p = 0.9 left >= 0.9 of the true mass in 97-100 % of the rows
         (``benchmarks/results/estimate.md``).  This is a measured calibration, not a bound.  Causal
@@ -156,13 +157,19 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
 
     Estimation: a cluster is summarised by its count n_c, mean key mu_c and mean per-dimension variance
     sigma_c^2 (kept in the index, :meth:`~sparseattn.index.cluster.ClusterIndex.key_stats`) and its mean
-    value vbar_c (summed per call).  Its softmax numerator sum is estimated as ``n_c exp(s q.mu_c +
-    s^2 |q|^2 sigma_c^2 / 2)`` (second order, isotropic spread: the exp of the mean score
-    under-estimates the mean of the exp), its weighted value sum as that times ``vbar_c + s sigma_c^2 B
-    q``, with B the pooled within-cluster least-squares regression of values on keys (the exponential
-    tilt of a cluster moves its mean key by ``s Sigma_c q`` and, linearly, its mean value by ``B`` times
-    that).  The estimated clusters form one extra partial per query, merged with the routed ones by
-    log-sum-exp.  Causal: an estimated cluster counts only its keys at or before the query, from prefix
+    value vbar_c (summed per call).  Its softmax numerator sum is estimated as ``n_c exp(s q.mu_c + g)``
+    with g the second-order term ``x = s^2 |q|^2 sigma_c^2 / 2`` (isotropic spread: the exp of the mean
+    score under-estimates the mean of the exp) capped where it stops being trustworthy
+    (:func:`~sparseattn.kernels.estimate.second_order`): ``2 sqrt(x log n_c) - log n_c`` once x passes
+    ``log n_c``, never above ``|s| |q|`` times the cluster's largest member distance to its mean (what
+    its keys can hold), and never above 2 (``EST_CAP``: since ``n_c exp(s q.mu_c)`` is a lower bound of
+    the true sum, an estimated cluster claims at most e^2 times its true mass, so ``lse`` exceeds the
+    true one by at most 2).  Its weighted value sum is that times ``vbar_c + s f_c sigma_c^2 B q``, with
+    B the pooled within-cluster least-squares regression of values on keys (the exponential tilt of a
+    cluster moves its mean key by ``s Sigma_c q`` and, linearly, its mean value by ``B`` times that;
+    f_c = dg/dx, 0 where the cap of 2 binds), the regression part shrunk per row as far as needed to
+    keep the estimate inside the values' per-column range (so is every output row).  The estimated
+    clusters form one extra partial per query, merged with the routed ones by log-sum-exp.  Causal: an estimated cluster counts only its keys at or before the query, from prefix
     statistics (sums over each cluster's keys in position order), so no row reads statistics of a future
     key; the causal estimate is first order with the mean value (``n_c exp(s q.mu_c) vbar_c`` over the
     visible keys), since the pooled regression B would mix in future keys.
@@ -441,6 +448,23 @@ def _attend_block(index, q, q_norm, q0, q1, route, route_scores, Kp, Vp, scale, 
     return refined
 
 
+def _add_in_range(base: np.ndarray, reg: np.ndarray, s: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
+    """``base += lam * reg`` per row, lam in [0, 1] the largest keeping ``base / s`` inside ``[lo, hi]`` in
+    every column.
+
+    base (R, Ev): an estimated partial's ``sum_c w_c vbar_c`` (``base / s`` is a convex combination of
+    cluster mean values, so inside the values' per-column range); reg (R, Ev): its regression term; s (R,)
+    ``sum_c w_c``; lo, hi (Ev,) the values' per-column minimum and maximum.  The linear term grows with
+    ``|q|`` and, unshrunk, can carry the estimate (and the merged output) outside every value.
+    """
+    sr = s.astype(base.dtype)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        room = np.where(reg > 0, hi * sr - base, lo * sr - base)
+        lam = np.where(reg != 0, room / reg, np.inf).min(axis=1, initial=np.inf)
+    lam = np.clip(lam, 0.0, 1.0).astype(base.dtype)
+    base += lam[:, None] * reg
+
+
 def queries_values(queries: object, values: object, S: int, E: int, check_finite: bool
                    ) -> tuple[np.ndarray, np.ndarray]:
     """Validated ``queries`` (L, E) and ``values`` (S, Ev) float arrays for attention over S keys of E
@@ -510,6 +534,13 @@ class _Planner:
         self.kptr = index.cluster_ptr_
         self.logn, self.mu, self.sig2 = index.key_stats()
         self.sig2_32 = self.sig2.astype(np.float32)
+        # caps of the second-order term (kernels.estimate.second_order): log n_c (0 when empty) and the
+        # largest distance of a member key to the cluster mean (radius around the routing vector plus the
+        # vector's distance to the mean)
+        self.ell = np.where(np.isfinite(self.logn), self.logn, 0.0)
+        self.rmu = index.radius_ + np.linalg.norm(self.mu - index.centroids_.astype(np.float64), axis=1)
+        self.rmu[index.count_ == 0] = 0.0
+        self.ell32, self.rmu32 = self.ell.astype(np.float32), self.rmu.astype(np.float32)
         self.count = index.count_
         self.cent = index.centroids_.astype(dtype, copy=False)
         self.mu_d = None if index.route_by == "mean" else self.mu.astype(dtype)  # "mean": centroids_ = means
@@ -552,8 +583,8 @@ class _Planner:
         ``q . c``, est (R, N) and kr (R,) keys read (q_norm: the rows' norms (R,) float64 when known);
         returns (routing scores (R, C), log masses (R, C)
         float32 (not computed: causal without top_p; None: ``fused``), most clusters a row routed,
-        and for ``fused`` the inputs of :func:`~sparseattn.kernels.estimate.estimate_weights_stats`:
-        q.mu_c (R, C) and ``scale^2 |q|^2 / 2`` (R,), else None, None)."""
+        for ``fused`` q.mu_c (R, C) (the input of :func:`~sparseattn.kernels.estimate.estimate_weights_stats`)
+        else None, and ``scale^2 |q|^2 / 2`` (R,) float64 (None when causal))."""
         C, sc, is_causal, top_p = self.C, self.sc, self.is_causal, self.top_p
         R = qc.shape[0]
         qmu = q2 = A = None
@@ -576,9 +607,9 @@ class _Planner:
             nvis = np.empty((R, C), dtype=np.int64)
             ek.log_mass_causal(qc, qpc, self.kptr, self.kpos_cs, self.Gk, self.Gk2, sc, self.spread, A, nvis)
         elif self.cov:
-            ek.log_mass_rows_cov(qmu, X[:, off:], q2, self.logn, self.rho, sc, A)
+            ek.log_mass_rows_cov(qmu, X[:, off:], q2, self.logn, self.rho, self.rmu, sc, A)
         elif not is_causal and not self.fused:
-            ek.log_mass_rows(qmu, q2, self.logn, self.sig2, sc, self.spread, A)
+            ek.log_mass_rows(qmu, q2, self.logn, self.sig2, self.rmu, sc, self.spread, A)
         if top_p is None:
             ids, scs = ck.row_top_p_serial(sc_c, self.n_cand)
             p = self.p
@@ -588,7 +619,7 @@ class _Planner:
             ek.routed_visible(route, qpc, self.kptr, self.kpos_cs if is_causal else self.no_pos, is_causal, kr)
             if self.fused:
                 return sc_c, None, p, qmu, q2
-            return sc_c, A, p, None, None
+            return sc_c, A, p, None, q2
         if is_causal:
             cand = np.empty((R, C), dtype=np.int32)
             ek.rows_sorted_desc(A, cand)
@@ -598,9 +629,12 @@ class _Planner:
         n_route = np.empty(R, dtype=np.int64)
         ek.mass_route(A, cand, sizes, top_p, _REST_MARGIN, self.min_keys, self.max_keys, self.N, C, route, n_route,
                       kr, est)
+        if self.cov:  # routed by the second-order masses; estimated with the term capped (ek.EST_CAP)
+            first = self.logn + sc * qmu.astype(np.float64)
+            np.minimum(A, first + ek.EST_CAP, out=A, casting="same_kind")
         live = route < C
         rscore[:] = np.where(live, np.take_along_axis(sc_c, np.where(live, route, 0), 1), 0)
-        return sc_c, A, int(n_route.max()) if R else 0, None, None
+        return sc_c, A, int(n_route.max()) if R else 0, None, q2
 
 
 def mass_routes(index: ClusterIndex, queries: np.ndarray, *, top_p: float, min_keys: int = 0,
@@ -678,7 +712,7 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
         kmin[nonempty] = np.minimum.reduceat(kpos_p, kptr[:-1][nonempty])
         kmax[nonempty] = np.maximum.reduceat(kpos_p, kptr[:-1][nonempty])
         kpos_sorted = bool(np.all(kpos[1:] >= kpos[:-1]))
-        vbar = vbar32 = B_T = None
+        vbar = vbar32 = B_T = v_lo = v_hi = None
     else:
         t_stats = time.thread_time()
         kpos_p = kmin = kmax = None
@@ -695,6 +729,7 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
         B = (xcov / (S * var_pool)).astype(dtype) if var_pool > 0 else np.zeros((Ev, E), dtype=dtype)
         B_T = np.ascontiguousarray(B.T)
         B_T32 = B_T.astype(np.float32)
+        v_lo, v_hi = Vp.min(axis=0), Vp.max(axis=0)  # the regression term keeps the estimate in this range
         if est_cpu is not None:
             est_cpu[0] += time.thread_time() - t_stats
     lock = threading.Lock()
@@ -738,10 +773,11 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
             elif all_rest:  # every unread cluster: float32 weights, then one BLAS product with the means
                 W = wbuf[:b - a]
                 if A is None:
-                    ek.estimate_weights_stats(qmu, q2, plan.logn32, plan.sig2_32, sc, route[a:b], W, s_e[a:b],
-                                              m_e[a:b], ws2[a:b])
+                    ek.estimate_weights_stats(qmu, q2, plan.logn32, plan.sig2_32, plan.ell32, plan.rmu32, sc,
+                                              route[a:b], W, s_e[a:b], m_e[a:b], ws2[a:b])
                 else:
-                    ek.estimate_weights(A, route[a:b], plan.sig2_32, W, s_e[a:b], m_e[a:b], ws2[a:b])
+                    ek.estimate_weights(A, route[a:b], plan.sig2_32, plan.ell32, plan.rmu32, q2, W, s_e[a:b],
+                                        m_e[a:b], ws2[a:b])
                 oe = o_e[a:b]
                 reg = qc @ (B_T32 if qc.dtype == np.float32 else B_T)  # the regression term, s ws2 B q
                 reg *= (sc * ws2[a:b]).astype(reg.dtype)[:, None]
@@ -749,11 +785,12 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
                     np.matmul(W, vbar32, out=oe)
                 else:
                     oe[:] = W @ vbar32
-                oe += reg
+                _add_in_range(oe, reg, s_e[a:b], v_lo, v_hi)
             else:
-                ek.estimate_rows(A, route[a:b], est[a:b], all_rest, vbar, sig2, o_e[a:b], s_e[a:b], m_e[a:b],
-                                 ws2[a:b])
-                o_e[a:b] += (sc * ws2[a:b]).astype(o_e.dtype)[:, None] * (qc @ B_T)
+                ek.estimate_rows(A, route[a:b], est[a:b], all_rest, vbar, sig2, plan.ell, plan.rmu, q2, o_e[a:b],
+                                 s_e[a:b], m_e[a:b], ws2[a:b])
+                reg = (sc * ws2[a:b]).astype(o_e.dtype)[:, None] * (qc @ B_T)
+                _add_in_range(o_e[a:b], reg, s_e[a:b], v_lo, v_hi)
             if est_cpu is not None and (N != 0 or all_rest):
                 with lock:
                     est_cpu[0] += time.thread_time() - t0
