@@ -448,23 +448,6 @@ def _attend_block(index, q, q_norm, q0, q1, route, route_scores, Kp, Vp, scale, 
     return refined
 
 
-def _add_in_range(base: np.ndarray, reg: np.ndarray, s: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
-    """``base += lam * reg`` per row, lam in [0, 1] the largest keeping ``base / s`` inside ``[lo, hi]`` in
-    every column.
-
-    base (R, Ev): an estimated partial's ``sum_c w_c vbar_c`` (``base / s`` is a convex combination of
-    cluster mean values, so inside the values' per-column range); reg (R, Ev): its regression term; s (R,)
-    ``sum_c w_c``; lo, hi (Ev,) the values' per-column minimum and maximum.  The linear term grows with
-    ``|q|`` and, unshrunk, can carry the estimate (and the merged output) outside every value.
-    """
-    sr = s.astype(base.dtype)[:, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        room = np.where(reg > 0, hi * sr - base, lo * sr - base)
-        lam = np.where(reg != 0, room / reg, np.inf).min(axis=1, initial=np.inf)
-    lam = np.clip(lam, 0.0, 1.0).astype(base.dtype)
-    base += lam[:, None] * reg
-
-
 def queries_values(queries: object, values: object, S: int, E: int, check_finite: bool
                    ) -> tuple[np.ndarray, np.ndarray]:
     """Validated ``queries`` (L, E) and ``values`` (S, Ev) float arrays for attention over S keys of E
@@ -729,7 +712,8 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
         B = (xcov / (S * var_pool)).astype(dtype) if var_pool > 0 else np.zeros((Ev, E), dtype=dtype)
         B_T = np.ascontiguousarray(B.T)
         B_T32 = B_T.astype(np.float32)
-        v_lo, v_hi = Vp.min(axis=0), Vp.max(axis=0)  # the regression term keeps the estimate in this range
+        v_lo, v_hi = np.empty(Ev, dtype=dtype), np.empty(Ev, dtype=dtype)
+        ek.column_range(Vp, v_lo, v_hi)  # the regression term keeps the estimate in this range
         if est_cpu is not None:
             est_cpu[0] += time.thread_time() - t_stats
     lock = threading.Lock()
@@ -785,12 +769,12 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
                     np.matmul(W, vbar32, out=oe)
                 else:
                     oe[:] = W @ vbar32
-                _add_in_range(oe, reg, s_e[a:b], v_lo, v_hi)
+                ek.add_in_range(oe, reg, s_e[a:b], v_lo, v_hi)
             else:
                 ek.estimate_rows(A, route[a:b], est[a:b], all_rest, vbar, sig2, plan.ell, plan.rmu, q2, o_e[a:b],
                                  s_e[a:b], m_e[a:b], ws2[a:b])
                 reg = (sc * ws2[a:b]).astype(o_e.dtype)[:, None] * (qc @ B_T)
-                _add_in_range(o_e[a:b], reg, s_e[a:b], v_lo, v_hi)
+                ek.add_in_range(o_e[a:b], reg, s_e[a:b], v_lo, v_hi)
             if est_cpu is not None and (N != 0 or all_rest):
                 with lock:
                     est_cpu[0] += time.thread_time() - t0

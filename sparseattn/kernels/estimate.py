@@ -49,7 +49,7 @@ from ._options import FASTMATH
 
 __all__ = ["cluster_prefix", "cluster_sums", "estimate_rows", "estimate_rows_causal", "estimate_weights",
            "estimate_weights_stats", "log_mass_causal", "log_mass_rows", "log_mass_rows_cov", "mass_route",
-           "routed_visible", "rows_sorted_desc", "second_order", "EST_CAP"]
+           "routed_visible", "rows_sorted_desc", "second_order", "EST_CAP", "add_in_range", "column_range"]
 
 #: Most an *estimated* cluster's log mass may exceed its first-order term ``log n_c + s q.mu_c``, which is
 #: a lower bound of the true log mass (Jensen: the mean of exp is at least the exp of the mean).  So each
@@ -94,6 +94,25 @@ def _estimate_term(x, ell, hb):
     if g >= EST_CAP:
         g = EST_CAP
         f = 0.0
+    return g, f
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
+def _estimate_term_f32(x, ell, hb):
+    """:func:`_estimate_term` in float32 without branches (selects only: the loop over clusters
+    vectorises).  x, ell, hb float32; returns float32 (g, f)."""
+    one = np.float32(1.0)
+    zero = np.float32(0.0)
+    cap = np.float32(EST_CAP)
+    knee = x > ell
+    r = np.sqrt(ell / x)  # NaN / inf for x = 0: not selected
+    f = r if knee else one
+    g = (x + x) * r - ell if knee else x
+    g = hb if hb < g else g
+    fb = hb / (x + x)  # NaN for hb = x = 0: the comparison below is False, f stays
+    f = fb if fb < f else f
+    f = zero if g >= cap else f
+    g = cap if g >= cap else g
     return g, f
 
 
@@ -424,6 +443,46 @@ def estimate_rows_causal(q, qpos, route, est, all_rest, kptr, kpos_cs, Gk, Gk2, 
             _mark_routed(skip, route[r], C, False)
 
 
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def column_range(x, lo, hi):
+    """lo[d], hi[d] = the minimum and maximum of column d of x (S, D), S >= 1, one pass over the rows."""
+    for d in range(x.shape[1]):
+        lo[d] = x[0, d]
+        hi[d] = x[0, d]
+    for j in range(1, x.shape[0]):
+        row = x[j]
+        for d in range(x.shape[1]):
+            v = row[d]
+            lo[d] = v if v < lo[d] else lo[d]
+            hi[d] = v if v > hi[d] else hi[d]
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
+def add_in_range(base, reg, s, lo, hi):
+    """``base[r] += lam_r reg[r]`` with lam_r in [0, 1] the largest keeping ``base[r] / s[r]`` inside
+    ``[lo, hi]`` in every column.
+
+    base (R, D) an estimated partial's ``sum_c w_c vbar_c`` (``base / s``, a convex combination of cluster
+    mean values, lies inside the values' per-column range [lo, hi]); reg (R, D) its regression term; s
+    (R,) float64 ``sum_c w_c`` (> 0, or 0 with base = reg = 0); lo, hi (D,) in base's dtype.  The linear
+    term grows with ``|q|``: unshrunk, it can carry the estimate, and the merged output, outside every value.
+    """
+    R, D = base.shape
+    for r in range(R):
+        sr = base.dtype.type(s[r])
+        b = base[r]
+        g = reg[r]
+        lam = 1.0
+        for d in range(D):
+            room = (hi[d] * sr - b[d]) if g[d] > 0 else (lo[d] * sr - b[d])
+            t = room / g[d]  # inf / NaN where g = 0: never below lam
+            lam = t if t < lam else lam
+        lam = lam if lam > 0.0 else 0.0
+        lt = base.dtype.type(lam)
+        for d in range(D):
+            b[d] += lt * g[d]
+
+
 @njit(cache=True, nogil=True)
 def routed_visible(route, qpos, kptr, kpos_cs, causal, out):
     """Keys each row reads: ``out[r] = sum`` over its routed clusters (ids >= C: padding, skipped) of the
@@ -481,7 +540,7 @@ def _weights_row(a, w, route_r, sig2, r, s, m, ws2):
     ws2[r] = t2
 
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
 def estimate_weights(A, route, sig2, ell, rmu, q2, W, s, m, ws2):
     """Weights of the estimate of every cluster not routed (non-causal, ``estimate=-1``), for one GEMM.
 
@@ -499,14 +558,22 @@ def estimate_weights(A, route, sig2, ell, rmu, q2, W, s, m, ws2):
     """
     C = A.shape[1]
     tilt = np.empty(C, dtype=np.float32)
+    cap = np.float32(EST_CAP)
     for r in range(A.shape[0]):
-        qn = np.sqrt(2.0 * q2[r])
+        h = np.float32(q2[r])
+        qn = np.float32(np.sqrt(2.0 * q2[r]))
+        n_cap = 0
         for c in range(C):
-            tilt[c] = sig2[c] * _estimate_term(q2[r] * sig2[c], ell[c], qn * rmu[c])[1]
+            x = h * sig2[c]
+            tilt[c] = sig2[c]
+            n_cap += (x > ell[c]) | (x >= cap) | (x + x > qn * rmu[c])
+        if n_cap:
+            for c in range(C):
+                tilt[c] = sig2[c] * _estimate_term_f32(h * sig2[c], ell[c], qn * rmu[c])[1]
         _weights_row(A[r], W[r], route[r], tilt, r, s, m, ws2)
 
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
 def estimate_weights_stats(qmu, q2, logn, sig2, ell, rmu, scale, route, W, s, m, ws2):
     """:func:`estimate_weights` straight from the statistics (non-causal, fixed budget, ``estimate=-1``).
 
@@ -520,14 +587,22 @@ def estimate_weights_stats(qmu, q2, logn, sig2, ell, rmu, scale, route, W, s, m,
     """
     R, C = qmu.shape
     sc = np.float32(scale)
+    cap = np.float32(EST_CAP)
     tilt = np.empty(C, dtype=np.float32)
     for r in range(R):
         w = W[r]
         qm = qmu[r]
-        h = q2[r]
-        qn = np.sqrt(2.0 * h)
-        for c in range(C):
-            g, f = _estimate_term(h * sig2[c], ell[c], qn * rmu[c])
-            w[c] = logn[c] + sc * qm[c] + np.float32(g)
-            tilt[c] = sig2[c] * np.float32(f)
+        h = np.float32(q2[r])
+        qn = np.float32(np.sqrt(2.0 * q2[r]))
+        n_cap = 0
+        for c in range(C):  # the term uncapped, counting the clusters where a cap binds (vectorises)
+            x = h * sig2[c]
+            w[c] = logn[c] + sc * qm[c] + x
+            tilt[c] = sig2[c]
+            n_cap += (x > ell[c]) | (x >= cap) | (x + x > qn * rmu[c])
+        if n_cap:
+            for c in range(C):
+                g, f = _estimate_term_f32(h * sig2[c], ell[c], qn * rmu[c])
+                w[c] = logn[c] + sc * qm[c] + g
+                tilt[c] = sig2[c] * f
         _weights_row(w, w, route[r], tilt, r, s, m, ws2)
