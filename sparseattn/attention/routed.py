@@ -37,7 +37,16 @@ import time
 import numpy as np
 
 from ..index.cluster import ClusterIndex, cluster_jobs
-from ..inputs import as_float_array, check_bool, check_lse, check_scale, positions, result_dtype
+from ..inputs import (
+    as_float_array,
+    check_bool,
+    check_lse,
+    check_scale,
+    positions,
+    result_dtype,
+    unscale_output,
+    value_scaling,
+)
 from ..kernels import cluster as ck
 from ..kernels import estimate as ek
 from ..kernels.merge import merge_partials
@@ -193,18 +202,44 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
     qpos = positions(query_positions, L, "query_positions")
     kpos = positions(key_positions, S, "key_positions")
     budget = _check_budget(index, estimate, top_p, min_keys, max_keys)
+    if L == 0:
+        if stats is not None:
+            stats["refined_pairs"] = 0
+            stats["keys_read"] = np.zeros(0, dtype=np.int64)
+        return np.zeros((0, Ev), dtype=dtype), np.zeros(0, dtype=dtype)
+    n = index.threads_ if n_threads is None else int(n_threads)
+    args = (index, q, sc, is_causal, qpos, kpos, exact_prefix, n, budget, stats is not None)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflowing scores: check_lse; values: below
+        out, lse, keys_read, refined, est_cpu = _routed_rows(v_in, *args)
+    # Finite inputs whose q.k overflows the dtype leave +inf (or inf - inf = NaN) in lse: an error, as in
+    # sparse_attention, never a silent garbage row.  NaN from NaN inputs (check_finite=False) passes.
+    check_lse(lse, dtype, sc, nan_is_overflow=check_finite)
+    v_factors = None if np.isfinite(out).all() else value_scaling(v_in, S, dtype)
+    if v_factors is not None:
+        # Values near the dtype's limit: the weighted sums overflowed although the output is finite.
+        # Computed again on power-of-two scaled value columns (rare: the check is one pass over the output).
+        v_scaled = np.ascontiguousarray(v_in * v_factors.astype(dtype), dtype=dtype)
+        out, lse, keys_read, refined, est_cpu = _routed_rows(v_scaled, *args)
+        out = unscale_output(out, v_factors)
+    if stats is not None:
+        stats["refined_pairs"] = refined
+        stats["keys_read"] = keys_read
+        if budget is not None and budget[0] != 0:
+            stats["estimate_cpu_s"] = est_cpu
+    return out, lse
+
+
+def _routed_rows(v_in, index, q, sc, is_causal, qpos, kpos, exact_prefix, n, budget, want_keys
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, float]:
+    """The rows of :func:`routed_attention` (validated arguments, L >= 1): (out, lse, keys read, refined
+    pairs, estimate CPU seconds)."""
+    L, Ev = q.shape[0], v_in.shape[1]
+    dtype = q.dtype
     out = np.zeros((L, Ev), dtype=dtype)
     lse = np.full(L, -np.inf, dtype=dtype)
     keys_read = np.zeros(L, dtype=np.int64)
     refined = [0]
     est_cpu = [0.0]  # CPU seconds of the estimate's own work (summed over threads)
-    if L == 0:
-        if stats is not None:
-            stats["refined_pairs"] = 0
-            stats["keys_read"] = keys_read
-        return out, lse
-    want_keys = stats is not None
-    n = index.threads_ if n_threads is None else int(n_threads)
     with worker_threads(n):
         prefix = np.zeros(0, dtype=np.int64)
         if is_causal and exact_prefix:
@@ -228,15 +263,7 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
             _attend_prefix(index, q, v_in, sc, prefix, qpos, kpos, order, out, lse, n)
         else:
             out, lse, keys_read = attend_rows(q, qpos)
-    if stats is not None:
-        stats["refined_pairs"] = refined[0]
-        stats["keys_read"] = keys_read
-        if budget is not None and budget[0] != 0:
-            stats["estimate_cpu_s"] = est_cpu[0]
-    # Finite inputs whose q.k overflows the dtype leave +inf (or inf - inf = NaN) in lse: an error, as in
-    # sparse_attention, never a silent garbage row.  NaN from NaN inputs (check_finite=False) passes.
-    check_lse(lse, dtype, sc, nan_is_overflow=check_finite)
-    return out, lse
+    return out, lse, keys_read, refined[0], est_cpu[0]
 
 
 def _attend_routed(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refined, want_keys
@@ -741,10 +768,13 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
             # instead of fresh multi-MB arrays (page faults on first touch) per chunk
             wbuf = (np.empty((min(_PLAN_ROWS, b0 - a0), C), dtype=np.float32) if all_rest and not is_causal
                     else None)
-            for a in range(a0, b0, _PLAN_ROWS):
-                b = min(b0, a + _PLAN_ROWS)
-                n_used[a0] = max(n_used[a0], sub(a, b, qb, qpb, qnb, route, rscore, est, o_e, s_e, m_e, ws2, kr,
-                                                 wbuf))
+            # values near the dtype's limit may overflow the estimate's products: routed_attention then
+            # recomputes on scaled values (np.errstate is per thread: set here, in the worker)
+            with np.errstate(over="ignore", invalid="ignore"):
+                for a in range(a0, b0, _PLAN_ROWS):
+                    b = min(b0, a + _PLAN_ROWS)
+                    n_used[a0] = max(n_used[a0], sub(a, b, qb, qpb, qnb, route, rscore, est, o_e, s_e, m_e, ws2,
+                                                     kr, wbuf))
 
         def sub(a, b, qb, qpb, qnb, route, rscore, est, o_e, s_e, m_e, ws2, kr, wbuf) -> int:
             qc = qb[a:b]

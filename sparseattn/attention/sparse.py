@@ -176,10 +176,25 @@ def sparse_attention_result(
     """
     inp = attention_inputs(query, key, value, scale, is_causal, enable_gqa=enable_gqa,
                            check_finite=check_finite).in_computation_dtype()
-    timings = {"build": 0.0, "select": 0.0, "kernel": 0.0}
     tail = as_tail(tail)
     if tail is not None and not isinstance(pattern, (SparsePattern, list, tuple)):
         _refuse_tail_for_attending(pattern)
+    args = (pattern, k, is_causal, bias, query_positions, key_positions, check_finite, tail)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflowing scores: check_lse; values: below
+        res = _result(inp, *args)
+    if not np.isfinite(res.output).all():
+        # Values near the dtype's limit: the weighted sums overflowed although the output is finite.
+        # Computed again on power-of-two scaled value columns (rare: the check is one pass over the output).
+        safe = inp.with_safe_values()
+        if safe is not inp:
+            res = _result(safe, *args)
+    return res
+
+
+def _result(inp: AttentionInputs, pattern: PatternArg, k: int, is_causal: bool, bias: Any, query_positions: Any,
+            key_positions: Any, check_finite: bool, tail: Tail | None) -> SparseAttentionResult:
+    """The body of :func:`sparse_attention_result` on validated inputs."""
+    timings = {"build": 0.0, "select": 0.0, "kernel": 0.0}
     if isinstance(pattern, (SparsePattern, list, tuple)):
         patterns = _explicit_patterns(pattern, inp, is_causal, query_positions, key_positions)
         spec = None
