@@ -60,7 +60,15 @@ def _check_mask(attn_mask: Any, lead: tuple[int, ...], L: int, S: int) -> np.nda
         raise ValueError(f"attn_mask shape {m.shape} does not broadcast to (..., L, S) = {lead + (L, S)}.") from None
     if m.dtype.kind == "f" and np.isnan(m).any():
         raise ValueError("attn_mask contains NaN; use -inf for masked-out positions.")
+    if m.dtype.kind == "f" and np.isposinf(m).any():
+        raise ValueError(f"attn_mask contains +inf (first at index {_first(np.isposinf(m))}), which no softmax "
+                         f"can weigh; an additive mask holds finite values, or -inf for masked-out positions.")
     return full
+
+
+def _first(flags: np.ndarray) -> tuple[int, ...]:
+    """Index of the first True of a bool array."""
+    return tuple(int(i) for i in np.argwhere(flags)[0])
 
 
 def scaled_dot_product_attention(
