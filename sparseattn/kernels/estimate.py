@@ -472,6 +472,14 @@ def add_in_range(base, reg, s, lo, hi):
         sr = base.dtype.type(s[r])
         b = base[r]
         g = reg[r]
+        n_out = 0
+        for d in range(D):  # the common case: the whole term fits (a vectorised test, no division)
+            y = b[d] + g[d]
+            n_out += (y > hi[d] * sr) | (y < lo[d] * sr)
+        if n_out == 0:
+            for d in range(D):
+                b[d] += g[d]
+            continue
         lam = 1.0
         for d in range(D):
             room = (hi[d] * sr - b[d]) if g[d] > 0 else (lo[d] * sr - b[d])
