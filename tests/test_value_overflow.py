@@ -2,7 +2,7 @@
 
 Attention's output is a convex combination of the values, so it is finite whenever they are; the
 weighted sums before the division (up to S values with weights of at most 1) and the merges of partial
-results are where ``inf`` used to appear.  Oracle: float64 dense attention (masked as the path selects).
+results are where ``inf`` can appear.  Oracle: float64 dense attention (masked as the path selects).
 Tolerance: ``|o - o*| <= 2e-6 * max |v|`` per column for float32 (float64: 1e-13).
 """
 
@@ -63,7 +63,7 @@ def test_dense(kind, is_causal):
         np.testing.assert_allclose(out, 2e38, rtol=1e-6)
 
 
-def test_issue_example_exact_output():
+def test_constant_values_near_the_limit_exact_output():
     """Zero queries over keys whose values are all 2e38: the exact answer is 2e38, not inf."""
     q = np.zeros((1, 1, 4), np.float32)
     k = np.zeros((1, 2, 4), np.float32)

@@ -18,8 +18,8 @@ Gaussian samples: past ``x = l`` the sample holds no key far enough out in the t
 ``exp(x)``, and the sum is carried by its largest term, about ``sqrt(2 x) sqrt(2 l)`` above the mean),
 and never more than ``|s| |q| rmu_c`` (``rmu_c``: the largest distance of a member key to the cluster's
 mean), so an estimated cluster never claims more mass than ``n_c exp(max score)`` its keys can hold.
-Without the cap the term grows as ``|q|^2`` and an estimated cluster of a peaky query claimed up to
-``exp(200)`` times the true mass.  ``f_c`` is the derivative of the capped term over ``x`` (1 below the
+Uncapped, the term grows as ``|q|^2``: for a query ten times a key of clustered data, an estimated
+cluster can claim ``exp(200)`` times its true mass and swamp the exact part.  ``f_c`` is the derivative of the capped term over ``x`` (1 below the
 knee, ``sqrt(l / x)`` beyond, smaller where the bound binds): the tilt ``s f_c Sigma_c q`` of the mean key
 that the same cap implies.
 
