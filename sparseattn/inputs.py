@@ -268,7 +268,8 @@ class AttentionInputs:
         f = value_scaling(self.v3, self.S, self.cdt)
         if f is None:
             return self
-        return replace(self, v3=np.ascontiguousarray(self.v3 * f.astype(self.cdt), dtype=self.cdt), v_factors=f)
+        v3 = np.ascontiguousarray(self.v3 * f.astype(self.cdt), dtype=self.cdt)
+        return replace(self, v3=v3, v_factors=f)
 
     def finish(self, out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(G, L, Ev) / (G, L) results -> (..., L, Ev) in the output dtype / (..., L) (the output multiplied

@@ -49,8 +49,7 @@ def test_zero_groups_with_explicit_patterns():
 
 
 def _qkv(rng):
-    return (rng.standard_normal((1, 2, 4, 8)).astype(np.float32), rng.standard_normal((1, 2, 6, 8)).astype(np.float32),
-            rng.standard_normal((1, 2, 6, 8)).astype(np.float32))
+    return tuple(rng.standard_normal(shape).astype(np.float32) for shape in ((1, 2, 4, 8), (1, 2, 6, 8), (1, 2, 6, 8)))
 
 
 def test_plus_inf_in_a_float_mask_is_named_not_an_overflow(rng):

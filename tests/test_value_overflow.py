@@ -131,7 +131,8 @@ def test_block_mode_with_estimate_stays_finite_and_in_range(kind, extra, is_caus
     q = rng.standard_normal((L, E)).astype(np.float32)
     k = rng.standard_normal((S, E)).astype(np.float32)
     v = _values(kind, S, 4, rng)
-    out = sa.sparse_attention(q, k, v, "cluster:mode=block,n_clusters=8,n_probe=2" + extra, is_causal=is_causal)
+    spec = "cluster:mode=block,n_clusters=8,n_probe=2" + extra
+    out = sa.sparse_attention(q, k, v, spec, is_causal=is_causal)
     assert np.all(np.isfinite(out))
     slack = 1e-6 * np.abs(v.astype(np.float64)).max(axis=0)
     assert np.all(out <= v.max(axis=0) + slack) and np.all(out >= v.min(axis=0) - slack)

@@ -19,9 +19,9 @@ Gaussian samples: past ``x = l`` the sample holds no key far enough out in the t
 and never more than ``|s| |q| rmu_c`` (``rmu_c``: the largest distance of a member key to the cluster's
 mean), so an estimated cluster never claims more mass than ``n_c exp(max score)`` its keys can hold.
 Uncapped, the term grows as ``|q|^2``: for a query ten times a key of clustered data, an estimated
-cluster can claim ``exp(200)`` times its true mass and swamp the exact part.  ``f_c`` is the derivative of the capped term over ``x`` (1 below the
-knee, ``sqrt(l / x)`` beyond, smaller where the bound binds): the tilt ``s f_c Sigma_c q`` of the mean key
-that the same cap implies.
+cluster can claim ``exp(200)`` times its true mass and swamp the exact part.  ``f_c`` is the derivative
+of the capped term over ``x`` (1 below the knee, ``sqrt(l / x)`` beyond, smaller where the bound binds):
+the tilt ``s f_c Sigma_c q`` of the mean key that the same cap implies.
 
 The mass-driven budget (``top_p``, non-causal) uses a finer second-order term, ``s^2 q^T Sigma_c q / 2``
 with each cluster's covariance as a rank-r part plus an isotropic rest (``log_mass_rows_cov``): the
@@ -66,10 +66,10 @@ def second_order(x, ell, hb):
     """The capped second-order log-mass term of a cluster and its derivative: (g, f).
 
     x: ``s^2 q^T Sigma_c q / 2`` (>= 0; the uncapped term); ell: ``log n_c`` (>= 0); hb: ``|s| |q|
-    rmu_c``, an upper bound of ``max_j s q.(k_j - mu_c)`` over the cluster's keys.  Returns float64.  ``g = x`` for ``x <=
-    ell``, ``2 sqrt(x ell) - ell`` beyond (continuous, with a continuous derivative), then ``min(g, hb)``;
-    ``f = dg/dx`` (1, ``sqrt(ell / x)``) and at most ``hb / (2 x)`` (the tilt ``s f Sigma q`` of the mean
-    key then stays within ``rmu_c`` of the mean).
+    rmu_c``, an upper bound of ``max_j s q.(k_j - mu_c)`` over the cluster's keys.  Returns float64.
+    ``g = x`` for ``x <= ell``, ``2 sqrt(x ell) - ell`` beyond (continuous, with a continuous derivative),
+    then ``min(g, hb)``; ``f = dg/dx`` (1, ``sqrt(ell / x)``) and at most ``hb / (2 x)`` (the tilt ``s f
+    Sigma q`` of the mean key then stays within ``rmu_c`` of the mean).
     """
     x = np.float64(x)
     x2 = x + x
@@ -181,7 +181,8 @@ def log_mass_rows_cov(qmu, qw, q2, logn, rho, rmu, scale, out):
     ``out[r, c] = logn[c] + scale qmu[r, c] + g`` (-inf where logn is -inf), g the capped
     :func:`second_order` term of ``x = scale^2 / 2 (sum_k qw[r, c K + k]^2 + rho[c] |q_r|^2)``: the
     second-order estimate ``log sum_j exp(s q.k_j) ~= log n_c + s q.mu_c + s^2 q^T Sigma_c q / 2`` with
-    ``Sigma_c ~= sum_k w_ck w_ck^T + rho_c I`` (:meth:`~sparseattn.index.cluster.ClusterIndex.key_cov_factors`).
+    ``Sigma_c ~= sum_k w_ck w_ck^T + rho_c I``
+    (:meth:`~sparseattn.index.cluster.ClusterIndex.key_cov_factors`).
 
     qmu (R, C) q.mu_c; qw (R, C K) the products ``q . w_ck``; q2 (R,) float64 ``scale^2 |q|^2 / 2``;
     logn (C,) log counts (-inf: empty); rho (C,) isotropic remainders; rmu (C,) largest member distance
@@ -557,7 +558,8 @@ def estimate_weights(A, route, sig2, ell, rmu, q2, W, s, m, ws2):
     member distance to the mean, q2 (R,) ``scale^2 |q|^2 / 2``.  Writes W (R, C) float32 ``exp(A[r, c] -
     m[r])`` (0 for routed and empty clusters, at least exp(-80) otherwise), s (R,) row sums, m (R,) the
     shift (``-inf`` and s = 0 when nothing is left) and ws2 (R,) ``sum_c W[r, c] f_c sig2[c]`` (f_c:
-    :func:`second_order` of the isotropic ``q2 sig2_c``, 0 where the term reaches :data:`EST_CAP`); the caller's ``W @ vbar`` is
+    :func:`second_order` of the isotropic ``q2 sig2_c``, 0 where the term reaches :data:`EST_CAP`); the
+    caller's ``W @ vbar`` is
     the estimated partial's output.  Why not :func:`estimate_rows`: each pass here is a branch-free loop
     over contiguous columns that vectorises, with a float32 exp
     (:func:`~sparseattn.kernels._intrinsics.pow2_f32`, relative error 2.5e-7), and the value sum is a
@@ -586,8 +588,8 @@ def estimate_weights_stats(qmu, q2, logn, sig2, ell, rmu, scale, route, W, s, m,
     """:func:`estimate_weights` straight from the statistics (non-causal, fixed budget, ``estimate=-1``).
 
     The log masses ``logn[c] + scale qmu[r, c] + g`` (g: the capped :func:`second_order` term of
-    ``q2[r] sig2[c]``, at most :data:`EST_CAP`, as :func:`log_mass_rows` with spread 1) are formed in ``W`` itself and turned into
-    the weights in the same pass over the row (no (R, C) log-mass array is written and read back).  qmu
+    ``q2[r] sig2[c]``, at most :data:`EST_CAP`, as :func:`log_mass_rows` with spread 1) are formed in
+    ``W`` itself and turned into the weights in the same pass over the row (no (R, C) log-mass array is written and read back).  qmu
     (R, C) float32 q.mu_c; q2 (R,) float64 ``scale^2 |q|^2 / 2``; logn, sig2, ell, rmu (C,) float32
     (logn -inf: empty; ell ``log n_c``, 0 when empty; rmu largest member distance to the mean); route
     (R, P) int32 (ids >= C: padding).  Writes W (R, C) float32, s, m, ws2 (R,) float64 as
