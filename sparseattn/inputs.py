@@ -117,6 +117,54 @@ def check_lse(lse: np.ndarray, dtype: np.dtype, scale: float, *, nan_is_overflow
         raise ValueError(overflow_message(dtype, scale))
 
 
+def value_scaling(v: np.ndarray, n_terms: int, dtype: np.dtype) -> np.ndarray | None:
+    """Per-column power-of-two factors that keep weighted sums of values finite in ``dtype``, or None.
+
+    Attention sums up to ``n_terms`` values with weights of at most 1 before it divides by the weights'
+    total (and merges partial results the same way), so a column whose largest magnitude ``a`` passes
+    ``finfo(dtype).max / (2 (n_terms + 1))`` can overflow to ``inf`` in that sum although the exact
+    output, a convex combination of the values, is finite.  Such a column is computed on ``v * 2**-e``
+    (exact: only the exponent changes, except for values that become subnormal, below 2**-126 * 2**e in
+    float32, whose share of the output is below 1e-38 of the column's largest value), with the smallest
+    e that brings ``a`` under the limit, and the output multiplied back (:func:`unscale_output`).
+
+    Parameters
+    ----------
+    v : float array (..., S, Ev)
+    n_terms : int
+        The most values one output row sums (S).
+    dtype : numpy dtype
+        The computation dtype.
+
+    Returns
+    -------
+    (Ev,) float64 array of the factors ``2**-e`` (1 for columns that need none), or None when no column
+    needs one or some value is not finite.  Costs a max / min pass over v: the entry points call it only
+    after a computation left a non-finite output.
+    """
+    if not v.size:
+        return None
+    limit = float(np.finfo(dtype).max) / (2.0 * (n_terms + 1))
+    flat = v.reshape(-1, v.shape[-1])
+    big = np.maximum(np.abs(flat.max(axis=0).astype(np.float64)), np.abs(flat.min(axis=0).astype(np.float64)))
+    if not np.any(big > limit) or not np.isfinite(big).all():  # inf / NaN values (unchecked): no help
+        return None
+    e = np.where(big > limit, np.ceil(np.log2(np.maximum(big, limit) / limit)), 0.0)
+    return np.ldexp(1.0, -e.astype(np.int64))
+
+
+def unscale_output(out: np.ndarray, factors: np.ndarray) -> np.ndarray:
+    """An output computed on values scaled by ``factors`` (:func:`value_scaling`) in the values' units.
+
+    ``out / factors`` per column, in out's dtype.  Rounding may leave a scaled output a few ulps above
+    the column's largest scaled value; a finite entry is clamped to ``finfo.max * factor`` before the
+    multiplication so that it cannot round up to ``inf`` (the exact output is at most ``finfo.max``).
+    """
+    top = (np.finfo(out.dtype).max * factors).astype(out.dtype)
+    res = np.where(np.isinf(out), out, np.clip(out, -top, top))  # an inf (unchecked inf input) stays inf
+    return (res / factors.astype(out.dtype)).astype(out.dtype, copy=False)
+
+
 def positions(arr: object, length: int, name: str) -> np.ndarray:
     """Validate a 1-D integer position vector of the given length (None -> ``arange(length)``); int64."""
     if arr is None:
@@ -180,7 +228,8 @@ class AttentionInputs:
     """Validated query/key/value as (G, n, f) arrays, the group maps and the scale in force.
 
     ``q3[q_map[g]]``, ``k3[kv_map[g]]`` and ``v3[kv_map[g]]`` are the operands of group g of the broadcast
-    leading shape ``lead``; ``cdt`` is the computation dtype, ``out_dtype`` the promoted input dtype.
+    leading shape ``lead``; ``cdt`` is the computation dtype, ``out_dtype`` the promoted input dtype;
+    ``v_factors`` (Ev,) the power-of-two factors v3 was multiplied by (:meth:`with_safe_values`), or None.
     """
 
     q3: np.ndarray
@@ -192,6 +241,7 @@ class AttentionInputs:
     scale: float
     cdt: np.dtype
     out_dtype: np.dtype
+    v_factors: np.ndarray | None = None
     G: int = field(init=False)
     L: int = field(init=False)
     S: int = field(init=False)
@@ -209,8 +259,23 @@ class AttentionInputs:
                        k3=np.ascontiguousarray(self.k3, dtype=self.cdt),
                        v3=np.ascontiguousarray(self.v3, dtype=self.cdt))
 
+    def with_safe_values(self) -> AttentionInputs:
+        """The same inputs, with the value columns whose weighted sums could overflow the computation
+        dtype scaled by powers of two (:func:`~sparseattn.inputs.value_scaling`; v3 then in ``cdt``):
+        :meth:`finish` multiplies the output back.  Unchanged (no copy) when no column needs it."""
+        if self.v_factors is not None:
+            return self
+        f = value_scaling(self.v3, self.S, self.cdt)
+        if f is None:
+            return self
+        v3 = np.ascontiguousarray(self.v3 * f.astype(self.cdt), dtype=self.cdt)
+        return replace(self, v3=v3, v_factors=f)
+
     def finish(self, out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(G, L, Ev) / (G, L) results -> (..., L, Ev) in the output dtype / (..., L)."""
+        """(G, L, Ev) / (G, L) results -> (..., L, Ev) in the output dtype / (..., L) (the output multiplied
+        back when the values were scaled)."""
+        if self.v_factors is not None:
+            out = unscale_output(out, self.v_factors)
         output = out.reshape(self.lead + (self.L, self.Ev)).astype(self.out_dtype, copy=False)
         return output, lse.reshape(self.lead + (self.L,))
 

@@ -257,6 +257,11 @@ def _mask_parts(attn_mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]
         return m, None
     if np.isnan(m).any():
         raise ValueError("attn_mask contains NaN; use -inf (or False in a bool mask) for masked-out pairs.")
+    if np.isposinf(m).any():
+        first = tuple(int(i) for i in np.argwhere(np.isposinf(m))[0])
+        raise ValueError(f"attn_mask contains +inf (first at index {first}), which no softmax can weigh; an "
+                         f"additive mask holds finite values, or -inf (or False in a bool mask) for masked-out "
+                         f"pairs.")
     floor = float(torch.finfo(attn_mask.dtype).min) / 2  # transformers' eager masks use finfo.min
     allowed = m > floor
     additive = np.where(allowed, m, 0.0)

@@ -352,12 +352,32 @@ def test_top_p_rows_keep_the_mass_they_claim(top_p):
         np.testing.assert_array_equal(keys, s["keys_read"])
 
 
-def test_estimate_all_rest_matches_its_formula():
+def _capped_term(x, ell, hb):
+    """The documented capped second-order term of an estimated cluster and its tilt factor, float64."""
+    if x <= ell:
+        g, f = x, 1.0
+    else:
+        f = np.sqrt(ell / x)
+        g = 2 * np.sqrt(x * ell) - ell
+    g = min(g, hb)
+    if x > 0:
+        f = min(f, hb / (2 * x))
+    if g >= 2.0:
+        g, f = 2.0, 0.0
+    return g, f
+
+
+@pytest.mark.parametrize("qmult", [1.0, 4.0])
+def test_estimate_all_rest_matches_its_formula(qmult):
     """estimate=-1 at a fixed n_probe against the documented estimate, brute force in float64: exact sums
-    over the routed keys plus, per unrouted cluster, ``n_c exp(s q.mu_c + s^2 |q|^2 sigma_c^2 / 2)`` times
-    ``vbar_c + s sigma_c^2 B q`` (B: pooled within-cluster regression of values on keys).  The kernels
-    use float32 weights: tolerance 1e-4 relative."""
+    over the routed keys plus, per unrouted cluster, ``n_c exp(s q.mu_c + g)`` times ``vbar_c + s f
+    sigma_c^2 B q`` (B: pooled within-cluster regression of values on keys; g, f: the capped second-order
+    term of ``x = s^2 |q|^2 sigma_c^2 / 2`` and its derivative: x up to log n_c, then 2 sqrt(x log n_c) -
+    log n_c, at most |s| |q| max_j |k_j - mu_c| and at most 2, f = 0 there), the regression part shrunk
+    (lam in [0, 1]) to keep the estimate inside the values' per-column range.
+    The kernels use float32 weights: tolerance 1e-4 relative."""
     q, k, v = _clustered(S=900, L=60, dtype=np.float64)
+    q = q * qmult
     s = 0.45
     index = ClusterIndex(n_clusters=10, n_probe=3).build(k)
     out, _ = routed_attention(index, q, v, scale=s, estimate=-1)
@@ -366,20 +386,38 @@ def test_estimate_all_rest_matches_its_formula():
     C, S = 10, k.shape[0]
     n = np.array([np.sum(lab == c) for c in range(C)])
     mu = np.array([kc[lab == c].mean(0) for c in range(C)])
+    rmu = np.array([np.linalg.norm(kc[lab == c] - mu[c], axis=1).max() for c in range(C)])
     vbar = np.array([v[lab == c].mean(0) for c in range(C)])
     sig2 = np.array([kc[lab == c].var(0).mean() for c in range(C)])
     X = sum((v[lab == c] - vbar[c]).T @ (kc[lab == c] - mu[c]) for c in range(C))
     B = X / (S * np.sum(n * sig2) / S)
     ids, _ = index.route(q)
+    n_capped = 0
     for i in range(q.shape[0]):
         routed = np.isin(lab, ids[i])
         w = np.exp(s * kc[routed] @ q[i])
         num, den = w @ v[routed], w.sum()
+        e_num, e_reg, e_den = 0.0, 0.0, 0.0
         for c in set(range(C)) - set(ids[i].tolist()):
-            wc = n[c] * np.exp(s * q[i] @ mu[c] + 0.5 * s * s * (q[i] @ q[i]) * sig2[c])
-            num = num + wc * (vbar[c] + s * sig2[c] * B @ q[i])
-            den += wc
+            x = 0.5 * s * s * (q[i] @ q[i]) * sig2[c]
+            g, f = _capped_term(x, np.log(n[c]), s * np.linalg.norm(q[i]) * rmu[c])
+            n_capped += g < x
+            wc = n[c] * np.exp(s * q[i] @ mu[c] + g)
+            e_num = e_num + wc * vbar[c]
+            e_reg = e_reg + wc * s * f * sig2[c] * B @ q[i]
+            e_den += wc
+        lo, hi = v.min(0), v.max(0)
+        lam = 1.0
+        for col in range(v.shape[1]):
+            r = e_reg[col] if np.ndim(e_reg) else 0.0
+            if r > 0:
+                lam = min(lam, (hi[col] * e_den - e_num[col]) / r)
+            elif r < 0:
+                lam = min(lam, (lo[col] * e_den - e_num[col]) / r)
+        num = num + e_num + max(lam, 0.0) * e_reg
+        den += e_den
         np.testing.assert_allclose(out[i], num / den, rtol=1e-4, atol=1e-6 * np.abs(num / den).max())
+    assert n_capped > 0  # the caps are exercised
 
 
 @pytest.mark.parametrize("is_causal", [False, True])

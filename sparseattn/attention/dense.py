@@ -31,7 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from ..inputs import attention_inputs, check_lse, check_positive_int, overflow_message, positions
+from ..inputs import (
+    AttentionInputs,
+    attention_inputs,
+    check_lse,
+    check_positive_int,
+    overflow_message,
+    positions,
+)
 from ..threads import get_num_threads, single_threaded_blas
 
 DEFAULT_Q_BLOCK = 256
@@ -53,7 +60,15 @@ def _check_mask(attn_mask: Any, lead: tuple[int, ...], L: int, S: int) -> np.nda
         raise ValueError(f"attn_mask shape {m.shape} does not broadcast to (..., L, S) = {lead + (L, S)}.") from None
     if m.dtype.kind == "f" and np.isnan(m).any():
         raise ValueError("attn_mask contains NaN; use -inf for masked-out positions.")
+    if m.dtype.kind == "f" and np.isposinf(m).any():
+        raise ValueError(f"attn_mask contains +inf (first at index {_first(np.isposinf(m))}), which no softmax "
+                         f"can weigh; an additive mask holds finite values, or -inf for masked-out positions.")
     return full
+
+
+def _first(flags: np.ndarray) -> tuple[int, ...]:
+    """Index of the first True of a bool array."""
+    return tuple(int(i) for i in np.argwhere(flags)[0])
 
 
 def scaled_dot_product_attention(
@@ -132,7 +147,7 @@ def scaled_dot_product_attention(
     _check_dropout(dropout_p)
     q_block = check_positive_int(q_block, "q_block")
     k_block = check_positive_int(k_block, "k_block")
-    G, L, S, lead, sc, cdt = inp.G, inp.L, inp.S, inp.lead, inp.scale, inp.cdt
+    L, S, lead, sc, cdt = inp.L, inp.S, inp.lead, inp.scale, inp.cdt
     mask = _check_mask(attn_mask, lead, L, S)
     qpos = kpos = None
     if bias is not None:
@@ -142,7 +157,25 @@ def scaled_dot_product_attention(
                              f"{n_heads} (dimension -3).")
         qpos = positions(query_positions, L, "query_positions")
         kpos = positions(key_positions, S, "key_positions")
+    with np.errstate(over="ignore", invalid="ignore"):  # overflowing scores: check_lse; values: below
+        out, lse = _attend_all(inp, mask, is_causal, q_block, k_block, bias, qpos, kpos)
+    check_lse(lse, cdt, sc, nan_is_overflow=check_finite)
+    if not np.isfinite(out).all():
+        # Values near the dtype's limit: the weighted sums overflowed although the output is finite.
+        # Computed again on power-of-two scaled value columns (rare: the check is one pass over the output).
+        safe = inp.with_safe_values()
+        if safe is not inp:
+            inp = safe
+            out, lse = _attend_all(inp, mask, is_causal, q_block, k_block, bias, qpos, kpos)
+    result, lse = inp.finish(out, lse)
+    return (result, lse) if return_lse else result
 
+
+def _attend_all(inp: AttentionInputs, mask: np.ndarray | None, is_causal: bool, q_block: int, k_block: int,
+                bias: Any, qpos: np.ndarray | None, kpos: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Every group and query block of :func:`scaled_dot_product_attention`: (G, L, Ev) output and (G, L)
+    lse in the computation dtype."""
+    G, L, S, lead, sc, cdt = inp.G, inp.L, inp.S, inp.lead, inp.scale, inp.cdt
     out = np.zeros((G, L, inp.Ev), dtype=cdt)
     lse = np.full((G, L), -np.inf, dtype=cdt)
     q3, k3, v3, q_map, kv_map = inp.q3, inp.k3, inp.v3, inp.q_map, inp.kv_map
@@ -154,8 +187,11 @@ def scaled_dot_product_attention(
             g, r0 = task
             r1 = min(r0 + q_block, L)
             m_g = mask[np.unravel_index(g, lead)] if mask is not None else None
-            _attend_block(q3[q_map[g]], k3[kv_map[g]], v3[kv_map[g]], m_g, g, lead, r0, r1, is_causal, sc,
-                          cdt, k_block, bias, qpos, kpos, out[g], lse[g])
+            # overflowing scores are reported by check_lse, overflowing value sums recomputed on scaled
+            # values by the caller (np.errstate is per thread: set here, in the worker)
+            with np.errstate(over="ignore", invalid="ignore"):
+                _attend_block(q3[q_map[g]], k3[kv_map[g]], v3[kv_map[g]], m_g, g, lead, r0, r1, is_causal, sc,
+                              cdt, k_block, bias, qpos, kpos, out[g], lse[g])
 
         if n_workers <= 1:
             for t in tasks:
@@ -163,9 +199,7 @@ def scaled_dot_product_attention(
         else:
             with single_threaded_blas(), ThreadPoolExecutor(n_workers) as pool:
                 list(pool.map(run, tasks))
-    check_lse(lse, cdt, sc, nan_is_overflow=check_finite)
-    result, lse = inp.finish(out, lse)
-    return (result, lse) if return_lse else result
+    return out, lse
 
 
 def _check_dropout(dropout_p: object) -> None:

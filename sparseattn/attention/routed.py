@@ -37,7 +37,16 @@ import time
 import numpy as np
 
 from ..index.cluster import ClusterIndex, cluster_jobs
-from ..inputs import as_float_array, check_bool, check_lse, check_scale, positions, result_dtype
+from ..inputs import (
+    as_float_array,
+    check_bool,
+    check_lse,
+    check_scale,
+    positions,
+    result_dtype,
+    unscale_output,
+    value_scaling,
+)
 from ..kernels import cluster as ck
 from ..kernels import estimate as ek
 from ..kernels.merge import merge_partials
@@ -136,7 +145,8 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
         least ``min_keys`` keys when available and never more than ``max_keys``.  ``top_p = 1``: every
         cluster with a visible key (within ``max_keys``).  Non-causal log masses are second order with
         each cluster's key covariance (its top 8 eigen-directions plus an isotropic rest:
-        :meth:`~sparseattn.index.cluster.ClusterIndex.key_cov_factors`), so that a row keeps about
+        :meth:`~sparseattn.index.cluster.ClusterIndex.key_cov_factors`; the term capped as under
+        "Estimation" below except for the cap of 2), so that a row keeps about
         ``top_p`` of the true softmax mass or more: measured on the MiniLM stores (16k and 65k keys, every
         head), top_p = 0.9 left >= 0.9 of the true mass in 97-100 % of the rows
         (``benchmarks/results/estimate.md``).  This is a measured calibration, not a bound.  Causal
@@ -156,13 +166,19 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
 
     Estimation: a cluster is summarised by its count n_c, mean key mu_c and mean per-dimension variance
     sigma_c^2 (kept in the index, :meth:`~sparseattn.index.cluster.ClusterIndex.key_stats`) and its mean
-    value vbar_c (summed per call).  Its softmax numerator sum is estimated as ``n_c exp(s q.mu_c +
-    s^2 |q|^2 sigma_c^2 / 2)`` (second order, isotropic spread: the exp of the mean score
-    under-estimates the mean of the exp), its weighted value sum as that times ``vbar_c + s sigma_c^2 B
-    q``, with B the pooled within-cluster least-squares regression of values on keys (the exponential
-    tilt of a cluster moves its mean key by ``s Sigma_c q`` and, linearly, its mean value by ``B`` times
-    that).  The estimated clusters form one extra partial per query, merged with the routed ones by
-    log-sum-exp.  Causal: an estimated cluster counts only its keys at or before the query, from prefix
+    value vbar_c (summed per call).  Its softmax numerator sum is estimated as ``n_c exp(s q.mu_c + g)``
+    with g the second-order term ``x = s^2 |q|^2 sigma_c^2 / 2`` (isotropic spread: the exp of the mean
+    score under-estimates the mean of the exp) capped where it stops being trustworthy
+    (:func:`~sparseattn.kernels.estimate.second_order`): ``2 sqrt(x log n_c) - log n_c`` once x passes
+    ``log n_c``, never above ``|s| |q|`` times the cluster's largest member distance to its mean (what
+    its keys can hold), and never above 2 (``EST_CAP``: since ``n_c exp(s q.mu_c)`` is a lower bound of
+    the true sum, an estimated cluster claims at most e^2 times its true mass, so ``lse`` exceeds the
+    true one by at most 2).  Its weighted value sum is that times ``vbar_c + s f_c sigma_c^2 B q``, with
+    B the pooled within-cluster least-squares regression of values on keys (the exponential tilt of a
+    cluster moves its mean key by ``s Sigma_c q`` and, linearly, its mean value by ``B`` times that;
+    f_c = dg/dx, 0 where the cap of 2 binds), the regression part shrunk per row as far as needed to
+    keep the estimate inside the values' per-column range (so is every output row).  The estimated
+    clusters form one extra partial per query, merged with the routed ones by log-sum-exp.  Causal: an estimated cluster counts only its keys at or before the query, from prefix
     statistics (sums over each cluster's keys in position order), so no row reads statistics of a future
     key; the causal estimate is first order with the mean value (``n_c exp(s q.mu_c) vbar_c`` over the
     visible keys), since the pooled regression B would mix in future keys.
@@ -186,18 +202,44 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
     qpos = positions(query_positions, L, "query_positions")
     kpos = positions(key_positions, S, "key_positions")
     budget = _check_budget(index, estimate, top_p, min_keys, max_keys)
+    if L == 0:
+        if stats is not None:
+            stats["refined_pairs"] = 0
+            stats["keys_read"] = np.zeros(0, dtype=np.int64)
+        return np.zeros((0, Ev), dtype=dtype), np.zeros(0, dtype=dtype)
+    n = index.threads_ if n_threads is None else int(n_threads)
+    args = (index, q, sc, is_causal, qpos, kpos, exact_prefix, n, budget, stats is not None)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflowing scores: check_lse; values: below
+        out, lse, keys_read, refined, est_cpu = _routed_rows(v_in, *args)
+    # Finite inputs whose q.k overflows the dtype leave +inf (or inf - inf = NaN) in lse: an error, as in
+    # sparse_attention, never a silent garbage row.  NaN from NaN inputs (check_finite=False) passes.
+    check_lse(lse, dtype, sc, nan_is_overflow=check_finite)
+    v_factors = None if np.isfinite(out).all() else value_scaling(v_in, S, dtype)
+    if v_factors is not None:
+        # Values near the dtype's limit: the weighted sums overflowed although the output is finite.
+        # Computed again on power-of-two scaled value columns (rare: the check is one pass over the output).
+        v_scaled = np.ascontiguousarray(v_in * v_factors.astype(dtype), dtype=dtype)
+        out, lse, keys_read, refined, est_cpu = _routed_rows(v_scaled, *args)
+        out = unscale_output(out, v_factors)
+    if stats is not None:
+        stats["refined_pairs"] = refined
+        stats["keys_read"] = keys_read
+        if budget is not None and budget[0] != 0:
+            stats["estimate_cpu_s"] = est_cpu
+    return out, lse
+
+
+def _routed_rows(v_in, index, q, sc, is_causal, qpos, kpos, exact_prefix, n, budget, want_keys
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, float]:
+    """The rows of :func:`routed_attention` (validated arguments, L >= 1): (out, lse, keys read, refined
+    pairs, estimate CPU seconds)."""
+    L, Ev = q.shape[0], v_in.shape[1]
+    dtype = q.dtype
     out = np.zeros((L, Ev), dtype=dtype)
     lse = np.full(L, -np.inf, dtype=dtype)
     keys_read = np.zeros(L, dtype=np.int64)
     refined = [0]
     est_cpu = [0.0]  # CPU seconds of the estimate's own work (summed over threads)
-    if L == 0:
-        if stats is not None:
-            stats["refined_pairs"] = 0
-            stats["keys_read"] = keys_read
-        return out, lse
-    want_keys = stats is not None
-    n = index.threads_ if n_threads is None else int(n_threads)
     with worker_threads(n):
         prefix = np.zeros(0, dtype=np.int64)
         if is_causal and exact_prefix:
@@ -221,15 +263,7 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
             _attend_prefix(index, q, v_in, sc, prefix, qpos, kpos, order, out, lse, n)
         else:
             out, lse, keys_read = attend_rows(q, qpos)
-    if stats is not None:
-        stats["refined_pairs"] = refined[0]
-        stats["keys_read"] = keys_read
-        if budget is not None and budget[0] != 0:
-            stats["estimate_cpu_s"] = est_cpu[0]
-    # Finite inputs whose q.k overflows the dtype leave +inf (or inf - inf = NaN) in lse: an error, as in
-    # sparse_attention, never a silent garbage row.  NaN from NaN inputs (check_finite=False) passes.
-    check_lse(lse, dtype, sc, nan_is_overflow=check_finite)
-    return out, lse
+    return out, lse, keys_read, refined[0], est_cpu[0]
 
 
 def _attend_routed(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refined, want_keys
@@ -510,6 +544,13 @@ class _Planner:
         self.kptr = index.cluster_ptr_
         self.logn, self.mu, self.sig2 = index.key_stats()
         self.sig2_32 = self.sig2.astype(np.float32)
+        # caps of the second-order term (kernels.estimate.second_order): log n_c (0 when empty) and the
+        # largest distance of a member key to the cluster mean (radius around the routing vector plus the
+        # vector's distance to the mean)
+        self.ell = np.where(np.isfinite(self.logn), self.logn, 0.0)
+        self.rmu = index.radius_ + np.linalg.norm(self.mu - index.centroids_.astype(np.float64), axis=1)
+        self.rmu[index.count_ == 0] = 0.0
+        self.ell32, self.rmu32 = self.ell.astype(np.float32), self.rmu.astype(np.float32)
         self.count = index.count_
         self.cent = index.centroids_.astype(dtype, copy=False)
         self.mu_d = None if index.route_by == "mean" else self.mu.astype(dtype)  # "mean": centroids_ = means
@@ -552,8 +593,8 @@ class _Planner:
         ``q . c``, est (R, N) and kr (R,) keys read (q_norm: the rows' norms (R,) float64 when known);
         returns (routing scores (R, C), log masses (R, C)
         float32 (not computed: causal without top_p; None: ``fused``), most clusters a row routed,
-        and for ``fused`` the inputs of :func:`~sparseattn.kernels.estimate.estimate_weights_stats`:
-        q.mu_c (R, C) and ``scale^2 |q|^2 / 2`` (R,), else None, None)."""
+        for ``fused`` q.mu_c (R, C) (the input of :func:`~sparseattn.kernels.estimate.estimate_weights_stats`)
+        else None, and ``scale^2 |q|^2 / 2`` (R,) float64 (None when causal))."""
         C, sc, is_causal, top_p = self.C, self.sc, self.is_causal, self.top_p
         R = qc.shape[0]
         qmu = q2 = A = None
@@ -576,9 +617,9 @@ class _Planner:
             nvis = np.empty((R, C), dtype=np.int64)
             ek.log_mass_causal(qc, qpc, self.kptr, self.kpos_cs, self.Gk, self.Gk2, sc, self.spread, A, nvis)
         elif self.cov:
-            ek.log_mass_rows_cov(qmu, X[:, off:], q2, self.logn, self.rho, sc, A)
+            ek.log_mass_rows_cov(qmu, X[:, off:], q2, self.logn, self.rho, self.rmu, sc, A)
         elif not is_causal and not self.fused:
-            ek.log_mass_rows(qmu, q2, self.logn, self.sig2, sc, self.spread, A)
+            ek.log_mass_rows(qmu, q2, self.logn, self.sig2, self.rmu, sc, self.spread, A)
         if top_p is None:
             ids, scs = ck.row_top_p_serial(sc_c, self.n_cand)
             p = self.p
@@ -588,7 +629,7 @@ class _Planner:
             ek.routed_visible(route, qpc, self.kptr, self.kpos_cs if is_causal else self.no_pos, is_causal, kr)
             if self.fused:
                 return sc_c, None, p, qmu, q2
-            return sc_c, A, p, None, None
+            return sc_c, A, p, None, q2
         if is_causal:
             cand = np.empty((R, C), dtype=np.int32)
             ek.rows_sorted_desc(A, cand)
@@ -598,9 +639,12 @@ class _Planner:
         n_route = np.empty(R, dtype=np.int64)
         ek.mass_route(A, cand, sizes, top_p, _REST_MARGIN, self.min_keys, self.max_keys, self.N, C, route, n_route,
                       kr, est)
+        if self.cov:  # routed by the second-order masses; estimated with the term capped (ek.EST_CAP)
+            first = self.logn + sc * qmu.astype(np.float64)
+            np.minimum(A, first + ek.EST_CAP, out=A, casting="same_kind")
         live = route < C
         rscore[:] = np.where(live, np.take_along_axis(sc_c, np.where(live, route, 0), 1), 0)
-        return sc_c, A, int(n_route.max()) if R else 0, None, None
+        return sc_c, A, int(n_route.max()) if R else 0, None, q2
 
 
 def mass_routes(index: ClusterIndex, queries: np.ndarray, *, top_p: float, min_keys: int = 0,
@@ -678,7 +722,7 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
         kmin[nonempty] = np.minimum.reduceat(kpos_p, kptr[:-1][nonempty])
         kmax[nonempty] = np.maximum.reduceat(kpos_p, kptr[:-1][nonempty])
         kpos_sorted = bool(np.all(kpos[1:] >= kpos[:-1]))
-        vbar = vbar32 = B_T = None
+        vbar = vbar32 = B_T = v_lo = v_hi = None
     else:
         t_stats = time.thread_time()
         kpos_p = kmin = kmax = None
@@ -695,6 +739,8 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
         B = (xcov / (S * var_pool)).astype(dtype) if var_pool > 0 else np.zeros((Ev, E), dtype=dtype)
         B_T = np.ascontiguousarray(B.T)
         B_T32 = B_T.astype(np.float32)
+        v_lo, v_hi = np.empty(Ev, dtype=dtype), np.empty(Ev, dtype=dtype)
+        ek.column_range(Vp, v_lo, v_hi)  # the regression term keeps the estimate in this range
         if est_cpu is not None:
             est_cpu[0] += time.thread_time() - t_stats
     lock = threading.Lock()
@@ -722,10 +768,13 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
             # instead of fresh multi-MB arrays (page faults on first touch) per chunk
             wbuf = (np.empty((min(_PLAN_ROWS, b0 - a0), C), dtype=np.float32) if all_rest and not is_causal
                     else None)
-            for a in range(a0, b0, _PLAN_ROWS):
-                b = min(b0, a + _PLAN_ROWS)
-                n_used[a0] = max(n_used[a0], sub(a, b, qb, qpb, qnb, route, rscore, est, o_e, s_e, m_e, ws2, kr,
-                                                 wbuf))
+            # values near the dtype's limit may overflow the estimate's products: routed_attention then
+            # recomputes on scaled values (np.errstate is per thread: set here, in the worker)
+            with np.errstate(over="ignore", invalid="ignore"):
+                for a in range(a0, b0, _PLAN_ROWS):
+                    b = min(b0, a + _PLAN_ROWS)
+                    n_used[a0] = max(n_used[a0], sub(a, b, qb, qpb, qnb, route, rscore, est, o_e, s_e, m_e, ws2,
+                                                     kr, wbuf))
 
         def sub(a, b, qb, qpb, qnb, route, rscore, est, o_e, s_e, m_e, ws2, kr, wbuf) -> int:
             qc = qb[a:b]
@@ -738,10 +787,11 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
             elif all_rest:  # every unread cluster: float32 weights, then one BLAS product with the means
                 W = wbuf[:b - a]
                 if A is None:
-                    ek.estimate_weights_stats(qmu, q2, plan.logn32, plan.sig2_32, sc, route[a:b], W, s_e[a:b],
-                                              m_e[a:b], ws2[a:b])
+                    ek.estimate_weights_stats(qmu, q2, plan.logn32, plan.sig2_32, plan.ell32, plan.rmu32, sc,
+                                              route[a:b], W, s_e[a:b], m_e[a:b], ws2[a:b])
                 else:
-                    ek.estimate_weights(A, route[a:b], plan.sig2_32, W, s_e[a:b], m_e[a:b], ws2[a:b])
+                    ek.estimate_weights(A, route[a:b], plan.sig2_32, plan.ell32, plan.rmu32, q2, W, s_e[a:b],
+                                        m_e[a:b], ws2[a:b])
                 oe = o_e[a:b]
                 reg = qc @ (B_T32 if qc.dtype == np.float32 else B_T)  # the regression term, s ws2 B q
                 reg *= (sc * ws2[a:b]).astype(reg.dtype)[:, None]
@@ -749,11 +799,12 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
                     np.matmul(W, vbar32, out=oe)
                 else:
                     oe[:] = W @ vbar32
-                oe += reg
+                ek.add_in_range(oe, reg, s_e[a:b], v_lo, v_hi)
             else:
-                ek.estimate_rows(A, route[a:b], est[a:b], all_rest, vbar, sig2, o_e[a:b], s_e[a:b], m_e[a:b],
-                                 ws2[a:b])
-                o_e[a:b] += (sc * ws2[a:b]).astype(o_e.dtype)[:, None] * (qc @ B_T)
+                ek.estimate_rows(A, route[a:b], est[a:b], all_rest, vbar, sig2, plan.ell, plan.rmu, q2, o_e[a:b],
+                                 s_e[a:b], m_e[a:b], ws2[a:b])
+                reg = (sc * ws2[a:b]).astype(o_e.dtype)[:, None] * (qc @ B_T)
+                ek.add_in_range(o_e[a:b], reg, s_e[a:b], v_lo, v_hi)
             if est_cpu is not None and (N != 0 or all_rest):
                 with lock:
                     est_cpu[0] += time.thread_time() - t0

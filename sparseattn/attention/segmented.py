@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..index.segments import SegmentedClusterIndex
-from ..inputs import check_lse, check_scale, positions, result_dtype
+from ..inputs import check_lse, check_scale, positions, result_dtype, unscale_output, value_scaling
 from ..kernels import cluster as ck
 from ..threads import run_jobs, worker_threads
 from .merge import merge_pair
@@ -74,33 +74,45 @@ def segmented_attention(index: SegmentedClusterIndex, queries: np.ndarray, value
     v = np.ascontiguousarray(v_in, dtype=dtype)
     L, Ev = q.shape[0], v.shape[1]
     qpos = positions(query_positions, L, "query_positions")
-    out = np.zeros((L, Ev), dtype=dtype)
-    lse = np.full(L, -np.inf, dtype=dtype)
-    keys_read = np.zeros(L, dtype=np.int64)
-    refined = 0
     n = index._template.threads_ if n_threads is None else int(n_threads)
     visible, exact_from, segs = index.cover(qpos, exact_prefix)
     _check_budget(_SizesOnly(index), estimate, top_p, min_keys, max_keys)  # once, even with no segment
-    with worker_threads(n):
-        index.prepare(segs, n)
-        _attend_exact(q, keys, v, sc, index.order_, visible, exact_from, out, lse, n)
-        keys_read += visible - exact_from
-        for level, blocks in segs:
-            for t, rows in blocks:
-                seg, ids = index.segment(level, t)
-                st: dict[str, Any] = {}
-                o, lo = routed_attention(seg, q[rows], v[ids], scale=sc, n_threads=n, check_finite=False,
-                                         stats=st, estimate=estimate, top_p=top_p, min_keys=min_keys,
-                                         max_keys=max_keys)
-                acc_o, acc_l = merge_pair(out[rows], lse[rows], o, lo)
-                out[rows] = acc_o
-                lse[rows] = acc_l
-                keys_read[rows] += st["keys_read"]
-                refined += int(st.get("refined_pairs", 0))
+
+    def run(v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        out = np.zeros((L, Ev), dtype=dtype)
+        lse = np.full(L, -np.inf, dtype=dtype)
+        keys_read = np.zeros(L, dtype=np.int64)
+        refined = 0
+        with worker_threads(n):
+            index.prepare(segs, n)
+            _attend_exact(q, keys, v, sc, index.order_, visible, exact_from, out, lse, n)
+            keys_read += visible - exact_from
+            for level, blocks in segs:
+                for t, rows in blocks:
+                    seg, ids = index.segment(level, t)
+                    st: dict[str, Any] = {}
+                    o, lo = routed_attention(seg, q[rows], v[ids], scale=sc, n_threads=n, check_finite=False,
+                                             stats=st, estimate=estimate, top_p=top_p, min_keys=min_keys,
+                                             max_keys=max_keys)
+                    acc_o, acc_l = merge_pair(out[rows], lse[rows], o, lo)
+                    out[rows] = acc_o
+                    lse[rows] = acc_l
+                    keys_read[rows] += st["keys_read"]
+                    refined += int(st.get("refined_pairs", 0))
+        return out, lse, keys_read, refined
+
+    with np.errstate(over="ignore", invalid="ignore"):  # overflowing scores: check_lse; values: below
+        out, lse, keys_read, refined = run(v)
+    check_lse(lse, dtype, sc, nan_is_overflow=check_finite)
+    v_factors = None if np.isfinite(out).all() else value_scaling(v, S, dtype)
+    if v_factors is not None:
+        # Values near the dtype's limit: the weighted sums (or the merges) overflowed although the output
+        # is finite.  Computed again on power-of-two scaled value columns.
+        out, lse, keys_read, refined = run(v * v_factors.astype(dtype))
+        out = unscale_output(out, v_factors)
     if stats is not None:
         stats["keys_read"] = keys_read
         stats["refined_pairs"] = refined
-    check_lse(lse, dtype, sc, nan_is_overflow=check_finite)
     return out, lse
 
 

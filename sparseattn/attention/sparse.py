@@ -176,10 +176,25 @@ def sparse_attention_result(
     """
     inp = attention_inputs(query, key, value, scale, is_causal, enable_gqa=enable_gqa,
                            check_finite=check_finite).in_computation_dtype()
-    timings = {"build": 0.0, "select": 0.0, "kernel": 0.0}
     tail = as_tail(tail)
     if tail is not None and not isinstance(pattern, (SparsePattern, list, tuple)):
         _refuse_tail_for_attending(pattern)
+    args = (pattern, k, is_causal, bias, query_positions, key_positions, check_finite, tail)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflowing scores: check_lse; values: below
+        res = _result(inp, *args)
+    if not np.isfinite(res.output).all():
+        # Values near the dtype's limit: the weighted sums overflowed although the output is finite.
+        # Computed again on power-of-two scaled value columns (rare: the check is one pass over the output).
+        safe = inp.with_safe_values()
+        if safe is not inp:
+            res = _result(safe, *args)
+    return res
+
+
+def _result(inp: AttentionInputs, pattern: PatternArg, k: int, is_causal: bool, bias: Any, query_positions: Any,
+            key_positions: Any, check_finite: bool, tail: Tail | None) -> SparseAttentionResult:
+    """The body of :func:`sparse_attention_result` on validated inputs."""
+    timings = {"build": 0.0, "select": 0.0, "kernel": 0.0}
     if isinstance(pattern, (SparsePattern, list, tuple)):
         patterns = _explicit_patterns(pattern, inp, is_causal, query_positions, key_positions)
         spec = None
@@ -197,7 +212,7 @@ def sparse_attention_result(
     timings["kernel"] = time.perf_counter() - t0
     check_lse(lse, inp.cdt, inp.scale, nan_is_overflow=check_finite)
     sampled: list[SparsePattern] = []
-    if tail is not None:
+    if tail is not None and inp.G:  # zero groups: nothing to sample
         t0 = time.perf_counter()
         out, lse, sampled = _add_tail(inp, patterns, out, lse, bias_args, bias is not None, tail, is_causal,
                                       query_positions, key_positions, check_finite)
@@ -348,6 +363,10 @@ def _bias_args(bias: Any, inp: AttentionInputs, query_positions: Any, key_positi
         raise ValueError(f"bias array must end in (L, S) = {(L, S)}; got {arr.shape}.")
     if np.isnan(arr).any():
         raise ValueError("bias contains NaN; use -inf to forbid a pair.")
+    if np.isposinf(arr).any():
+        first = tuple(int(i) for i in np.argwhere(np.isposinf(arr))[0])
+        raise ValueError(f"bias contains +inf (first at index {first}), which no softmax can weigh; a bias "
+                         f"holds finite values, or -inf to forbid a pair.")
     blead, _, bmap = group_maps(lead, arr.shape[:-2], kv_name="bias")
     if tuple(blead) != tuple(lead):
         raise ValueError(f"bias leading dims {arr.shape[:-2]} must broadcast to the inputs' {lead} without "
@@ -360,16 +379,16 @@ def _run_kernel(inp: AttentionInputs, patterns: list[SparsePattern], bias_args: 
                 ) -> tuple[np.ndarray, np.ndarray]:
     """The fused kernel over all groups: (G, L, Ev) output and (G, L) lse in the computation dtype."""
     G, L, cdt = inp.G, inp.L, inp.cdt
+    out = np.empty((G, L, inp.Ev), dtype=cdt)
+    lse = np.empty((G, L), dtype=cdt)
+    if not (G and L):  # nothing to compute (a selector gave no pattern for zero groups)
+        return out, lse
     shared = len(patterns) == 1
     if shared:
         indptr, indices = patterns[0].indptr, patterns[0].indices
     else:
         indptr, indices = stack_patterns(patterns)
     max_nnz = int(np.diff(indptr).max()) if indptr.shape[0] > 1 else 0
-    out = np.empty((G, L, inp.Ev), dtype=cdt)
-    lse = np.empty((G, L), dtype=cdt)
-    if not (G and L):
-        return out, lse
     # Small problems run serially: thread start-up costs more than it saves there, and the serial
     # variant compiles in a fraction of the parallel one's time (first-call latency).
     work = indices.shape[0] * (G if shared else 1) * (inp.E + inp.Ev)
