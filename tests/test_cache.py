@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparseattn.cache import KVCache, _bf16_bits, _bf16_to_f32
+from sparseattn.cache import KVCache, bf16_bits, bf16_to_f32
 
 H, HKV, E, EV = 4, 2, 16, 8
 SEG = 64  # small segments: several of them in a few hundred keys
@@ -174,7 +174,7 @@ def test_reduced_precision_storage(storage: object, tol: float, name: str) -> No
     out = lo.attend(q, k=10_000)
     # exact on the rounded keys and values (float32 accumulation) ...
     if storage == "bfloat16":
-        kr, vr = _bf16_to_f32(_bf16_bits(k)), _bf16_to_f32(_bf16_bits(v))
+        kr, vr = bf16_to_f32(bf16_bits(k)), bf16_to_f32(bf16_bits(v))
     else:
         kr, vr = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
     if name in ("cluster", "pages", "dense", "topk"):
@@ -188,7 +188,7 @@ def test_reduced_precision_storage(storage: object, tol: float, name: str) -> No
 
 def test_bf16_rounding_is_nearest_even() -> None:
     x = np.array([1.0, 1.00390625, 1.01171875, -2.5, 3.0e38, 1e-30], np.float32)
-    back = _bf16_to_f32(_bf16_bits(x))
+    back = bf16_to_f32(bf16_bits(x))
     assert back[0] == 1.0 and back[1] == 1.0 and back[2] == np.float32(1.015625)
     assert back[3] == -2.5
     assert np.all(np.abs(back - x) <= np.abs(x) * 2**-8)
@@ -365,7 +365,7 @@ def test_selected_slots_match_keys_read() -> None:
         sel = cache.selected_slots(q[0, 0], 0, k=20)
         assert sel.size == cache.stats["keys_read_max"]
         # attention over exactly those keys reproduces the step
-        keep = cache._pos[0, sel]
+        keep = cache.debug_view()["positions"][0, sel]
         ref = reference(q[:1], k[:1], v[:1], n, keep=keep)[0]
         np.testing.assert_allclose(cache.attend(q[:1].repeat(H, 0), k=20)[0], ref[0], atol=2e-5)
 
