@@ -62,9 +62,13 @@ def test_full_selection_matches_float64_dense(name: str, n: int) -> None:
     cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, **FULL[name])
     cache.append(k, v)
     q = _q(3)
+    if n < 3:  # a query token needs a position: more tokens than positions is refused
+        with pytest.raises(ValueError, match=f"queries hold T_q=3 tokens but only {n} positions"):
+            cache.attend(q, k=10_000)
+        q = q[:, :n]
     out, lse = cache.attend(q, k=10_000, return_lse=True)
     ref, ref_lse = reference(q, k, v, n)
-    assert out.shape == (H, 3, EV) and out.dtype == np.float32
+    assert out.shape == (H, q.shape[1], EV) and out.dtype == np.float32
     np.testing.assert_allclose(out, ref, atol=2e-5)
     fin = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=2e-5)
@@ -217,15 +221,18 @@ def test_memory_cap_streaming(name: str) -> None:
     assert cache.stats["evicted_keys"] == n - cap
 
 
-def test_empty_cache_gives_zeros_and_neg_inf() -> None:
+def test_query_tokens_without_positions_are_refused() -> None:
+    """Query t sits at position n - T_q + t: more query tokens than positions appended is a caller error
+    (an empty cache included), refused naming the argument instead of returning rows of zeros."""
     cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV)
-    out, lse = cache.attend(_q(2), return_lse=True)
-    assert out.shape == (H, 2, EV) and np.all(out == 0) and np.all(np.isneginf(lse))
+    with pytest.raises(ValueError, match=r"queries hold T_q=2 tokens but only 0 positions were appended"):
+        cache.attend(_q(2), return_lse=True)
     assert len(cache) == 0
-    # a query before the first key (T_q > len) also sees nothing
     cache.append(*_kv(1))
-    out, lse = cache.attend(_q(2), return_lse=True)
-    assert np.all(np.isneginf(lse[:, 0])) and np.all(np.isfinite(lse[:, 1]))
+    with pytest.raises(ValueError, match=r"T_q=2 tokens but only 1 positions"):
+        cache.attend(_q(2), return_lse=True)
+    out, lse = cache.attend(_q(1), return_lse=True)  # as many tokens as positions: every row sees a key
+    assert np.all(np.isfinite(lse)) and out.shape == (H, 1, EV)
 
 
 def test_single_token_query_2d() -> None:
@@ -333,7 +340,7 @@ def test_full_selection_property(n: int, t: int, sinks: int, window: int, chunk:
                     n_probe=10_000, sinks=sinks, window=window)
     for a in range(0, n, chunk):
         cache.append(k[:, a:a + chunk], v[:, a:a + chunk])
-    q = _q(t, seed=t)
+    q = _q(min(t, n), seed=t)  # a query token needs a position (more are refused)
     out = cache.attend(q)
     np.testing.assert_allclose(out, reference(q, k, v, n)[0], atol=3e-5)
 

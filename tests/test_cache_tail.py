@@ -219,10 +219,10 @@ def test_bad_tail(bad: object, exc: type, word: str) -> None:
         cache.attend(queries(rng, 2), tail=bad)
 
 
-def test_empty_cache_gives_zeros() -> None:
+def test_empty_cache_is_refused() -> None:
     cache = KVCache(2, E, value_dim=EV, selector="window")
-    out, lse = cache.attend(np.ones((2, 1, E), np.float32), return_lse=True, tail=16)
-    assert np.array_equal(out, np.zeros((2, 1, EV), np.float32)) and np.all(lse == -np.inf)
+    with pytest.raises(ValueError, match="queries hold T_q=1 tokens but only 0 positions were appended"):
+        cache.attend(np.ones((2, 1, E), np.float32), return_lse=True, tail=16)
 
 
 def test_empty_exact_part_gets_the_tail_alone() -> None:

@@ -12,14 +12,13 @@ import numpy as np
 
 from ..attention.tail import as_tail
 from ..inputs import check_bool, check_positive_int, overflow_message
-from ..kernels import decode as kd
-from .checks import OVERFLOW_FIX, check_kv, check_queries
+from . import checks as ck
 from .config import CacheConfig
 from .eviction import enforce_cap, make_policy
 from .plan import StepResult, run_plan
 from .report import CacheReport
 from .routing import Routing, routing_class, routing_classes
-from .store import EVICTED, INT32_MAX, SlotStore, is_torch, to_numpy
+from .store import EVICTED, INT32_MAX, SlotStore, is_torch
 
 __all__ = ["KVCache"]
 
@@ -147,7 +146,7 @@ class KVCache(CacheReport):
         self._last_read: tuple[np.ndarray, np.ndarray] | None = None  # keys read, clusters estimated per row
         self._stats: dict[str, Any] = {
             "appends": 0, "append_seconds": 0.0, "attends": 0, "attend_seconds": 0.0, "kernel_seconds": 0.0,
-            "evicted_keys": 0, "compactions": 0,
+            "evicted_keys": 0, "compactions": 0, "queries": 0, "keys_read": 0, "clusters_estimated": 0,
         }
 
     # ------------------------------------------------------------------------------------- metadata
@@ -181,8 +180,8 @@ class KVCache(CacheReport):
 
     @_locked
     def positions(self, kv_head: int = 0) -> np.ndarray:
-        """Sorted positions (int64) of the keys kv head ``kv_head`` can attend to now."""
-        return self._store.live_positions(kv_head)
+        """Sorted positions (int64) of the keys kv head ``kv_head`` (0 <= kv_head < H_kv) can attend to now."""
+        return self._store.live_positions(ck.check_kv_head(self._cfg, kv_head))
 
     @_locked
     def reserve(self, n_tokens: int) -> None:
@@ -239,7 +238,7 @@ class KVCache(CacheReport):
             self._stats["appends"] += 1
             self._stats["append_seconds"] += time.perf_counter() - t0
             return
-        k, v = check_kv(self._cfg, keys, values)
+        k, v = ck.check_kv(self._cfg, keys, values)
         ks = st.encode(k, "keys")
         vs = st.encode(v, "values")
         T = ks.shape[1]
@@ -262,14 +261,10 @@ class KVCache(CacheReport):
         """One float32 token (H_kv, 1, E) / (H_kv, 1, Ev): checked and rounded straight into its slot by
         one Numba call per array (the decode loop's append).  False, with nothing appended, when a value
         is not finite or beyond the storage range (the general path then raises the error)."""
-        st = self._store
-        store = {"float32": kd.store_token_f32, "float16": kd.store_token_f16,
-                 "bfloat16": kd.store_token_bf16}[st.storage]
         self._reserve(1)
-        a = st.slots
-        K, V = st.kernel_arrays(st.K, st.V)
-        if store(keys, K[:, a]) or store(values, V[:, a]):
-            return False  # slot a is past the end: the partial write is never read
+        a = self._store.slots
+        if not self._store.write_token(keys, values):
+            return False
         self._commit(a, a + 1)
         return True
 
@@ -292,7 +287,7 @@ class KVCache(CacheReport):
                          f"{self.selector!r}); got {selector!r}.")
 
     @_locked
-    def selected_slots(self, query: object, head: int, k: int = 64, *, selector: str | None = None
+    def selected_slots(self, query: object, head: int, k: int | None = 64, *, selector: str | None = None
                        ) -> np.ndarray:
         """Storage slots the step of one query token of head ``head`` reads (for measuring recall).
 
@@ -303,13 +298,8 @@ class KVCache(CacheReport):
         """
         strategy = self._strategy(selector)
         head = check_positive_int(head, "head", minimum=0, maximum=self.num_heads - 1)
-        k = check_positive_int(k, "k")
-        q = to_numpy(query, "query")
-        if q.size != self.head_dim:
-            raise ValueError(f"query must hold head_dim={self.head_dim} values (shape (E,)); got shape {q.shape}.")
-        if not np.isfinite(q).all():
-            raise ValueError("query contains NaN or Inf; clean the input.")
-        q = np.asarray(q, np.float32).reshape(self.head_dim)
+        k = ck.check_budget(k)
+        q = ck.check_query(self._cfg, query)
         g = head // (self.num_heads // self.num_kv_heads)
         st = self._store
         visible = st.pos[g, :st.slots] != EVICTED
@@ -317,7 +307,7 @@ class KVCache(CacheReport):
         return sel[visible[sel]]
 
     @_locked
-    def attend(self, queries: object, k: int = 64, *, return_lse: bool = False, selector: str | None = None,
+    def attend(self, queries: object, k: int | None = None, *, return_lse: bool = False, selector: str | None = None,
                tail: object = None) -> Any:
         """Attention of the newest T_q positions' queries over the cache.
 
@@ -329,8 +319,9 @@ class KVCache(CacheReport):
         ----------
         queries : float array or torch CPU tensor, shape (H, T_q, E), or (H, E) for one token
         k : int, default 64
-            Keys per query of the ``"topk"`` selector and of index selectors (the others use ``n_probe``
-            or ``top_p``).
+            Keys per query of the ``"topk"`` selector and of index selectors; the others read ``n_probe``
+            clusters or pages (or ``top_p`` of the mass) and do not use it.  Keys are not passed here:
+            append them (with their values) first; an array here is refused.
         return_lse : bool, default False
             Also return the log-sum-exp of each row's scaled scores (``-inf`` for a row with no key).
         selector : {None, "dense", "topk", "window"}, optional
@@ -350,15 +341,19 @@ class KVCache(CacheReport):
         Raises
         ------
         ValueError
-            Wrong shape, NaN/Inf queries, or scores overflowing float32.
+            Wrong shape, NaN/Inf queries, more query tokens than positions appended, a torch tensor that
+            requires grad, scores or the output overflowing float32.
+        TypeError
+            ``k`` not an int (e.g. the key array passed as ``k``).
         """
         t0 = time.perf_counter()
         torch_in = is_torch(queries)
-        q, squeeze = check_queries(self._cfg, queries)
-        k = check_positive_int(k, "k")
+        q, squeeze = ck.check_queries(self._cfg, queries)
         strategy = self._strategy(selector)
+        k = ck.check_budget(k)
         check_bool(return_lse, "return_lse")
         T = q.shape[1]
+        ck.check_query_tokens(T, self._store.n)
         qpos = np.arange(self._store.n - T, self._store.n, dtype=np.int64)
         tail = as_tail(tail)
         if tail is not None and "estimate" in strategy.supports and self.estimate > 0:
@@ -367,7 +362,8 @@ class KVCache(CacheReport):
         res = self._run(q, qpos, k, strategy, record=tail is not None)
         out, lse, nread = res.out, res.lse, res.nread
         if lse.max() == np.inf:
-            raise ValueError(overflow_message(np.float32, self.scale, OVERFLOW_FIX))
+            raise ValueError(overflow_message(np.float32, self.scale, ck.OVERFLOW_FIX))
+        ck.check_output(out)
         if tail is not None:
             from ..attention.cache_tail import cache_tail
 
@@ -375,6 +371,9 @@ class KVCache(CacheReport):
             nread = nread + n_tail
             self._stats["tail_samples_per_query"] = float(n_tail.mean())
         self._stats["attends"] += 1
+        self._stats["queries"] += nread.size
+        self._stats["keys_read"] += int(nread.sum())
+        self._stats["clusters_estimated"] += int(res.nest.sum())
         self._last_read = (nread, res.nest)  # summarised by ``stats`` (not per step: a decode step is short)
         if squeeze:
             out, lse = out[:, 0], lse[:, 0]

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from .checks import check_kv_head
 from .store import EVICTED
 
 __all__ = ["CacheReport"]
@@ -23,6 +24,7 @@ class CacheReport:
     """Reporting methods of :class:`sparseattn.KVCache` (a mixin over its store, routing strategy and
     counters)."""
 
+    _cfg: Any
     _store: Any
     _routing: Any
     _stats: dict[str, Any]
@@ -53,9 +55,14 @@ class CacheReport:
 
     @property
     def stats(self) -> dict[str, Any]:
-        """Counters and timings: appends, seconds in append / clustering / attend (and in the kernel),
-        keys read per query of the last attend (mean, min and max), segments, clusters, evicted keys,
-        compactions, bytes."""
+        """Counters and timings.
+
+        Cumulative since the cache was made: ``appends``, ``attends``, ``queries`` (query rows attended:
+        heads x tokens), ``keys_read`` and ``clusters_estimated`` (summed over those rows), seconds in
+        append / clustering / attend / the kernel, ``evicted_keys``, ``compactions``, ``index_rebuilds``.
+        Of the last attend: ``keys_read_per_query`` (mean), ``keys_read_max``, ``keys_read_min``,
+        ``clusters_estimated_per_query``.  Now: segments, clusters, tail keys, slots, bytes.
+        ``keys_read / queries`` is the mean over every attend."""
         st = self._store
         out = {"cluster_seconds": 0.0, "segments_clustered": 0, "keys_read_per_query": 0.0, "keys_read_max": 0,
                "keys_read_min": 0, "clusters_estimated_per_query": 0.0, "index_rebuilds": 0, "segments": 0,
@@ -76,6 +83,7 @@ class CacheReport:
         of kv head ``kv_head``, sorted by position."""
         if self.policy != "h2o":
             raise ValueError(f"heavy_hitter_weights needs policy='h2o'; this cache has policy={self.policy!r}.")
+        kv_head = check_kv_head(self._cfg, kv_head)
         st = self._store
         p = st.pos[kv_head, :st.slots].astype(np.int64)
         w = st.weight[kv_head, :st.slots] if st.weight.shape[1] else np.zeros(st.slots)

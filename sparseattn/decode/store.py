@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..kernels import decode as kd
 from ..kernels.decode import EVICTED
 
 __all__ = ["EVICTED", "INT32_MAX", "SlotStore", "bf16_bits", "bf16_to_f32", "check_float", "is_torch",
@@ -34,11 +35,16 @@ def is_torch(x: object) -> bool:
 def to_numpy(x: object, name: str) -> np.ndarray:
     """numpy view of an array-like or a torch CPU tensor (bfloat16 tensors are widened to float32)."""
     if is_torch(x):
+        import torch
+
+        if x.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{name} requires grad while autograd is enabled, but KVCache has no backward "
+                             f"pass. Run the call under torch.no_grad() or torch.inference_mode(), or pass "
+                             f"{name}.detach().")
         t = x.detach()
         if t.device.type != "cpu":
             raise ValueError(f"{name} is a torch tensor on {t.device}; KVCache runs on the CPU. "
                              f"Pass {name}.cpu().")
-        import torch
 
         if t.dtype == torch.bfloat16:
             t = t.float()
@@ -185,18 +191,33 @@ class SlotStore:
         return x.astype(np.float32)
 
     def keys(self, g: int, slots: Any = None) -> np.ndarray:
-        """Keys of kv head ``g`` as float32: all slots in use, or ``slots`` (an index)."""
-        return self.decode(self.K[g, :self.slots] if slots is None else self.K[g, slots])
+        """Keys of kv head ``g`` as a new float32 array: all slots in use, or ``slots`` (an index)."""
+        return self._gather(self.K, g, slots)
 
     def values(self, g: int, slots: Any = None) -> np.ndarray:
-        """Values of kv head ``g`` as float32: all slots in use, or ``slots`` (an index)."""
-        return self.decode(self.V[g, :self.slots] if slots is None else self.V[g, slots])
+        """Values of kv head ``g`` as a new float32 array: all slots in use, or ``slots`` (an index)."""
+        return self._gather(self.V, g, slots)
+
+    def _gather(self, arr: np.ndarray, g: int, slots: Any) -> np.ndarray:
+        if isinstance(slots, np.ndarray) and slots.dtype.kind in "iu":  # fancy indexing copies already
+            x = arr[g, slots]
+            return bf16_to_f32(x) if self.storage == "bfloat16" else x.astype(np.float32, copy=False)
+        return self.decode(arr[g, :self.slots] if slots is None else arr[g, slots])
 
     def kernel_arrays(self, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
         """Storage arrays as the kernels read them (float16 as uint16 bit patterns)."""
         if self.storage == "float16":
             return tuple(a.view(np.uint16) for a in arrays)
         return arrays
+
+    def write_token(self, keys: np.ndarray, values: np.ndarray) -> bool:
+        """Write one float32 token (H_kv, 1, E) / (H_kv, 1, Ev) into slot ``slots`` (reserved), checked and
+        rounded to the storage dtype by one compiled call per array; False when a value is not finite or
+        beyond the storage range (the slot is then past the end: the partial write is never read)."""
+        store = {"float32": kd.store_token_f32, "float16": kd.store_token_f16,
+                 "bfloat16": kd.store_token_bf16}[self.storage]
+        K, V = self.kernel_arrays(self.K, self.V)
+        return not (store(keys, K[:, self.slots]) or store(values, V[:, self.slots]))
 
     # -------------------------------------------------------------------------------------- growth
     def reserve(self, extra: int, *, exact: bool = False) -> int | None:

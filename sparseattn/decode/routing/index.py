@@ -22,7 +22,10 @@ from ..plan import StepPlan
 from ..store import INT32_MAX
 from .base import Routing, routing_classes
 
-__all__ = ["IndexRouting", "index_selector_names", "parse_index_selector"]
+__all__ = ["SELECT_BLOCK_BYTES", "IndexRouting", "index_selector_names", "parse_index_selector"]
+
+#: bytes of candidates (keys gathered for exact re-ranking, ids, slots, positions, masks) per block of rows
+SELECT_BLOCK_BYTES = 16 << 20
 
 
 def index_selector_names() -> list[str]:
@@ -178,7 +181,8 @@ class IndexRouting(Routing):
         """(H * T, k) int64 slots each row reads from its index (-1 padded, ascending): per row the ``k``
         best keys by ``q . k`` among those the index returns that the row may see and that are not in
         the exact part (sinks, positions >= ``hi``).  The search is widened until a row has ``k`` such
-        keys or the index has no more to give."""
+        keys or the index has no more to give.  Rows go through in blocks of about ``SELECT_BLOCK_BYTES``
+        of candidates, so a long prefill needs memory linear in its length."""
         st = self.store
         H, T, E = q.shape
         rep = H // st.num_kv_heads
@@ -190,28 +194,39 @@ class IndexRouting(Routing):
                 continue
             qs = q[g * rep:(g + 1) * rep].reshape(rep * T, E)
             tpos = np.tile(qpos, rep)
-            kq = min(S, k + self.cfg.window + T + 16 + 2 * self.index_dead * k // max(S, 1))
-            while True:
-                ids = sel.query(qs, kq, check_finite=False).to_padded(kq)
-                slots = np.where(ids >= 0, self.index_slot[g][np.maximum(ids, 0)], -1)
-                p = np.where(slots >= 0, st.pos[g, np.maximum(slots, 0)].astype(np.int64), kd.EVICTED)
-                ok = (slots >= 0) & (p >= self.cfg.sinks) & (p < hi) & (p <= tpos[:, None])
-                short = ok.sum(axis=1) < k
-                if kq >= S or not short.any() or (ids[short] >= 0).all(axis=1).sum() == 0:
-                    break
-                kq = min(S, 2 * kq)
-            kd_ = st.keys(g, np.maximum(slots, 0))  # (rows, kq, E)
-            sc = np.where(ok, np.einsum("rke,re->rk", kd_, qs), -np.inf)
-            kk = min(k, sc.shape[1])
-            top = np.argpartition(-sc, kk - 1, axis=1)[:, :kk] if kk < sc.shape[1] else \
-                np.broadcast_to(np.arange(sc.shape[1]), sc.shape)
-            chosen = np.take_along_axis(slots, top, axis=1)
-            chosen = np.where(np.take_along_axis(ok, top, axis=1), chosen, -1)
-            chosen = np.sort(np.where(chosen < 0, np.iinfo(np.int64).max, chosen), axis=1)
-            chosen[chosen == np.iinfo(np.int64).max] = -1
             rows = (np.arange(g * rep, (g + 1) * rep)[:, None] * T + np.arange(T)[None, :]).reshape(-1)
-            out[rows, :kk] = chosen
+            kq = min(S, k + self.cfg.window + T + 16 + 2 * self.index_dead * k // max(S, 1))
+            block = max(1, SELECT_BLOCK_BYTES // (kq * (4 * E + 64)))
+            for r0 in range(0, rep * T, block):
+                r1 = min(r0 + block, rep * T)
+                chosen = self._select_rows(g, qs[r0:r1], tpos[r0:r1], k, hi, kq)
+                out[rows[r0:r1], :chosen.shape[1]] = chosen
         return out
+
+    def _select_rows(self, g: int, qs: np.ndarray, tpos: np.ndarray, k: int, hi: int, kq: int) -> np.ndarray:
+        """:meth:`select` for the rows ``qs`` (r, E) at positions ``tpos`` (r,) of kv head ``g``, starting
+        with ``kq`` candidates per row: (r, min(k, candidates)) int64 slots, -1 padded, ascending."""
+        st, sel = self.store, self.index[g]
+        S = sel.keys_.shape[0]
+        while True:
+            ids = sel.query(qs, kq, check_finite=False).to_padded(kq)
+            slots = np.where(ids >= 0, self.index_slot[g][np.maximum(ids, 0)], -1)
+            p = np.where(slots >= 0, st.pos[g, np.maximum(slots, 0)].astype(np.int64), kd.EVICTED)
+            ok = (slots >= 0) & (p >= self.cfg.sinks) & (p < hi) & (p <= tpos[:, None])
+            short = ok.sum(axis=1) < k
+            if kq >= S or not short.any() or (ids[short] >= 0).all(axis=1).sum() == 0:
+                break
+            kq = min(S, 2 * kq)
+        kd_ = st.keys(g, np.maximum(slots, 0))  # (rows, kq, E)
+        sc = np.where(ok, np.einsum("rke,re->rk", kd_, qs), -np.inf)
+        kk = min(k, sc.shape[1])
+        top = np.argpartition(-sc, kk - 1, axis=1)[:, :kk] if kk < sc.shape[1] else \
+            np.broadcast_to(np.arange(sc.shape[1]), sc.shape)
+        chosen = np.take_along_axis(slots, top, axis=1)
+        chosen = np.where(np.take_along_axis(ok, top, axis=1), chosen, -1)
+        chosen = np.sort(np.where(chosen < 0, np.iinfo(np.int64).max, chosen), axis=1)
+        chosen[chosen == np.iinfo(np.int64).max] = -1
+        return chosen
 
     # ---------------------------------------------------------------------------------- report
     def index_nbytes(self) -> int:
