@@ -7,6 +7,14 @@ the right moments.  Each step it turns the queries into a :class:`~sparseattn.de
 choice for one query in numpy (for measuring recall).  A new index is one new subclass registered with
 :func:`register_routing`.
 
+Adding an index: subclass :class:`Routing`, keep the index in step through the hooks (``committed`` for
+new slots, ``evict`` / ``compaction_sources`` / ``compacted`` under a memory cap, ``grown``), and return
+from :meth:`Routing.plan` either a ``MODE_LIST`` plan (the slots each row reads, -1 padded: any index
+that names keys) or a ``MODE_CLUSTER`` / ``MODE_MASS`` plan over cluster arrays (contiguous slot ranges
+with routing vectors and per-cluster statistics, which also enables the estimation zone); register it
+with :func:`register_routing` under its selector name.  The kernel, the store and the eviction policies
+need no change.
+
 Capabilities are declared, not discovered: ``supports`` lists the cache options a strategy honours
 (``"n_probe"``, ``"estimate"``, ``"top_p"``, ``"k"``), ``any_cache`` marks strategies that need no
 index of their own (usable as a per-call override on any cache), and :meth:`Routing.not_supported_reasons`
