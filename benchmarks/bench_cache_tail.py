@@ -66,15 +66,15 @@ def exact(cache, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float64 exact attention of q (H, E) over every key in ``cache``: out (H, Ev), lse (H,)."""
     H = q.shape[0]
     rep = H // cache.num_kv_heads
-    n = cache._slots
+    view = cache.debug_view()
     out = np.empty((H, cache.value_dim))
     lse = np.empty(H)
     for h in range(H):
         g = h // rep
-        s = cache._decode(cache._K[g, :n]).astype(np.float64) @ q[h].astype(np.float64) * cache.scale
+        s = view["keys"][g].astype(np.float64) @ q[h].astype(np.float64) * cache.scale
         m = s.max()
         w = np.exp(s - m)
-        out[h] = w @ cache._decode(cache._V[g, :n]).astype(np.float64) / w.sum()
+        out[h] = w @ view["values"][g].astype(np.float64) / w.sum()
         lse[h] = m + np.log(w.sum())
     return out, lse
 

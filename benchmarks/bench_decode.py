@@ -108,17 +108,18 @@ def exact_step(cache, q: np.ndarray):
     """Exact attention of (H, E) queries over every key of ``cache``: out (H, Ev), lse (H,), top-64 positions."""
     H = q.shape[0]
     rep = H // cache.num_kv_heads
-    n = cache._slots
+    view = cache.debug_view()
+    pos = view["positions"]
     out = np.empty((H, cache.value_dim))
     lse = np.empty(H)
     top = []
     keep = None
     if cache.max_keys is not None:
-        keep = cache._pos[:, :n] != EVICTED
+        keep = pos != EVICTED
     for h in range(H):
         g = h // rep
-        Kg = cache._decode(cache._K[g, :n]) if cache.storage != "float32" else cache._K[g, :n]
-        Vg = cache._decode(cache._V[g, :n]) if cache.storage != "float32" else cache._V[g, :n]
+        Kg = view["keys"][g]
+        Vg = view["values"][g]
         s = (Kg @ q[h]).astype(np.float64) * cache.scale
         if keep is not None:
             s[~keep[g]] = -np.inf
@@ -128,7 +129,7 @@ def exact_step(cache, q: np.ndarray):
         out[h] = (w.astype(np.float32) @ Vg).astype(np.float64) / tot
         lse[h] = m + np.log(tot)
         t64 = np.argpartition(-s, 64)[:64] if s.size > 64 else np.arange(s.size)
-        top.append(cache._pos[g, t64].astype(np.int64))
+        top.append(pos[g, t64].astype(np.int64))
     return out, lse, top
 
 
@@ -209,8 +210,8 @@ def run_phase(case: str, n: int, K, V, Q, steps: int, specs: list[tuple[str, dic
         outs = {}
         kt = vt = None
         if with_torch:
-            kt = torch.from_numpy(main._K[:, :main._slots])[None]
-            vt = torch.from_numpy(main._V[:, :main._slots])[None]
+            kt = torch.from_numpy(main.store.K[:, :main.store.slots])[None]
+            vt = torch.from_numpy(main.store.V[:, :main.store.slots])[None]
         r = s % len(timed)
         for kind, label in timed[r:] + timed[:r]:
             if kind == "sel":
@@ -242,7 +243,7 @@ def run_phase(case: str, n: int, K, V, Q, steps: int, specs: list[tuple[str, dic
             for h in range(H):
                 sel = c.selected_slots(q[h], h, **akw)
                 g = h // (H // hkv)
-                rec.append(np.isin(ref_top[h], c._pos[g, sel]).mean())
+                rec.append(np.isin(ref_top[h], c.store.pos[g, sel]).mean())
             a["recall64"].append(float(np.mean(rec)))
     # append cost in a generation loop: one token at a time over a whole segment cycle (its clustering,
     # open and closing, included), on each cache after its steps

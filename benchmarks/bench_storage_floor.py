@@ -180,19 +180,25 @@ def main(argv: list[str] | None = None) -> int:
 
     def arrays(c):
         """The cache's keys, values and routing vectors as uint64 words (views, no copy)."""
-        return _words(c._K), _words(c._V), _words(c._cent)
+        return _words(c.store.K), _words(c.store.V), _words(np.ascontiguousarray(c.debug_view()["routing_codes"]))
+
+    def routing(c, cent):
+        """Positions, routing codes, routing scales and cluster counts the read kernel takes."""
+        view = c.debug_view()
+        return c.store.pos, cent, np.ascontiguousarray(view["routing_scales"]), view["n_clusters"]
 
     def measure(level: str, c, q, rec, n_rec) -> tuple[float, float]:
         """Seconds of one call of ``level`` (and for ``step`` its kernel's seconds, else 0)."""
         k, v, cent = arrays(c)
+        args = routing(c, cent)
         k0 = c.stats["kernel_seconds"]
         t0 = time.perf_counter()
         if level == "step":
             c.attend(q)
         elif level == "read":
-            read(k, v, c._pos, cent, c._cscale, c._n_cent, 1, 1, rec, n_rec, 0, scratch)
+            read(k, v, *args, 1, 1, rec, n_rec, 0, scratch)
         elif level == "read+prefetch":
-            read(k, v, c._pos, cent, c._cscale, c._n_cent, 1, 1, rec, n_rec, 2, scratch)
+            read(k, v, *args, 1, 1, rec, n_rec, 2, scratch)
         else:
             launch(scratch)
         dt = time.perf_counter() - t0
@@ -201,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     # compile and warm up every call
     for c in caches.values():
         q = np.ascontiguousarray(Q[:, 0])[:, None]
-        _, _, _, _, rec, n_rec = c._run(q, np.array([len(c) - 1]), 64, "cluster", record=True)
+        _, _, _, _, rec, n_rec = c.debug_step(q, np.array([len(c) - 1]), 64, "cluster", record=True)
         for level in LEVELS:
             if level != "kernel":
                 measure(level, c, q, rec, n_rec)
@@ -217,9 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         r = step % len(names)
         for s in names[r:] + names[:r]:
             c = caches[s]
-            _, _, nread, _, rec, n_rec = c._run(q, np.array([len(c) - 1]), 64, "cluster", record=True)
+            _, _, nread, _, rec, n_rec = c.debug_step(q, np.array([len(c) - 1]), 64, "cluster", record=True)
             k, v, cent = arrays(c)
-            touched = read(k, v, c._pos, cent, c._cscale, c._n_cent, 1, 1, rec, n_rec, 0, scratch)
+            touched = read(k, v, *routing(c, cent), 1, 1, rec, n_rec, 0, scratch)
             if touched != int(nread.sum()):
                 raise AssertionError(f"{s}: the read kernel touched {touched} rows, the step read {nread.sum()}")
             read_keys[s].append(touched / H)

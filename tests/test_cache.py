@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparseattn.cache import KVCache, _bf16_bits, _bf16_to_f32
+from sparseattn.cache import KVCache, bf16_bits, bf16_to_f32
 
 H, HKV, E, EV = 4, 2, 16, 8
 SEG = 64  # small segments: several of them in a few hundred keys
@@ -62,9 +62,13 @@ def test_full_selection_matches_float64_dense(name: str, n: int) -> None:
     cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, **FULL[name])
     cache.append(k, v)
     q = _q(3)
+    if n < 3:  # a query token needs a position: more tokens than positions is refused
+        with pytest.raises(ValueError, match=f"queries hold T_q=3 tokens but only {n} positions"):
+            cache.attend(q, k=10_000)
+        q = q[:, :n]
     out, lse = cache.attend(q, k=10_000, return_lse=True)
     ref, ref_lse = reference(q, k, v, n)
-    assert out.shape == (H, 3, EV) and out.dtype == np.float32
+    assert out.shape == (H, q.shape[1], EV) and out.dtype == np.float32
     np.testing.assert_allclose(out, ref, atol=2e-5)
     fin = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=2e-5)
@@ -174,7 +178,7 @@ def test_reduced_precision_storage(storage: object, tol: float, name: str) -> No
     out = lo.attend(q, k=10_000)
     # exact on the rounded keys and values (float32 accumulation) ...
     if storage == "bfloat16":
-        kr, vr = _bf16_to_f32(_bf16_bits(k)), _bf16_to_f32(_bf16_bits(v))
+        kr, vr = bf16_to_f32(bf16_bits(k)), bf16_to_f32(bf16_bits(v))
     else:
         kr, vr = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
     if name in ("cluster", "pages", "dense", "topk"):
@@ -188,7 +192,7 @@ def test_reduced_precision_storage(storage: object, tol: float, name: str) -> No
 
 def test_bf16_rounding_is_nearest_even() -> None:
     x = np.array([1.0, 1.00390625, 1.01171875, -2.5, 3.0e38, 1e-30], np.float32)
-    back = _bf16_to_f32(_bf16_bits(x))
+    back = bf16_to_f32(bf16_bits(x))
     assert back[0] == 1.0 and back[1] == 1.0 and back[2] == np.float32(1.015625)
     assert back[3] == -2.5
     assert np.all(np.abs(back - x) <= np.abs(x) * 2**-8)
@@ -217,15 +221,18 @@ def test_memory_cap_streaming(name: str) -> None:
     assert cache.stats["evicted_keys"] == n - cap
 
 
-def test_empty_cache_gives_zeros_and_neg_inf() -> None:
+def test_query_tokens_without_positions_are_refused() -> None:
+    """Query t sits at position n - T_q + t: more query tokens than positions appended is a caller error
+    (an empty cache included), refused naming the argument instead of returning rows of zeros."""
     cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV)
-    out, lse = cache.attend(_q(2), return_lse=True)
-    assert out.shape == (H, 2, EV) and np.all(out == 0) and np.all(np.isneginf(lse))
+    with pytest.raises(ValueError, match=r"queries hold T_q=2 tokens but only 0 positions were appended"):
+        cache.attend(_q(2), return_lse=True)
     assert len(cache) == 0
-    # a query before the first key (T_q > len) also sees nothing
     cache.append(*_kv(1))
-    out, lse = cache.attend(_q(2), return_lse=True)
-    assert np.all(np.isneginf(lse[:, 0])) and np.all(np.isfinite(lse[:, 1]))
+    with pytest.raises(ValueError, match=r"T_q=2 tokens but only 1 positions"):
+        cache.attend(_q(2), return_lse=True)
+    out, lse = cache.attend(_q(1), return_lse=True)  # as many tokens as positions: every row sees a key
+    assert np.all(np.isfinite(lse)) and out.shape == (H, 1, EV)
 
 
 def test_single_token_query_2d() -> None:
@@ -333,7 +340,7 @@ def test_full_selection_property(n: int, t: int, sinks: int, window: int, chunk:
                     n_probe=10_000, sinks=sinks, window=window)
     for a in range(0, n, chunk):
         cache.append(k[:, a:a + chunk], v[:, a:a + chunk])
-    q = _q(t, seed=t)
+    q = _q(min(t, n), seed=t)  # a query token needs a position (more are refused)
     out = cache.attend(q)
     np.testing.assert_allclose(out, reference(q, k, v, n)[0], atol=3e-5)
 
@@ -365,7 +372,7 @@ def test_selected_slots_match_keys_read() -> None:
         sel = cache.selected_slots(q[0, 0], 0, k=20)
         assert sel.size == cache.stats["keys_read_max"]
         # attention over exactly those keys reproduces the step
-        keep = cache._pos[0, sel]
+        keep = cache.debug_view()["positions"][0, sel]
         ref = reference(q[:1], k[:1], v[:1], n, keep=keep)[0]
         np.testing.assert_allclose(cache.attend(q[:1].repeat(H, 0), k=20)[0], ref[0], atol=2e-5)
 

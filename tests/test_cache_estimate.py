@@ -47,9 +47,10 @@ def test_identical_members_make_the_estimate_exact():
     ref = dense64(q, keys, vals, 0.25)
     # both routed clusters are exact; every other cluster made of one repeated key is estimated exactly
     # (when k-means keeps each point's copies together; the clustering is checked below)
+    dbg = est_cache.debug_view()
     labels_pure = all(
-        len({tuple(r) for r in est_cache._K[g, est_cache._cptr[g, c]:est_cache._cptr[g, c + 1]].tolist()}) == 1
-        for g in range(2) for c in range(int(est_cache._n_cent[g])))
+        len({tuple(r) for r in dbg["keys"][g, dbg["cluster_ptr"][g, c]:dbg["cluster_ptr"][g, c + 1]].tolist()}) == 1
+        for g in range(2) for c in range(int(dbg["n_clusters"][g])))
     out_est = est_cache.attend(q)
     out_plain = exact_cache.attend(q)
     assert est_cache.stats["clusters_estimated_per_query"] > 0

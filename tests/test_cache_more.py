@@ -180,19 +180,21 @@ def test_h2o_with_cluster_full_probe_equals_dense_over_survivors() -> None:
 def _check_cluster_stats(c: KVCache) -> None:
     """Every cluster's statistics describe its live members, unless it lost one since the last compaction
     (then it is marked: cmaxpos = EVICTED, never estimated)."""
+    d = c.debug_view()
     for g in range(c.num_kv_heads):
-        for ci in range(int(c._n_cent[g])):
-            lo, hi = c._cptr[g, ci], c._cptr[g, ci + 1]
-            p = c._pos[g, lo:hi]
+        for ci in range(int(d["n_clusters"][g])):
+            lo, hi = d["cluster_ptr"][g, ci], d["cluster_ptr"][g, ci + 1]
+            p = d["positions"][g, lo:hi]
             live = p != EVICTED
-            if c._cmaxpos[g, ci] == EVICTED and c._ccount[g, ci] != live.sum():
+            if d["cluster_max_pos"][g, ci] == EVICTED and d["cluster_count"][g, ci] != live.sum():
                 continue  # marked: lost a member since the last compaction
-            assert c._ccount[g, ci] == live.sum()
+            assert d["cluster_count"][g, ci] == live.sum()
             if live.any():
-                assert c._cminpos[g, ci] == p[live].min() and c._cmaxpos[g, ci] == p[live].max()
-                np.testing.assert_allclose(c._cvmean[g, ci], c._V[g, lo:hi][live].mean(axis=0), atol=1e-5)
-                cent = c._routing(g, ci + 1)[ci]
-                mean = c._K[g, lo:hi][live].astype(np.float64).mean(axis=0)
+                assert d["cluster_min_pos"][g, ci] == p[live].min() and d["cluster_max_pos"][g, ci] == p[live].max()
+                np.testing.assert_allclose(d["cluster_value_mean"][g, ci], d["values"][g, lo:hi][live].mean(axis=0),
+                                           atol=1e-5)
+                cent = d["routing_vectors"][g, ci]
+                mean = d["keys"][g, lo:hi][live].astype(np.float64).mean(axis=0)
                 # int8 codes: half a code step, 1/254 of the largest element (plus float32 rounding)
                 np.testing.assert_allclose(cent, mean, atol=np.abs(mean).max() / 254 * 1.001 + 1e-6, rtol=0)
 
@@ -213,7 +215,9 @@ def test_compaction_recomputes_cluster_statistics(policy: str) -> None:
         _check_cluster_stats(c)
         if c.stats["compactions"] > before:
             seen += 1
-            marked = sum(int(((c._cmaxpos[g, :c._n_cent[g]] == EVICTED) & (c._ccount[g, :c._n_cent[g]] > 0)).sum())
+            d = c.debug_view()
+            nc = d["n_clusters"]
+            marked = sum(int(((d["cluster_max_pos"][g, :nc[g]] == EVICTED) & (d["cluster_count"][g, :nc[g]] > 0)).sum())
                          for g in range(HKV))
             assert marked == 0  # right after a compaction every non-empty cluster is estimable again
     assert seen >= 1
@@ -229,10 +233,10 @@ def test_index_selector_full_k_equals_exact_and_grows_with_add(spec: str) -> Non
     k, v = _kv(n, seed=12)
     cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=spec, sinks=4, window=16)
     cache.append(k[:, :500], v[:, :500])
-    first = cache._index[0]
+    first = cache.debug_view()["indexes"][0]
     for a in range(500, n, 50):
         cache.append(k[:, a:a + 50], v[:, a:a + 50])
-    assert cache._index[0] is first and first.keys_.shape[0] == n - 4  # grown by add(), never rebuilt
+    assert cache.debug_view()["indexes"][0] is first and first.keys_.shape[0] == n - 4  # grown by add(), never rebuilt
     q = _q(5, seed=13)
     out, lse = cache.attend(q, k=10_000, return_lse=True)
     np.testing.assert_allclose(out, oracle(q, k, v, n), atol=1e-5)
@@ -252,14 +256,14 @@ def test_index_selector_small_k_reads_sinks_window_and_k(spec: str) -> None:
     for h in range(H):  # the step equals exact attention over the keys it reports reading
         sel = cache.selected_slots(q[h, 0], h, k=20)
         g = h // rep
-        ref = oracle(q[h:h + 1], k[g:g + 1], v[g:g + 1], n, [cache._pos[g, sel]])
+        ref = oracle(q[h:h + 1], k[g:g + 1], v[g:g + 1], n, [cache.debug_view()["positions"][g, sel]])
         np.testing.assert_allclose(out[h], ref[0], atol=2e-5)
     if spec == "faiss-flat":  # exact search: the 20 best non-window keys
         for h in range(H):
             g = h // rep
             s = k[g, 4:n - 16] @ q[h, 0]
             best = 4 + np.argsort(-s)[:20]
-            got = cache._pos[g, cache.selected_slots(q[h, 0], h, k=20)]
+            got = cache.debug_view()["positions"][g, cache.selected_slots(q[h, 0], h, k=20)]
             assert set(best) <= set(got)
 
 
@@ -269,10 +273,11 @@ def test_index_selector_waits_for_enough_keys() -> None:
     c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="faiss-ivf:nlist=64,nprobe=64", window=8)
     c.append(k[:, :40], v[:, :40])
     q = _q(2, seed=29)
-    assert c._index[0] is None
+    assert c.debug_view()["indexes"][0] is None
     np.testing.assert_allclose(c.attend(q, k=5), oracle(q, k, v, 40), atol=1e-5)
     c.append(k[:, 40:], v[:, 40:])
-    assert c._index[0] is not None and c._index[0].keys_.shape[0] == 300 - 4
+    index = c.debug_view()["indexes"][0]
+    assert index is not None and index.keys_.shape[0] == 300 - 4
     np.testing.assert_allclose(c.attend(q, k=10_000), oracle(q, k, v, 300), atol=1e-5)
     assert c.stats["keys_read_max"] == 300
     c.attend(q, k=5)
@@ -418,11 +423,11 @@ def test_reserve_avoids_reallocation_and_changes_nothing() -> None:
     for c in (a, b):
         c.append(k[:, :n0], v[:, :n0])
     b.reserve(n - n0)
-    kb = b._K
+    kb = b.debug_view()["raw_keys"]
     for i in range(n0, n):
         for c in (a, b):
             c.append(k[:, i:i + 1], v[:, i:i + 1])
-    assert b._K is kb  # no reallocation after reserve
+    assert np.shares_memory(b.debug_view()["raw_keys"], kb)  # no reallocation after reserve
     np.testing.assert_array_equal(a.attend(qs), b.attend(qs))
     np.testing.assert_allclose(b.attend(qs, selector="dense"), oracle(qs, k, v, n), atol=2e-5)
     with pytest.raises(ValueError, match="n_tokens"):
@@ -434,7 +439,7 @@ def test_reserve_avoids_reallocation_and_changes_nothing() -> None:
     capped = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, max_keys=100, window=8)
     capped.append(k[:, :10], v[:, :10])
     capped.reserve(10 ** 9)  # bounded by what the cap can ever hold
-    assert capped._cap <= 100 + 2 * SEG + 8 + 4 + capped.page_size
+    assert capped.store.cap <= 100 + 2 * SEG + 8 + 4 + capped.page_size
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16"])
@@ -445,15 +450,16 @@ def test_one_token_append_same_as_general_path(dtype: object) -> None:
     k, v = _kv(n, seed=42)
     a = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3, dtype=dtype)
     b = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3, dtype=dtype)
-    sd = a._sdtype
+    sd = a.store.sdtype
     for i in range(n):
         ki, vi = k[:, i:i + 1], v[:, i:i + 1]
         if dtype == "bfloat16":  # values exactly representable in bfloat16, so both paths store the same
-            ki, vi = a._decode(a._encode(ki, "keys")), a._decode(a._encode(vi, "values"))
+            ki, vi = a.store.decode(a.store.encode(ki, "keys")), a.store.decode(a.store.encode(vi, "values"))
         a.append(ki.astype(sd) if sd != np.uint16 else ki, vi.astype(sd) if sd != np.uint16 else vi)
         b.append(ki.astype(np.float64), vi.astype(np.float64))
-    for name in ("_K", "_V", "_pos", "_cptr", "_ccount"):
-        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    da, db = a.debug_view(), b.debug_view()
+    for name in ("raw_keys", "raw_values", "positions", "cluster_ptr", "cluster_count"):
+        np.testing.assert_array_equal(da[name], db[name])
     bad = np.full((HKV, 1, E), np.nan, dtype=np.float32 if sd == np.uint16 else sd)
     with pytest.raises(ValueError, match="keys contains NaN or Inf"):
         a.append(bad, np.zeros((HKV, 1, EV), bad.dtype))
@@ -507,7 +513,7 @@ def test_values_beyond_the_storage_range_are_refused_at_append(dtype: object, bi
     assert len(c) == 0
     edge = np.full((2, 1, 4), 65519.0 if name == "float16" else 1.0, np.float32)  # rounds to 65504: kept
     c.append(edge, edge)
-    assert np.isfinite(c._decode(c._K[:, :1])).all()
+    assert np.isfinite(c.debug_view()["keys"][:, :1]).all()
 
 
 def test_concurrent_attends_on_one_cache_equal_serial() -> None:

@@ -23,15 +23,15 @@ def dense_oracle(cache: KVCache, q: np.ndarray) -> tuple[np.ndarray, np.ndarray,
     """
     H, T, _ = q.shape
     rep = cache.num_heads // cache.num_kv_heads
-    n = cache._slots
+    d = cache.debug_view()
     out = np.zeros((H, T, cache.value_dim))
     lse = np.full((H, T), -np.inf)
     den = np.zeros((H, T))
     for h in range(H):
         g = h // rep
-        K = cache._decode(cache._K[g, :n]).astype(np.float64)
-        V = cache._decode(cache._V[g, :n]).astype(np.float64)
-        pos = cache._pos[g, :n].astype(np.int64)
+        K = d["keys"][g].astype(np.float64)
+        V = d["values"][g].astype(np.float64)
+        pos = d["positions"][g].astype(np.int64)
         for t in range(T):
             qp = cache.positions_appended - T + t
             vis = pos <= qp
@@ -96,23 +96,24 @@ def test_capped_never_samples_evicted() -> None:
 
     cache, rng = filled(400, selector="cluster", max_keys=150, **SMALL)
     assert cache.stats["evicted_keys"] == 250
-    assert np.count_nonzero(cache._pos[:, :cache._slots] == EVICTED) > 0  # evicted slots still held
+    assert np.count_nonzero(cache.debug_view()["positions"] == EVICTED) > 0  # evicted slots still held
     R = 2
     q = queries(rng, R)
     qpos = np.array([cache.positions_appended - 1], dtype=np.int64)
-    _, _, nread, _, rec, n_rec = cache._run(q, qpos, 64, "cluster", record=True)
+    _, _, nread, _, rec, n_rec = cache.debug_step(q, qpos, 64, "cluster", record=True)
     u = 150 - nread
     for enum in (False, True):
         for seed in range(20):
             idx = np.full((R, 40), -1, dtype=np.int64)
             found = np.full(R, -1, dtype=np.int64)
-            ct._sample_serial(cache._pos, cache._slots, qpos, 1, rec, n_rec, u, np.full(R, 40),
+            ct._sample_serial(cache.store.pos, cache.store.slots, qpos, 1, rec, n_rec, u, np.full(R, 40),
                               np.full(R, enum), seed, idx, found)
             for r in range(R):
-                assert np.all(cache._pos[r, idx[r]] != EVICTED) and np.unique(idx[r]).size == 40
-                read = np.zeros(cache._slots, bool)
+                pos = cache.debug_view()["positions"]
+                assert np.all(pos[r, idx[r]] != EVICTED) and np.unique(idx[r]).size == 40
+                read = np.zeros(cache.store.slots, bool)
                 for a, b, lim in rec[r, :n_rec[r]]:
-                    read[a:b] |= (cache._pos[r, a:b] <= qpos[0]) & (cache._pos[r, a:b] < lim)
+                    read[a:b] |= (pos[r, a:b] <= qpos[0]) & (pos[r, a:b] < lim)
                 assert not read[idx[r]].any()
 
 
@@ -179,7 +180,7 @@ def test_same_draw_enumerated_or_rejected_rows_are_valid_subsets() -> None:
     cache, rng = filled(300, H=1, H_kv=1, selector="window", sinks=2, window=8)
     q = queries(rng, 1)
     qpos = np.array([299], dtype=np.int64)
-    out, lse, nread, _, rec, n_rec = cache._run(q, qpos, 64, "window", record=True)
+    out, lse, nread, _, rec, n_rec = cache.debug_step(q, qpos, 64, "window", record=True)
     u = np.array([300 - int(nread[0])])
     assert u[0] == 290
     for enum in (False, True):
@@ -187,7 +188,7 @@ def test_same_draw_enumerated_or_rejected_rows_are_valid_subsets() -> None:
         for seed in range(300):
             idx = np.full((1, 10), -1, dtype=np.int64)
             found = np.full(1, -1, dtype=np.int64)
-            ct._sample_serial(cache._pos, 300, qpos, 1, rec, n_rec, u, np.array([10]), np.array([enum]), seed,
+            ct._sample_serial(cache.store.pos, 300, qpos, 1, rec, n_rec, u, np.array([10]), np.array([enum]), seed,
                               idx, found)
             assert np.unique(idx).size == 10 and idx.min() >= 2 and idx.max() < 292
             hits[idx[0]] += 1
@@ -218,10 +219,10 @@ def test_bad_tail(bad: object, exc: type, word: str) -> None:
         cache.attend(queries(rng, 2), tail=bad)
 
 
-def test_empty_cache_gives_zeros() -> None:
+def test_empty_cache_is_refused() -> None:
     cache = KVCache(2, E, value_dim=EV, selector="window")
-    out, lse = cache.attend(np.ones((2, 1, E), np.float32), return_lse=True, tail=16)
-    assert np.array_equal(out, np.zeros((2, 1, EV), np.float32)) and np.all(lse == -np.inf)
+    with pytest.raises(ValueError, match="queries hold T_q=1 tokens but only 0 positions were appended"):
+        cache.attend(np.ones((2, 1, E), np.float32), return_lse=True, tail=16)
 
 
 def test_empty_exact_part_gets_the_tail_alone() -> None:
@@ -242,7 +243,7 @@ def test_empty_exact_part_gets_the_tail_alone() -> None:
     np.testing.assert_allclose(lse, ref_lse, atol=2e-5)
     out, lse, n_tail = cache_tail(cache, q, qpos, out0, lse0, rec, n_rec, nread, sa.Tail(10, seed=4))
     assert n_tail.tolist() == [10, 10] and np.isfinite(out).all() and np.isfinite(lse).all()
-    V = cache._V[:, :120].astype(np.float64)
+    V = cache.debug_view()["values"][:, :120].astype(np.float64)
     assert np.all(out[:, 0] <= V.max(axis=1) + 1e-6) and np.all(out[:, 0] >= V.min(axis=1) - 1e-6)
 
 
@@ -272,7 +273,8 @@ def test_property(n: int, window: int, samples: int, selector: str, T: int, seed
     q = queries(rng, 2, T)
     part, part_lse = cache.attend(q, return_lse=True, **akw)
     qpos = np.arange(n - T, n, dtype=np.int64)
-    _, _, nread, _, _, _ = cache._run(q, qpos, akw.get("k", 64), selector if selector == "topk" else base)
+    _, _, nread, _, _, _ = cache.debug_step(q, qpos, akw.get("k", 64), selector if selector == "topk" else base,
+                                            record=False)
     read0 = cache.stats["keys_read_per_query"]
     out, lse = cache.attend(q, return_lse=True, tail=sa.Tail(samples, seed=seed), **akw)
     assert out.dtype == np.float32 and lse.dtype == np.float32 and out.shape == (2, T, EV)

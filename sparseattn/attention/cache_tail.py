@@ -133,22 +133,30 @@ def _sample_rows(pos, n_slots, qpos, rep, rec, n_rec, u, m_rows, enum, seed, idx
 _sample_serial, _sample_parallel = serial_and_parallel(_sample_rows)
 
 
-def _visible_counts(cache: Any, qpos: np.ndarray) -> np.ndarray:
-    """(H_kv, T) int64: keys of each kv head visible at each query position (live, position <= qpos[t])."""
-    hk, n = cache.num_kv_heads, cache._slots
-    T = qpos.shape[0]
-    vis = np.full((hk, T), int(cache._n_live), dtype=np.int64)  # the newest position sees every live key
-    older = np.flatnonzero(qpos < cache._n - 1)
-    if older.size == 0 or n == 0:
-        return vis
-    pos = cache._pos[:, :n]
-    if older.size <= 8:
-        for t in older:
-            vis[:, t] = np.count_nonzero(pos <= qpos[t], axis=1)
-    else:
-        for g in range(hk):
-            vis[g, older] = np.searchsorted(np.sort(pos[g]), qpos[older], side="right")
-    return vis
+def _draw(cache: Any, qpos: np.ndarray, rec: np.ndarray, n_rec: np.ndarray, u: np.ndarray, m_rows: np.ndarray,
+          seed: int, rep: int) -> np.ndarray:
+    """(R, max m') int64: each row's sampled unread visible slots (:func:`_sample_rows`), checked against
+    the keys read."""
+    store = cache.store
+    n_slots = int(store.slots)
+    R = m_rows.shape[0]
+    m = int(m_rows.max())  # scratch sized by the samples drawn, not by the request (which may exceed the keys)
+    enum = ~((4 * u >= n_slots) & (2 * m_rows <= u))
+    idx = np.full((R, m), -1, dtype=np.int64)
+    found = np.full(R, -1, dtype=np.int64)
+    scan = int(np.count_nonzero(enum & (m_rows > 0))) * n_slots
+    par = cache.parallel if cache.parallel is not None else scan >= PARALLEL_MIN_SCAN
+    (_sample_parallel if par else _sample_serial)(
+        store.pos, n_slots, np.ascontiguousarray(qpos, dtype=np.int64), rep, rec,
+        np.ascontiguousarray(n_rec, dtype=np.int64), u, m_rows, enum, seed, idx, found)
+    bad = np.flatnonzero(((found >= 0) & (found != u)) | (found == -2))
+    if bad.size:
+        r = int(bad[0])
+        have = "fewer" if found[r] == -2 else str(int(found[r]))
+        raise RuntimeError(f"cache_tail: row {r} has {have} unread visible keys by its recorded slot ranges "
+                           f"but {int(u[r])} by the keys read (nread); the step's rec/n_rec and nread "
+                           f"disagree (a KVCache bug, please report).")
+    return idx
 
 
 def cache_tail(cache: Any, q: np.ndarray, qpos: np.ndarray, out: np.ndarray, lse: np.ndarray,
@@ -159,7 +167,8 @@ def cache_tail(cache: Any, q: np.ndarray, qpos: np.ndarray, out: np.ndarray, lse
     Parameters
     ----------
     cache : KVCache
-        The cache the step ran on (its state unchanged since).
+        The cache the step ran on (its state unchanged since); read through its public surface
+        (``cache.store``: slot positions, keys and values; ``scale``, ``parallel``, head counts).
     q : (H, T, E) float32, C-contiguous
         The step's queries; row ``r = h * T + t``.
     qpos : (T,) int64
@@ -200,41 +209,26 @@ def cache_tail(cache: Any, q: np.ndarray, qpos: np.ndarray, out: np.ndarray, lse
             or n_rec.shape != (R,) or rec.ndim != 3 or rec.shape[0] != R:
         raise ValueError(f"cache_tail: inconsistent shapes q {q.shape}, qpos {qpos.shape}, out {out.shape}, "
                          f"lse {lse.shape}, rec {rec.shape}, n_rec {n_rec.shape}, nread {nread.shape}; pass "
-                         f"the step's arrays from KVCache._run(..., record=True).")
+                         f"the step's arrays from KVCache.debug_step(..., record=True).")
+    store = cache.store
     rep = cache.num_heads // cache.num_kv_heads
-    n_slots = int(cache._slots)
     h_of = np.arange(R, dtype=np.int64) // T
     t_of = np.arange(R, dtype=np.int64) % T
     g_of = h_of // rep
-    u = np.maximum(_visible_counts(cache, qpos)[g_of, t_of] - np.asarray(nread, dtype=np.int64), 0)
+    u = np.maximum(store.visible_counts(qpos)[g_of, t_of] - np.asarray(nread, dtype=np.int64), 0)
     m = int(tail.samples)
     m_rows = np.minimum(u, m).astype(np.int64)
     n_tail = m_rows.copy()
     if not m_rows.any():
         return out, lse, n_tail
-    m = int(m_rows.max())  # scratch sized by the samples drawn, not by the request (which may exceed the keys)
-    enum = ~((4 * u >= n_slots) & (2 * m_rows <= u))
-    idx = np.full((R, m), -1, dtype=np.int64)
-    found = np.full(R, -1, dtype=np.int64)
-    scan = int(np.count_nonzero(enum & (m_rows > 0))) * n_slots
-    par = cache.parallel if cache.parallel is not None else scan >= PARALLEL_MIN_SCAN
-    (_sample_parallel if par else _sample_serial)(
-        cache._pos, n_slots, np.ascontiguousarray(qpos, dtype=np.int64), rep, rec,
-        np.ascontiguousarray(n_rec, dtype=np.int64), u, m_rows, enum, int(tail.seed), idx, found)
-    bad = np.flatnonzero(((found >= 0) & (found != u)) | (found == -2))
-    if bad.size:
-        r = int(bad[0])
-        have = "fewer" if found[r] == -2 else str(int(found[r]))
-        raise RuntimeError(f"cache_tail: row {r} has {have} unread visible keys by its recorded slot ranges "
-                           f"but {int(u[r])} by the keys read (nread); the step's rec/n_rec and nread "
-                           f"disagree (a KVCache bug, please report).")
-
+    idx = _draw(cache, qpos, rec, n_rec, u, m_rows, int(tail.seed), rep)
+    m = idx.shape[1]
     # score the sampled keys, all rows at once: flat list of (row, slot)
     live = np.arange(m)[None, :] < m_rows[:, None]
     rows = np.repeat(np.arange(R), m_rows)
     slots = idx[live]
-    kd = cache._decode(cache._K[g_of[rows], slots]).astype(np.float64)  # (total, E)
-    vd = cache._decode(cache._V[g_of[rows], slots]).astype(np.float64)  # (total, Ev)
+    kd = store.decode(store.K[g_of[rows], slots]).astype(np.float64)  # (total, E)
+    vd = store.decode(store.V[g_of[rows], slots]).astype(np.float64)  # (total, Ev)
     q2 = q.reshape(R, E)
     s = np.einsum("ne,ne->n", kd, q2[rows].astype(np.float64)) * float(cache.scale)
     has = m_rows > 0

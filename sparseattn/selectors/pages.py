@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..inputs import as_float_array
-from ..kernels.decode import page_bounds
+from ..kernels.pages import page_bounds
 from ..pattern import SparsePattern
 from .base import Param, Selector, positive, register
 

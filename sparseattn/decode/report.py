@@ -1,0 +1,129 @@
+"""Read-only reports of a decode cache: bytes held, counters, h2o weights and a debug view of its parts
+(the reporting half of :class:`sparseattn.KVCache`)."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from .checks import check_kv_head
+from .store import EVICTED
+
+__all__ = ["CacheReport"]
+
+
+def _readonly(x: np.ndarray) -> np.ndarray:
+    v = x.view()
+    v.flags.writeable = False
+    return v
+
+
+class CacheReport:
+    """Reporting methods of :class:`sparseattn.KVCache` (a mixin over its store, routing strategy and
+    counters)."""
+
+    _cfg: Any
+    _store: Any
+    _routing: Any
+    _stats: dict[str, Any]
+    _last_read: Any
+    _lock: Any
+    _run: Any
+    _strategy: Any
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes of the stored keys and values (slots in use)."""
+        return self._store.kv_nbytes
+
+    @property
+    def index_nbytes(self) -> int:
+        """Bytes of everything beyond the keys and values: positions, routing vectors and cluster
+        statistics, page bounds, h2o weights, index-selector slot maps (not the FAISS index itself)."""
+        st = self._store
+        total = st.slots * self.num_kv_heads * 4 + self._routing.index_nbytes()  # int32 position per slot
+        if self.policy == "h2o" and self.max_keys is not None:
+            total += st.slots * self.num_kv_heads * 8
+        return total
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held for the slots in use: keys, values and index (``kv_nbytes + index_nbytes``)."""
+        return self.kv_nbytes + self.index_nbytes
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Counters and timings.
+
+        Cumulative since the cache was made: ``appends``, ``attends``, ``queries`` (query rows attended:
+        heads x tokens), ``keys_read`` and ``clusters_estimated`` (summed over those rows), seconds in
+        append / clustering / attend / the kernel, ``evicted_keys``, ``compactions``, ``index_rebuilds``.
+        Of the last attend: ``keys_read_per_query`` (mean), ``keys_read_max``, ``keys_read_min``,
+        ``clusters_estimated_per_query``.  Now: segments, clusters, tail keys, slots, bytes.
+        ``keys_read / queries`` is the mean over every attend."""
+        st = self._store
+        out = {"cluster_seconds": 0.0, "segments_clustered": 0, "keys_read_per_query": 0.0, "keys_read_max": 0,
+               "keys_read_min": 0, "clusters_estimated_per_query": 0.0, "index_rebuilds": 0, "segments": 0,
+               "open_segment_keys": 0, "clusters_per_head": 0.0}
+        out.update(self._stats)
+        out.update(self._routing.stats())
+        if self._last_read is not None:
+            nread, nest = self._last_read
+            out.update(keys_read_per_query=float(nread.mean()), keys_read_max=int(nread.max()),
+                       keys_read_min=int(nread.min()), clusters_estimated_per_query=float(nest.mean()))
+        out.update(tail_keys=st.slots - self._routing.tail_start(), len=len(self), kv_nbytes=self.kv_nbytes,
+                   index_nbytes=self.index_nbytes, slots=st.slots,
+                   append_us_per_token=(1e6 * self._stats["append_seconds"] / st.n) if st.n else 0.0)
+        return out
+
+    def heavy_hitter_weights(self, kv_head: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """``policy="h2o"``: (positions int64, accumulated attention weights float64) of the attendable keys
+        of kv head ``kv_head``, sorted by position."""
+        if self.policy != "h2o":
+            raise ValueError(f"heavy_hitter_weights needs policy='h2o'; this cache has policy={self.policy!r}.")
+        kv_head = check_kv_head(self._cfg, kv_head)
+        st = self._store
+        p = st.pos[kv_head, :st.slots].astype(np.int64)
+        w = st.weight[kv_head, :st.slots] if st.weight.shape[1] else np.zeros(st.slots)
+        live = p != EVICTED
+        order = np.argsort(p[live], kind="stable")
+        return p[live][order], w[live][order]
+
+    def debug_view(self) -> MappingProxyType:
+        """Read-only views of the cache's internals, for tests and measurements (the layout may change
+        between releases; nothing here is needed to use the cache).
+
+        Keys: ``slots`` (int, slots in use), ``positions`` (H_kv, slots) int32 (``EVICTED`` for an
+        evicted slot), ``keys`` (H_kv, slots, E) and ``values`` (H_kv, slots, Ev) float32, ``raw_keys`` /
+        ``raw_values`` (the storage arrays, whole capacity, storage dtype), ``weights`` (h2o: (H_kv,
+        slots) float64) and the routing strategy's arrays (``cluster``: ``n_clusters``, ``cluster_ptr``,
+        ``cluster_count``, ``cluster_value_mean``, ``cluster_min_pos``, ``cluster_max_pos``,
+        ``routing_codes`` (int8) and ``routing_scales`` (float32), ``routing_vectors`` (their product), ``segment_starts``, ``open_segment``; ``pages``: ``page_min``, ``page_max``,
+        ``page_min_pos``; index selectors: ``indexes``, ``index_ids``).
+        """
+        st = self._store
+        n = st.slots
+        view: dict[str, Any] = {"slots": n, "positions": _readonly(st.pos[:, :n]),
+                                "keys": _readonly(st.decode(st.K[:, :n])), "values": _readonly(st.decode(st.V[:, :n])),
+                                "raw_keys": _readonly(st.K), "raw_values": _readonly(st.V)}
+        if self.policy == "h2o":
+            view["weights"] = _readonly(st.weight[:, :n])
+        view.update({k: _readonly(v) if isinstance(v, np.ndarray) else v
+                     for k, v in self._routing.debug_arrays().items()})
+        return MappingProxyType(view)
+
+    def debug_step(self, queries: np.ndarray, qpos: np.ndarray, k: int = 64, selector: str | None = None,
+                   *, record: bool = True) -> tuple[np.ndarray, ...]:
+        """One kernel call without the checks and bookkeeping of :meth:`attend` (for tests and measurements).
+
+        ``queries`` (H, T, E) float32 C-contiguous at positions ``qpos`` (T,) int64; returns (out (H, T, Ev),
+        lse (H, T), keys read (R,), clusters estimated (R,), rec (R, n, 3), n_rec (R,)) with ``R = H * T``
+        and ``rec[r, :n_rec[r]]`` the slot ranges (first, stop, lim) row r scored (slot j of a range was
+        read iff its position is ``<= qpos[t]`` and ``< lim``).  Under ``policy="h2o"`` the weights are
+        accumulated as by :meth:`attend`.
+        """
+        with self._lock:
+            res = self._run(queries, qpos, k, self._strategy(selector), record=record)
+        return res.out, res.lse, res.nread, res.nest, res.rec, res.n_rec
