@@ -197,7 +197,7 @@ def main() -> None:
         print(json.dumps(child(json.loads(args.child))))
         return
 
-    from sparseattn.bench import machine_info
+    from sparseattn.tools.bench import machine_info
 
     data = f"synthetic:n={args.n},d={args.d},kind=clustered,seed=0"
     cases = [c for c in CASES if args.only is None or c[0] in args.only]

@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out.strip() or out.is_dir():
         ap.error(f"--out {args.out!r}: give a file path such as results/storage-floor.json")
     try:
-        from sparseattn.cli import check_out_dir
+        from sparseattn.tools.cli import check_out_dir
 
         check_out_dir(str(out.parent), "--out's folder")
     except ValueError as exc:

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 import sparseattn as sa
-from sparseattn.bench import iter_workloads
+from sparseattn.tools.bench import iter_workloads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

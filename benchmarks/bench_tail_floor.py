@@ -35,7 +35,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from sparseattn.bench import iter_workloads
+from sparseattn.tools.bench import iter_workloads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROPOSALS = ("weights", "optimal", "uniform")

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import sparseattn as sa
-from sparseattn import bench, report
-from sparseattn.cli import main
+from sparseattn.tools import bench, report
+from sparseattn.tools.cli import main
 
 SYNTH = "synthetic:n=300,d=16,kind=clustered,n_clusters=8,seed=3"
 
@@ -90,7 +90,7 @@ def test_compare_flags_a_slowed_baseline_and_measures_speedups_against_the_fresh
 
 def test_fairness_check_says_why_when_the_fresh_process_fails(monkeypatch):
     wl = bench.load_workload(SYNTH)
-    monkeypatch.setattr(bench, "_FRESH_SDPA_SCRIPT", "import sys; sys.exit('no torch for this interpreter')")
+    monkeypatch.setattr(bench, "FRESH_SDPA_SCRIPT", "import sys; sys.exit('no torch for this interpreter')")
     fair = bench.check_fairness(wl, {"dense_s": 0.1, "sdpa_s": 0.2}, is_causal=False, repeats=1)
     assert fair["ok"] is None and fair["fresh_s"] is None and fair["in_run_s"] == 0.2
     assert "no torch for this interpreter" in fair["reason"]
@@ -197,7 +197,7 @@ def test_load_workload_from_a_named_trace_directory(tmp_path):
 
 
 def test_suite_runs_each_case_in_a_subprocess_keeps_errors_and_plots(tmp_path, monkeypatch):
-    from sparseattn import suite
+    from sparseattn.tools import suite
 
     cases = [{"data": f"synthetic:n={n},d=16,kind=gaussian,seed=0", "k": 8, "causal": False,
               "selectors": ["window:width=4", "cluster:mode=block,n_clusters=4,n_probe=2"]} for n in (128, 256)]
@@ -219,7 +219,7 @@ def test_suite_runs_each_case_in_a_subprocess_keeps_errors_and_plots(tmp_path, m
 
 
 def test_summary_table_picks_fastest_accurate_and_most_mass_faster_than_sdpa(tmp_path):
-    from sparseattn import suite
+    from sparseattn.tools import suite
 
     def row(name, total, recall, mass, speedup):
         return {"selector": name, "total_s": total, "speedup_vs_sdpa": speedup,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparseattn.cli import main
+from sparseattn.tools.cli import main
 
 
 def test_explain_prints_the_worked_numbers(capsys):
@@ -32,7 +32,7 @@ def test_explain_rejects_bad_query(capsys):
 def test_help_lists_every_command(capsys):
     import pytest
 
-    import sparseattn.cli as cli
+    import sparseattn.tools.cli as cli
 
     with pytest.raises(SystemExit):
         main(["--help"])
@@ -58,9 +58,9 @@ def test_no_import_cycle_between_report_suite_and_cli():
     import ast
     import pathlib
 
-    import sparseattn
+    import sparseattn.tools
 
-    root = pathlib.Path(sparseattn.__file__).parent
+    root = pathlib.Path(sparseattn.tools.__file__).parent
     graph = {}
     for name in ("bench", "report", "suite", "cli"):
         tree = ast.parse((root / f"{name}.py").read_text())
@@ -72,6 +72,34 @@ def test_no_import_cycle_between_report_suite_and_cli():
     assert "cli" not in graph["report"] | graph["suite"] | graph["bench"]
     assert "suite" not in graph["report"]  # suite may use report's plot helpers; never the reverse
     assert not graph["bench"]
+
+
+def test_the_library_never_imports_its_tools():
+    # sparseattn/tools/ builds on the library; apart from the documented sparseattn.traces path, no module
+    # outside tools/ imports from it (relative or absolute), so the library runs without the tools.
+    import ast
+    import pathlib
+
+    import sparseattn
+
+    pkg = pathlib.Path(sparseattn.__file__).parent
+    offenders = []
+    for path in sorted(pkg.rglob("*.py")):
+        rel = path.relative_to(pkg)
+        if rel.parts[0] == "tools" or rel == pathlib.Path("traces.py"):
+            continue
+        package = ["sparseattn", *rel.parts[:-1]]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package[:len(package) - node.level + 1] if node.level else []
+                names = [".".join([*base, *(node.module.split(".") if node.module else []), a.name])
+                         for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            offenders += [f"{rel}: {n}" for n in names if n.startswith("sparseattn.tools")]
+    assert offenders == []
 
 
 def test_version(capsys):
@@ -93,7 +121,7 @@ def test_compare_help_documents_own_data(capsys):
 @pytest.fixture
 def no_fresh_sdpa(monkeypatch):
     """Skip compare's fresh-process SDPA re-timing (a subprocess per run; not what these tests check)."""
-    from sparseattn import bench
+    from sparseattn.tools import bench
 
     def skip(*args, **kwargs):
         raise RuntimeError("skipped in tests")
@@ -119,7 +147,7 @@ def test_compare_own_npz_2d_3d_4d_matches_the_manifest_format(capsys, tmp_path, 
 
     import numpy as np
 
-    from sparseattn import traces
+    from sparseattn.tools import traces
 
     rng = np.random.default_rng(7)
     monkeypatch.chdir(tmp_path)
@@ -167,7 +195,7 @@ def test_progress_steps_modes(capsys, monkeypatch):
     import io
     import sys
 
-    from sparseattn.cli import progress_steps
+    from sparseattn.tools.cli import progress_steps
 
     with progress_steps(2, "t", quiet=True) as say:
         say("a")
@@ -200,7 +228,7 @@ def test_progress_steps_modes(capsys, monkeypatch):
 
 
 def test_trace_reports_each_generation_step(capsys, tmp_path, monkeypatch):
-    from sparseattn import traces
+    from sparseattn.tools import traces
 
     def fake(out_dir, kind, *, progress, **kwargs):
         for i in range(traces.GENERATE_STEPS):

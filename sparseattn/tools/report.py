@@ -1,7 +1,7 @@
 """Reports from benchmark results: tables (terminal, Markdown, HTML), JSON and plots.
 
-Results are produced as plain dicts by :mod:`sparseattn.bench` (and suites by :mod:`sparseattn.suite`);
-everything here only renders them.  The command-line handlers live in :mod:`sparseattn.cli`.
+Results are produced as plain dicts by :mod:`sparseattn.tools.bench` (and suites by :mod:`sparseattn.tools.suite`);
+everything here only renders them.  The command-line handlers live in :mod:`sparseattn.tools.cli`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,10 @@ def _get(row: dict[str, Any], path: str) -> Any:
     return cur
 
 
-def _fmt(value: Any) -> str:
+def format_value(value: Any) -> str:
+    """A table cell: ``-`` for None, ``0`` for 0.0, other floats with no decimals from 100 up, 2 from 1 up,
+    3 below (``1234.5`` -> ``"1234"``, ``2.345`` -> ``"2.35"``, ``0.01234`` -> ``"0.012"``), anything
+    else through ``str``.  Shared by every table of the tools."""
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -66,7 +69,7 @@ def _fmt(value: Any) -> str:
 # --------------------------------------------------------------------------------- selector labels
 def _default_params(name: str) -> dict[str, str]:
     """``{param: value}`` of a selector's default spec string; empty for an unknown or unavailable one."""
-    from .selectors import get_selector, spec_string
+    from ..selectors import get_selector, spec_string
 
     try:
         spec = spec_string(get_selector(name))
@@ -150,7 +153,7 @@ def _keys_reason(r: dict[str, Any], k: int, causal: bool, L: int, S: int) -> str
               f"than k = {k} (mean of min(i + 1, k) over {L} rows: "
               f"{sum(min(i + 1, S, k) for i in range(L)) / max(L, 1):.2f}). ") if causal and kpq < k else ""
     if name == "window":
-        from .pattern import SparsePattern
+        from ..pattern import SparsePattern
 
         w, d = params.get("width") or k, int(params.get("dilation") or 1)
         mean = SparsePattern.window(L, S, w, is_causal=causal, dilation=d).nnz / max(L, 1)
@@ -187,18 +190,18 @@ def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     header = [c[0] for c in COLUMNS]
     rows: list[list[str]] = []
     dense = result["dense"]
-    rows.append(["dense (ours, exact)", "all", "-", "-", "-", _fmt(dense.get("dense_s")), "1.00",
-                 _fmt(dense["sdpa_s"] / dense["dense_s"]) if dense.get("sdpa_s") else "-", "1", "1", "0", "0"])
+    rows.append(["dense (ours, exact)", "all", "-", "-", "-", format_value(dense.get("dense_s")), "1.00",
+                 format_value(dense["sdpa_s"] / dense["dense_s"]) if dense.get("sdpa_s") else "-", "1", "1", "0", "0"])
     if dense.get("sdpa_s"):
-        rows.append(["torch SDPA (exact)", "all", "-", "-", "-", _fmt(dense["sdpa_s"]),
-                     _fmt(dense["dense_s"] / dense["sdpa_s"]), "1.00", "1", "1", "0", "0"])
+        rows.append(["torch SDPA (exact)", "all", "-", "-", "-", format_value(dense["sdpa_s"]),
+                     format_value(dense["dense_s"] / dense["sdpa_s"]), "1.00", "1", "1", "0", "0"])
     labels = _label_map(result)
     notes = keys_per_query_notes(result)
     for r in result["results"]:
         if "error" in r:
             rows.append([labels[r["selector"]], f"error: {r['error']}"] + [""] * (len(COLUMNS) - 2))
             continue
-        cells = [_fmt(_get(r, path)) for _, path in COLUMNS]
+        cells = [format_value(_get(r, path)) for _, path in COLUMNS]
         cells[0] = labels[r["selector"]]
         if r["selector"] in notes:
             cells[1] += "*"
@@ -214,7 +217,7 @@ def _spec_lines(result: dict[str, Any]) -> list[tuple[str, str, str | None]]:
 
 
 def render_text(result: dict[str, Any]) -> str:
-    """A compare result (:func:`sparseattn.bench.compare`) as a fixed-width terminal table.
+    """A compare result (:func:`sparseattn.tools.bench.compare`) as a fixed-width terminal table.
 
     Selectors are shown by short labels; the lines under the table give each label's full spec and why a
     keys/q value marked ``*`` differs from k.
@@ -226,8 +229,8 @@ def render_text(result: dict[str, Any]) -> str:
     out = [_title(result), line(header), line(["-" * w for w in widths])]
     out += [line(r) if not r[1].startswith("error") else f"{r[0]}  {r[1]}" for r in rows]
     out.append(_footnote(result))
-    if _fairness_line(result):
-        out.append(_fairness_line(result))
+    if fairness_line(result):
+        out.append(fairness_line(result))
     specs = _spec_lines(result)
     if any(note for _, _, note in specs):
         out.append("keys/q *: why a selector reads a different number of keys than k per query:")
@@ -262,8 +265,8 @@ def render_markdown(result: dict[str, Any], plots: list[str] | None = None) -> s
              "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(esc(c) for c in r) + " |" for r in rows]
     lines += ["", _footnote(result), ""]
-    if _fairness_line(result):
-        lines += [_fairness_line(result), ""]
+    if fairness_line(result):
+        lines += [fairness_line(result), ""]
     specs = _spec_lines(result)
     if any(note for _, _, note in specs):
         lines += ["Keys per query marked *:", ""]
@@ -271,13 +274,13 @@ def render_markdown(result: dict[str, Any], plots: list[str] | None = None) -> s
         lines.append("")
     lines += ["| label | full selector spec |", "|---|---|"]
     lines += [f"| `{label}` | `{spec}` |" for label, spec, _ in specs]
-    lines += ["", f"Machine: {_machine_line(result)}", ""]
+    lines += ["", f"Machine: {machine_line(result)}", ""]
     for p in plots or []:
         lines.append(f"![{os.path.basename(p)}]({os.path.basename(p)})")
     return "\n".join(lines) + "\n"
 
 
-def _fairness_line(result: dict[str, Any]) -> str | None:
+def fairness_line(result: dict[str, Any]) -> str | None:
     """The SDPA baseline check of a result (``result["fairness"]``, when the harness recorded one)."""
     fair = result.get("fairness")
     if not isinstance(fair, dict) or not fair.get("reason"):
@@ -286,13 +289,15 @@ def _fairness_line(result: dict[str, Any]) -> str | None:
     return f"SDPA baseline check: {state} ({fair['reason']})."
 
 
-def _machine_line(result: dict[str, Any]) -> str:
+def machine_line(result: dict[str, Any]) -> str:
+    """One line naming the machine and library versions of a result (``result["machine"]``)."""
     m = result["machine"]
     libs = ", ".join(f"{k} {m[k]}" for k in ("numpy", "numba", "faiss", "datasketch", "scipy", "torch") if m.get(k))
     return f"{m['cpu']}, {m['cores']} cores, {m['threads']} thread(s), Python {m['python']}; {libs}"
 
 
-_CSS = ("body{font-family:sans-serif;margin:1.5em;font-size:14px}"
+# The style sheet of every HTML report of the tools (compare, decode).
+HTML_CSS = ("body{font-family:sans-serif;margin:1.5em;font-size:14px}"
         "table{border-collapse:collapse;margin:0.5em 0}"
         "td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}"
         "th{background:#f4f4f4}td:first-child,th:first-child{text-align:left;white-space:nowrap}"
@@ -328,15 +333,15 @@ def render_html(result: dict[str, Any], plots: list[str] | None = None) -> str:
     notes_html = f"<p>Keys per query marked *:</p><ul>{notes}</ul>" if notes else ""
     spec_rows = "".join(f"<tr><td>{html.escape(label)}</td><td>{html.escape(spec)}</td></tr>"
                         for label, spec, _ in specs)
-    fair = _fairness_line(result)
+    fair = fairness_line(result)
     fair_html = f"<p>{html.escape(fair)}</p>" if fair else ""
     imgs = "".join(f'<p><img src="{html.escape(os.path.basename(p))}"></p>' for p in plots or [])
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>sparseattn compare</title>"
-            f"<style>{_CSS}</style></head><body><h2>{html.escape(_title(result))}</h2>"
+            f"<style>{HTML_CSS}</style></head><body><h2>{html.escape(_title(result))}</h2>"
             f"<table><tr>{th}</tr>{body}</table>"
             f"<p>{html.escape(_footnote(result))}</p>{fair_html}{notes_html}"
             f"<table class='specs'><tr><th>label</th><th>full selector spec</th></tr>{spec_rows}</table>"
-            f"<p>Machine: {html.escape(_machine_line(result))}</p>"
+            f"<p>Machine: {html.escape(machine_line(result))}</p>"
             f"{imgs}</body></html>\n")
 
 

@@ -1,7 +1,7 @@
 """The measurement harness: workloads, timed runs of selectors and dense baselines, quality recomputed.
 
 Results are data first (plain dicts, JSON-serialisable); tables and plots are made from them in
-:mod:`sparseattn.report`.  Rules the harness follows:
+:mod:`sparseattn.tools.report`.  Rules the harness follows:
 
 * the JIT is warmed up before anything is timed; times are ``perf_counter`` medians over repeats;
 * build, select and kernel are timed separately; dense baselines (ours, and torch SDPA when installed,
@@ -36,13 +36,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _numba_setup, metrics
-from . import data as data_mod
-from .attention.dense import scaled_dot_product_attention
-from .attention.sparse import sparse_attention
-from .pattern import SparsePattern
-from .selectors import get_selector, spec_string
-from .threads import get_num_threads
+from .. import _numba_setup, metrics
+from .. import data as data_mod
+from ..attention.dense import scaled_dot_product_attention
+from ..attention.sparse import sparse_attention
+from ..pattern import SparsePattern
+from ..selectors import get_selector, spec_string
+from ..threads import get_num_threads
 
 
 @dataclass
@@ -159,8 +159,8 @@ def json_default(o: Any) -> Any:
 
 def warm_up() -> None:
     """Compile the shared kernels the harness times: both fused variants, float32 and float64."""
-    from .kernels import fused
-    from .kernels.bias import no_bias_args
+    from ..kernels import fused
+    from ..kernels.bias import no_bias_args
 
     for dt in (np.float32, np.float64):
         w = np.ones((1, 64, 8), dt)
@@ -238,9 +238,10 @@ def time_dense(wl: Workload, *, is_causal: bool, repeats: int = 3) -> dict[str, 
 
 FAIRNESS_TOLERANCE = 0.25  # in-run SDPA may differ from a fresh process's by at most this fraction
 
-# Runs in a fresh interpreter that imports numpy and torch only (never sparseattn or Numba), so nothing of
-# ours can have slowed torch; times SDPA exactly as time_dense does and prints the median as JSON.
-_FRESH_SDPA_SCRIPT = r"""
+# The script fresh_sdpa_seconds runs in a fresh interpreter (argv: the .npz path, causal 0/1, scale, repeats,
+# threads).  It imports numpy and torch only (never sparseattn or Numba), so nothing of ours can have
+# slowed torch; times SDPA exactly as time_dense does and prints the median as JSON.
+FRESH_SDPA_SCRIPT = r"""
 import json, statistics, sys, time
 import numpy as np
 import torch
@@ -273,7 +274,7 @@ def fresh_sdpa_seconds(wl: Workload, *, is_causal: bool, repeats: int = 3, timeo
     with tempfile.TemporaryDirectory(prefix="sparseattn-fair-") as tmp:
         path = os.path.join(tmp, "qkv.npz")
         np.savez(path, q=wl.q, k=wl.k, v=wl.v)
-        cmd = [sys.executable, "-c", _FRESH_SDPA_SCRIPT, path, "1" if is_causal else "0", repr(float(wl.scale)),
+        cmd = [sys.executable, "-c", FRESH_SDPA_SCRIPT, path, "1" if is_causal else "0", repr(float(wl.scale)),
                str(int(repeats)), str(get_num_threads())]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_numba_setup.user_environ())
     if proc.returncode != 0:
@@ -471,7 +472,7 @@ def compare(data: str = "window", selectors: Sequence[str] | None = None, *, k: 
 
 def default_selectors(wl: Workload | None = None) -> list[str]:
     """A representative set: the exact oracle, structural, hashing, tree, FAISS and cluster routing."""
-    from .selectors import available_selectors
+    from ..selectors import available_selectors
 
     avail = {name for name, reason in available_selectors().items() if reason is None}
     wanted = ["topk", "window", "window:width=48+sinks:g=4+random:n_random=12", "angular-lsh", "lsh:n_candidates=256",

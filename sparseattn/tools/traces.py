@@ -44,6 +44,7 @@ __all__ = [
     "KJV_PACKAGES",
     "MODEL_NAME",
     "capture_qkv",
+    "clean_kjv",
     "generate_traces",
     "kjv_text",
     "load_model",
@@ -167,7 +168,7 @@ def _default_cache_dir() -> Path:
     return Path(base) / "sparseattn"
 
 
-def _clean_kjv(raw: str) -> str:
+def clean_kjv(raw: str) -> str:
     """One verse per line: drop chapter headings and verse numbers, unwrap continuation lines."""
     verses: list[str] = []
     expect_heading = False
@@ -284,7 +285,7 @@ def kjv_text(cache_dir: str | os.PathLike[str] | None = None, *, raw: bool = Fal
         tmp_file = cached.with_suffix(".tmp")
         tmp_file.write_text(text, encoding="utf-8")
         tmp_file.replace(cached)
-    return text if raw else _clean_kjv(text)
+    return text if raw else clean_kjv(text)
 
 
 def tokenize_text(text: str, tokenizer: Any) -> np.ndarray:
@@ -420,7 +421,7 @@ def _reference_context(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.nda
 
     q, k, v: (B, H, T, D); mask: (B, T) of 0/1.  Returns (B, T, H*D).
     """
-    from .attention.dense import scaled_dot_product_attention
+    from ..attention.dense import scaled_dot_product_attention
 
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
     d = q.shape[-1]

@@ -2,10 +2,10 @@
 
 * ``explain``: the tutorial's worked example, step by step;
 * ``selectors``: every selector with its parameters and availability;
-* ``compare``: selectors against exact attention on one workload (tables via :mod:`sparseattn.report`);
+* ``compare``: selectors against exact attention on one workload (tables via :mod:`sparseattn.tools.report`);
 * ``decode``: the decode workload of :class:`sparseattn.KVCache`, per cache selector
-  (:mod:`sparseattn.decode_report`);
-* ``bench``: a benchmark suite (:mod:`sparseattn.suite`);
+  (:mod:`sparseattn.tools.decode_report`);
+* ``bench``: a benchmark suite (:mod:`sparseattn.tools.suite`);
 * ``trace``: capture real Q/K/V traces from MiniLM (:mod:`sparseattn.traces`).
 """
 
@@ -71,7 +71,7 @@ def _scale_arg(text: str) -> float | None:
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    from .tutorial import attention_steps, seed_example
+    from ..tutorial import attention_steps, seed_example
 
     e = seed_example()
     scale = args.scale
@@ -86,7 +86,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_selectors(args: argparse.Namespace) -> int:
-    from .selectors import selector_classes
+    from ..selectors import selector_classes
 
     for name, cls in selector_classes().items():
         reason = cls.unavailable_reason()
@@ -215,8 +215,8 @@ def check_selector_specs(specs: Sequence[str], option: str = "--selectors") -> l
     Checks: known names, known parameters given once, values of the right type and range (integers at
     most 2**31 - 1, the C int the FAISS and BLAS calls take), and availability of the backend.
     """
-    from .selectors import get_selector, selector_classes
-    from .selectors.params import parse_value
+    from ..selectors import get_selector, selector_classes
+    from ..selectors.params import parse_value
 
     classes = selector_classes()
     out = []
@@ -269,8 +269,8 @@ def _check_memory(need: float, what: str, fix: str) -> None:
 
 def _resolve_data(spec: str, max_groups: int | None) -> tuple[str, dict[str, int], Any]:
     """The spec bench.compare loads, the workload's shape (groups, L, S, E, Ev), and a user trace or None."""
+    from .. import data as data_mod
     from . import bench
-    from . import data as data_mod
 
     if spec.startswith("synthetic"):
         try:
@@ -321,8 +321,8 @@ def _add_run_args(p: argparse.ArgumentParser, thread_users: str, out_what: str) 
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
+    from ..threads import get_num_threads, threads
     from . import bench, report
-    from .threads import get_num_threads, threads
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
     bad = sorted(set(formats) - set(_FORMATS))
@@ -381,8 +381,8 @@ def _check_formats(text: str) -> list[str]:
 
 
 def _open_decode_source(spec: str) -> Any:
-    """The key source of ``decode --data`` (:func:`sparseattn.decode_report.open_source`), errors naming --data."""
-    from . import data as data_mod
+    """The key source of ``decode --data`` (:func:`sparseattn.tools.decode_report.open_source`), errors naming --data."""
+    from .. import data as data_mod
     from . import decode_report
 
     if spec.startswith("synthetic"):
@@ -407,8 +407,8 @@ def _cmd_decode(args: argparse.Namespace) -> int:
 
     import numpy as np
 
+    from ..threads import get_num_threads, threads
     from . import decode_report
-    from .threads import get_num_threads, threads
 
     formats = _check_formats(args.format)
     files = [f for f in formats if f != "table"]
@@ -510,7 +510,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     """Register ``compare``, ``decode``, ``bench`` and ``trace`` on the ``sparseattn`` parser."""
-    from .data import USER_DATA_HELP
+    from ..data import USER_DATA_HELP
     from .suite import SUITES
 
     positive = _int_arg(1)
@@ -594,7 +594,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``sparseattn`` argument parser with every subcommand."""
-    from . import __version__
+    from .. import __version__
 
     parser = _Parser(prog="sparseattn", description=__doc__,
                      epilog="Exit status: 0 success, 1 a run failed (a selector or bench case), 2 a usage or "
