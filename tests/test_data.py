@@ -417,7 +417,7 @@ def test_missing_extra_gives_install_hint(monkeypatch):
 
 
 def test_traces_module_imports_torch_lazily():
-    code = "import sys, sparseattn.tools.traces, sparseattn.data; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    code = "import sys, sparseattn.traces, sparseattn.data; print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 
