@@ -22,6 +22,7 @@ import sys
 import time
 
 from sparseattn.tools import bench
+from sparseattn.tools.args import OneLineParser, positive_int
 
 _SYN = "synthetic:n={n},d=64,kind={kind},seed=0"
 _BLOCK = "cluster:mode=block"
@@ -45,8 +46,8 @@ def cases(real: str | None, skip_large: bool) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--skip-large", action="store_true", help="skip n = 262,144 (SDPA alone takes ~80 s)")
     default_real = os.path.expanduser("~/.cache/sparseattn/traces")
     ap.add_argument("--real", default=f"store65k@{default_real}",

@@ -118,6 +118,49 @@ def iter_workloads(specs: Iterable[str]) -> Iterator[tuple[int, str, Workload]]:
             print(f"skip {spec}: {exc}", flush=True)
 
 
+def decode_inputs(kind: str, n_total: int, hkv: int, rep: int, steps: int, e: int = 64
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Synthetic decode inputs with grouped-query heads, one :func:`sparseattn.data.synthetic` call per
+    kv head (seed = the kv head's index; ``gaussian`` keys follow MiniLM's norm profile).
+
+    Parameters
+    ----------
+    kind : str
+        ``"gaussian"``, ``"clustered"`` or ``"correlated"``.
+    n_total : int
+        Keys per kv head.
+    hkv, rep : int
+        kv heads, and query heads per kv head.
+    steps : int
+        Queries per query head.
+    e : int
+        Head size.
+
+    Returns
+    -------
+    K, V : numpy.ndarray
+        float32, shape (hkv, n_total, e).
+    Q : numpy.ndarray
+        float32, shape (hkv * rep, steps, e); query head ``g * rep + r`` belongs to kv head ``g``.
+    """
+    K = np.empty((hkv, n_total, e), np.float32)
+    V = np.empty((hkv, n_total, e), np.float32)
+    Q = np.empty((hkv * rep, steps, e), np.float32)
+    extra = ",norm_profile=minilm" if kind == "gaussian" else ""
+    for g in range(hkv):
+        q, k, v = data_mod.synthetic(f"synthetic:n={n_total},d={e},kind={kind},seed={g},"
+                                     f"n_queries={steps * rep}{extra}")
+        K[g], V[g] = k, v
+        Q[g * rep:(g + 1) * rep] = q.reshape(rep, steps, e)
+        del q, k, v
+    return K, V, Q
+
+
+def log(*parts: object) -> None:
+    """Print ``HH:MM:SS part ...`` on stdout at once (progress lines of the benchmark scripts)."""
+    print(time.strftime("%H:%M:%S"), *parts, flush=True)
+
+
 def machine_info() -> dict[str, Any]:
     """CPU, threads and library versions, stored with every result."""
     import numba

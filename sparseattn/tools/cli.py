@@ -20,41 +20,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .args import OneLineParser, choice_arg, int_arg, positive_int
+
 _INT_MAX = 2**31 - 1  # FAISS and BLAS take C ints: a larger selector parameter overflows there
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line usage errors (exit 2): ``sparseattn compare: error: argument --k: ...``."""
-
-    def error(self, message: str) -> Any:  # type: ignore[override]
-        if message.startswith("argument ") and ": must be " in message:  # our types: "--k must be >= 1; ..."
-            message = message[len("argument "):].replace(": must be ", " must be ", 1)
-        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
-
-
-def _int_arg(minimum: int, maximum: Callable[[], int] | None = None, what: str = "") -> Callable[[str], int]:
-    """argparse type: an integer in [minimum, maximum()] with a message saying the allowed range."""
-
-    def parse(text: str) -> int:
-        hi = maximum() if maximum is not None else None
-        rule = f">= {minimum}" if hi is None else f"from {minimum} to {hi}{what}"
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer {rule}; got {text!r}") from None
-        if value < minimum or (hi is not None and value > hi):
-            raise argparse.ArgumentTypeError(f"must be {rule}; got {value}")
-        return value
-
-    parse.__name__ = "int"
-    return parse
 
 
 def _cpus() -> int:
     return os.cpu_count() or 1
 
 
-_threads_arg = _int_arg(1, _cpus, " (the CPUs here)")
+_threads_arg = int_arg(1, _cpus, " (the CPUs here)")
 
 
 def _scale_arg(text: str) -> float | None:
@@ -360,18 +335,6 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _choice_arg(choices: Sequence[str]) -> Callable[[str], str]:
-    """argparse type: one of ``choices``, with a message listing them."""
-
-    def parse(text: str) -> str:
-        if text not in choices:
-            raise argparse.ArgumentTypeError(f"must be one of {', '.join(choices)}; got {text!r}")
-        return text
-
-    parse.__name__ = "choice"
-    return parse
-
-
 def _check_formats(text: str) -> list[str]:
     formats = [f.strip() for f in text.split(",") if f.strip()]
     bad = sorted(set(formats) - set(_FORMATS))
@@ -513,7 +476,6 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     from ..data import USER_DATA_HELP
     from .suite import SUITES
 
-    positive = _int_arg(1)
     p = sub.add_parser("compare", help="compare selectors against dense attention (accuracy and speed)",
                        description="Run selectors and exact attention side by side on one workload and "
                                    "report speed and accuracy. Default: the shipped real MiniLM traces. "
@@ -526,11 +488,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--selectors", nargs="+", default=None,
                    help="selector specs, e.g. topk window:width=64 'window+sinks+faiss-hnsw:M=32' (default: a "
                         "representative set; see `sparseattn selectors`)")
-    p.add_argument("--k", type=positive, default=64,
+    p.add_argument("--k", type=positive_int, default=64,
                    help="keys per query for top-k selectors, at most the keys per group (default 64)")
     p.add_argument("--causal", action="store_true", help="causal attention (query i sees keys j <= i)")
-    p.add_argument("--repeats", type=positive, default=3, help="timing repeats; medians are reported (default 3)")
-    p.add_argument("--max-groups", type=positive, default=12,
+    p.add_argument("--repeats", type=positive_int, default=3, help="timing repeats; medians are reported (default 3)")
+    p.add_argument("--max-groups", type=positive_int, default=12,
                    help="evaluate this many evenly spaced (batch, head) groups of multi-group data (default 12)")
     _add_run_args(p, "Numba/FAISS/BLAS", "output folder")
     p.set_defaults(func=_cmd_compare)
@@ -549,18 +511,18 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                         "(one seeded call per head: seed, seed+1, ...) | your arrays: FILE.npz, a FOLDER with "
                         "q.npy k.npy v.npy, or q.npy,k.npy,v.npy; keys are appended in position order "
                         "(default store)")
-    p.add_argument("--length", type=positive, default=None,
+    p.add_argument("--length", type=positive_int, default=None,
                    help="keys in the cache before the first step (default: the data's keys minus --steps)")
-    p.add_argument("--heads", type=positive, default=None,
+    p.add_argument("--heads", type=positive_int, default=None,
                    help=f"heads (evenly spaced groups of the data; default: the data's, at most "
                         f"{DEFAULT_HEADS}; synthetic: 4)")
     p.add_argument("--selectors", nargs="+", default=[",".join(DEFAULT_SELECTORS)],
                    help=f"comma list of cache selectors (default {','.join(DEFAULT_SELECTORS)}; dense is always "
                         f"measured; others: see help(sparseattn.KVCache))")
-    p.add_argument("--k", type=positive, default=64,
+    p.add_argument("--k", type=positive_int, default=64,
                    help="keys per query of the topk selector, and the k of recall@k (default 64)")
-    p.add_argument("--steps", type=positive, default=64, help="decode steps timed (default 64)")
-    p.add_argument("--dtype", type=_choice_arg(DTYPES), default="float32",
+    p.add_argument("--steps", type=positive_int, default=64, help="decode steps timed (default 64)")
+    p.add_argument("--dtype", type=choice_arg(DTYPES), default="float32",
                    help="storage of the cache: float32, float16 or bfloat16 (default float32)")
     p.add_argument("--no-sdpa", action="store_true", help="do not time torch SDPA")
     _add_run_args(p, "Numba/BLAS/torch", "output folder for decode.json/.md/.html")
@@ -573,21 +535,21 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=os.path.join("benchmarks", "results"), help="output folder")
     p.add_argument("--threads", type=_threads_arg, default=None,
                    help="threads per case, 1 to the CPU count (default: all cores)")
-    p.add_argument("--repeats", type=positive, default=None, help="override the suite's repeats (>= 1)")
+    p.add_argument("--repeats", type=positive_int, default=None, help="override the suite's repeats (>= 1)")
     p.add_argument("--quiet", action="store_true", help="no progress or warm-up notes on stderr")
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("trace", help="capture real Q/K/V traces from MiniLM (needs the 'traces' extra)")
     p.add_argument("kind", choices=["window", "store"])
     p.add_argument("--out", default="data", help="output folder (default ./data)")
-    p.add_argument("--n-windows", type=positive, default=2)
-    p.add_argument("--n-keys", type=positive, default=16384)
-    p.add_argument("--n-queries", type=positive, default=2048)
-    p.add_argument("--layer", type=_int_arg(0), default=3)
+    p.add_argument("--n-windows", type=positive_int, default=2)
+    p.add_argument("--n-keys", type=positive_int, default=16384)
+    p.add_argument("--n-queries", type=positive_int, default=2048)
+    p.add_argument("--layer", type=int_arg(0), default=3)
     p.add_argument("--heads", default=None, help="store: comma list of heads (default all 12)")
     p.add_argument("--name", default=None, help="file stem and manifest name (default: the kind); load it "
                    "with `sparseattn compare --data NAME@OUT`")
-    p.add_argument("--seed", type=_int_arg(0), default=0)
+    p.add_argument("--seed", type=int_arg(0), default=0)
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=_cmd_trace)
 
@@ -596,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``sparseattn`` argument parser with every subcommand."""
     from .. import __version__
 
-    parser = _Parser(prog="sparseattn", description=__doc__,
+    parser = OneLineParser(prog="sparseattn", description=__doc__,
                      epilog="Exit status: 0 success, 1 a run failed (a selector or bench case), 2 a usage or "
                             "input error, 130 interrupted. SPARSEATTN_DEBUG=1 shows tracebacks.")
     parser.add_argument("--version", action="version", version=f"sparseattn {__version__}")
@@ -605,8 +567,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="print the tutorial's worked example step by step")
     p.add_argument("--scale", type=_scale_arg, default=1.0, help="score scale: a number, or 'default' for "
                    "1/sqrt(d) (default 1, as in the tutorial)")
-    p.add_argument("--query", type=_int_arg(1), default=None, help="only this query (1-based)")
-    p.add_argument("--decimals", type=_int_arg(0, lambda: 17), default=6, help="digits after the point (0-17)")
+    p.add_argument("--query", type=int_arg(1), default=None, help="only this query (1-based)")
+    p.add_argument("--decimals", type=int_arg(0, 17), default=6, help="digits after the point (0-17)")
     p.set_defaults(func=_cmd_explain)
 
     p = sub.add_parser("selectors", help="list selectors, their parameters and availability")
