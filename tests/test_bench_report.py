@@ -88,6 +88,33 @@ def test_compare_flags_a_slowed_baseline_and_measures_speedups_against_the_fresh
     assert row["speedup_vs_sdpa"] == pytest.approx(0.3 / row["total_s"])
 
 
+def test_compare_measures_speedups_against_the_faster_sdpa_when_the_fresh_process_is_slower(monkeypatch):
+    # Under load the fresh process ran SDPA 4x slower than this process: the in-process time is the baseline
+    # (a speed-up is never measured against a slowed torch), the check is flagged and the advice says so.
+    monkeypatch.setattr(bench, "time_dense", lambda wl, **kw: {"dense_s": 0.3, "sdpa_s": 0.1})
+    monkeypatch.setattr(bench, "fresh_sdpa_seconds", lambda wl, **kw: 0.4)
+    res = bench.compare(SYNTH, ["window:width=4"], k=4, repeats=1)
+    fair = res["fairness"]
+    assert fair["ok"] is False and fair["ratio"] == pytest.approx(0.25) and fair["baseline"] == "in_run_s"
+    assert res["dense"]["sdpa_s"] == 0.1 and res["dense"]["sdpa_in_run_s"] == 0.1
+    row = res["results"][0]
+    assert row["speedup_vs_sdpa"] == pytest.approx(0.1 / row["total_s"])
+    advice = bench.fairness_advice(fair)
+    assert advice.startswith("advice: the two SDPA timings differ 4.0x (the fresh process was slower; load average ")
+    assert "x SDPA uses the faster" in advice and "--threads 1" in advice
+    assert bench.fairness_advice({**fair, "ok": True}) is None and bench.fairness_advice(None) is None
+
+
+def test_compare_prints_the_advice_when_the_sdpa_check_is_flagged(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "time_dense", lambda wl, **kw: {"dense_s": 0.3, "sdpa_s": 0.1})
+    monkeypatch.setattr(bench, "fresh_sdpa_seconds", lambda wl, **kw: 0.35)
+    assert main(["compare", "--data", SYNTH, "--selectors", "window:width=4", "--k", "4", "--repeats", "1",
+                 "--format", "table"]) == 0
+    out, err = capsys.readouterr()
+    assert "FLAGGED" in out and "x SDPA uses the faster" in err.splitlines()[-1]
+    assert "| torch SDPA (exact) | all | - | - | - | 0.100 |" in out or " 0.100 " in out
+
+
 def test_fairness_check_says_why_when_the_fresh_process_fails(monkeypatch):
     wl = bench.load_workload(SYNTH)
     monkeypatch.setattr(bench, "FRESH_SDPA_SCRIPT", "import sys; sys.exit('no torch for this interpreter')")

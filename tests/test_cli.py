@@ -41,6 +41,15 @@ def test_help_lists_every_command(capsys):
         assert cmd in out
         assert f"``{cmd}``" in cli.__doc__
     assert "demo" not in cli.__doc__ and "demo" not in out
+    assert "``" not in out and ":mod:" not in out and ":class:" not in out  # plain text, not reST
+    assert "* compare: selectors against exact attention" in out  # one bullet per line
+
+
+def test_plain_text_of_rest_markup():
+    from sparseattn.tools.cli import plain_text
+
+    assert plain_text("``sparseattn`` runs :func:`~sparseattn.tools.bench.compare` via :mod:`sparseattn.tools`,\n"
+                      ":class:`sparseattn.KVCache`") == "sparseattn runs compare via sparseattn.tools,\nsparseattn.KVCache"
 
 
 def test_selectors_command(capsys):
@@ -174,25 +183,53 @@ def test_compare_own_npz_2d_3d_4d_matches_the_manifest_format(capsys, tmp_path, 
         assert topk["recall_mean"] == 1.0  # the exact oracle on causal rows (fewer than k keys early on)
 
 
-def test_compare_table_only_writes_no_folder_and_notes_the_warm_up(capsys, tmp_path, no_fresh_sdpa):
+def test_compare_table_only_writes_no_folder_and_notes_the_warm_up(capsys, tmp_path, monkeypatch, no_fresh_sdpa):
     import re
 
+    import sparseattn.tools.cli as cli
+
+    monkeypatch.delenv(cli.PROGRESS_ENV, raising=False)
+    monkeypatch.setattr(cli, "kernel_cache_cold", lambda: True)  # as on a first run
     out = tmp_path / "never"
-    rc = main(["compare", "--data", "synthetic:n=64,d=8,seed=0", "--selectors", "window:width=4", "--k", "4",
-               "--repeats", "1", "--format", "table", "--out", str(out)])
+    argv = ["compare", "--data", "synthetic:n=64,d=8,seed=0", "--selectors", "window:width=4", "--k", "4",
+            "--repeats", "1", "--format", "table", "--out", str(out)]
+    rc = main(argv)
     captured = capsys.readouterr()
     assert rc == 0 and not out.exists()
     assert "window" in captured.out
     err = captured.err.splitlines()
     assert err[0].startswith("note: Numba compiles the kernels on the first run")
-    assert err[1:3] == ["[1/2] dense baselines", "[2/2] window:width=4"]  # stderr is not a TTY: lines
+    assert re.fullmatch(r"compare: 2 steps in \d+\.\d s", err[1])  # stderr is not a TTY: one summary line
     assert re.fullmatch(r"note: kernel warm-up took \d+\.\d s \(\d+\.\d s compiling, the rest loading from the "
-                        r"cache\)", err[3])
+                        r"cache\)", err[2])
+    assert len(err) == 3
+    # A warm cache: no first-run note (the warm-up note only if this run compiled for over a second).
+    monkeypatch.setattr(cli, "kernel_cache_cold", lambda: False)
+    assert main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert not any("first run" in line for line in err)
+    assert [line for line in err if not line.startswith("note: kernel warm-up took")] == [err[0]]
+    assert re.fullmatch(r"compare: 2 steps in \d+\.\d s", err[0])
+
+
+def test_kernel_cache_cold_looks_for_compiled_kernels(monkeypatch, tmp_path):
+    from sparseattn import _numba_setup
+    from sparseattn.tools.cli import kernel_cache_cold
+
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    assert kernel_cache_cold()  # nothing there yet
+    where = tmp_path / f"sparseattn-{_numba_setup.kernels_digest()}" / "kernels_x"
+    where.mkdir(parents=True)
+    (where / "fused.fused_serial-10.py311.nbc").write_bytes(b"")
+    assert kernel_cache_cold()  # data without an index is not a cached kernel
+    (where / "fused.fused_serial-10.py311.nbi").write_bytes(b"")
+    assert not kernel_cache_cold()
 
 
 def test_progress_steps_modes(capsys, monkeypatch):
     import importlib.util
     import io
+    import re
     import sys
 
     from sparseattn.tools.cli import progress_steps
@@ -200,10 +237,17 @@ def test_progress_steps_modes(capsys, monkeypatch):
     with progress_steps(2, "t", quiet=True) as say:
         say("a")
     assert capsys.readouterr().err == ""
+    monkeypatch.delenv("SPARSEATTN_PROGRESS", raising=False)
+    with progress_steps(2, "t") as say:  # stderr is not a terminal (a log): one summary line at the end
+        say("a")
+        say("b")
+    assert re.fullmatch(r"t: 2 steps in \d+\.\d s\n", capsys.readouterr().err)
+    monkeypatch.setenv("SPARSEATTN_PROGRESS", "lines")  # asked for: one line per step
     with progress_steps(2, "t") as say:
         say("a")
         say("b")
     assert capsys.readouterr().err == "[1/2] a\n[2/2] b\n"
+    monkeypatch.delenv("SPARSEATTN_PROGRESS")
 
     class Tty(io.StringIO):
         def isatty(self):

@@ -175,11 +175,18 @@ def test_safety_net_one_line_exit_1_and_debug_reraises(capsys, monkeypatch):
         main(["selectors"])
 
 
+def _default_sigint() -> None:
+    """In the child before exec: Ctrl-C handled by default, even when this pytest started with SIGINT ignored
+    (``nohup ... &``), so the child's Python installs its KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_exits_130_with_one_line(tmp_path):
-    env = dict(os.environ, SPARSEATTN_DEBUG="0")
+    env = dict(os.environ, SPARSEATTN_DEBUG="0", SPARSEATTN_PROGRESS="lines")  # a line marks the start
     cmd = [sys.executable, "-m", "sparseattn.tools.cli", "compare", "--data", "synthetic:n=4096,d=32,seed=0",
            "--selectors", "topk", "--repeats", "200", "--format", "json", "--out", str(tmp_path / "r")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                            preexec_fn=_default_sigint)
     seen = []
     for line in proc.stderr:  # wait until the timed work has started
         seen.append(line)

@@ -351,9 +351,9 @@ def check_fairness(wl: Workload, dense: dict[str, float | None], *, is_causal: b
     :func:`fresh_sdpa_seconds`, plus Numba's threading layer and TBB preload (:mod:`sparseattn._numba_setup`).
 
     ``ok`` is None, with ``reason``, when there is no SDPA time (torch not installed) or the fresh process
-    failed; it is False when the in-process SDPA was slowed (or sped up) by more than the tolerance:
-    something loaded in this process changes torch's speed, and a speed-up measured against the
-    in-process time would be off (:func:`compare` measures speed-ups against the fresh time).
+    failed; it is False when the two timings differ by more than the tolerance: something loaded in this
+    process changes torch's speed, or the machine is busy (:func:`compare` measures speed-ups against the
+    faster of the two, and :func:`fairness_advice` says what to do).
     ``threading_layer`` is Numba's layer at the time of the call (None before any parallel kernel ran).
     """
     status = _numba_setup.threading_status()
@@ -370,8 +370,38 @@ def check_fairness(wl: Workload, dense: dict[str, float | None], *, is_causal: b
     reason = (f"in-process SDPA {in_run:.3g} s vs {fresh:.3g} s in a fresh process: {flag['ratio']:.2f}x, "
               f"tolerance {flag['tolerance']:.0%}; Numba threading layer {extra['threading_layer']}")
     if not flag["ok"]:
-        reason += "; something in this process changes torch's speed (speed-ups use the fresh time)"
+        reason += ("; something in this process changes torch's speed, or the machine is busy (speed-ups use "
+                   "the faster time)")
     return {**flag, **extra, "reason": reason}
+
+
+def fairness_advice(fair: dict[str, Any] | None, what: str = "SDPA") -> str | None:
+    """What to do when the two SDPA timings of a run disagree (``fair["ok"] is False``), else None.
+
+    Parameters
+    ----------
+    fair : dict or None
+        A fairness record (:func:`check_fairness`, or the ``fairness`` of a decode result) with ``ratio``
+        (in-process time / fresh-process time) and ``ok``.
+    what : str
+        The baseline's name in the message.
+
+    Returns
+    -------
+    str or None
+        One line: which timing was slower, that the faster one is the baseline, the load average against
+        the core count, and how to get a steadier baseline.
+    """
+    if not fair or fair.get("ok") is not False or not fair.get("ratio"):
+        return None
+    ratio = float(fair["ratio"])
+    slower = "this process" if ratio > 1 else "the fresh process"
+    try:
+        load = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count() or 1} cores"
+    except OSError:  # pragma: no cover - no load average on this platform
+        load = f"{os.cpu_count() or 1} cores"
+    return (f"advice: the two {what} timings differ {max(ratio, 1 / ratio):.1f}x ({slower} was slower; {load}); "
+            f"x {what} uses the faster. For a steadier baseline rerun on an idle machine, or with --threads 1.")
 
 
 def _quality_rows(L: int, max_rows: int) -> np.ndarray | None:
@@ -476,8 +506,9 @@ def compare(data: str = "window", selectors: Sequence[str] | None = None, *, k: 
     """Run every selector and the dense baselines on one workload; return the results as a dict.
 
     The dense baselines are timed first, after :func:`prepare_torch` and before any Numba kernel of the
-    run.  ``result["fairness"]`` is :func:`check_fairness`: SDPA timed again in a fresh process.  That
-    fresh time becomes ``result["dense"]["sdpa_s"]``, the baseline of every ``speedup_vs_sdpa``; the
+    run.  ``result["fairness"]`` is :func:`check_fairness`: SDPA timed again in a fresh process.  The
+    faster of the two times becomes ``result["dense"]["sdpa_s"]``, the baseline of every
+    ``speedup_vs_sdpa`` (``fairness["baseline"]`` says which: ``"fresh_s"`` or ``"in_run_s"``); the
     in-process time is ``result["dense"]["sdpa_in_run_s"]``.  With ``fairness=False`` (or when the fresh
     process fails) nothing is re-timed, ``sdpa_s`` is the in-process time and ``fairness["ok"]`` is None.
     """
@@ -493,9 +524,13 @@ def compare(data: str = "window", selectors: Sequence[str] | None = None, *, k: 
         fair = check_fairness(wl, dense, is_causal=is_causal, repeats=repeats)
     else:
         fair = {**fairness_flag(dense["sdpa_s"], None), "reason": "not checked (fairness=False)"}
-    if fair["fresh_s"] is not None:  # the baseline nothing of ours can have slowed
+    # The baseline is the faster of the two timings: a speed-up is never measured against a slowed torch,
+    # whether our process slowed it (a fresh process has nothing of ours) or a busy machine slowed the fresh
+    # process (its torch runs with the user's OpenMP settings, whose spinning threads suffer most from load).
+    use_fresh = fair["fresh_s"] is not None and (dense["sdpa_s"] is None or fair["fresh_s"] <= dense["sdpa_s"])
+    if use_fresh:
         dense["sdpa_s"] = fair["fresh_s"]
-    fair["baseline"] = "fresh_s" if fair["fresh_s"] is not None else "in_run_s"
+    fair["baseline"] = "fresh_s" if use_fresh else "in_run_s"
     rows = []
     for spec in selectors:
         say(spec)

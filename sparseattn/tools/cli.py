@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+import time
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -78,8 +80,11 @@ _FORMATS = ("table", "json", "md", "html")
 
 
 # ------------------------------------------------------------------------------------------------------
-# progress: a rich bar with ETA on a terminal, `[i/n] step` lines otherwise, nothing with --quiet
+# progress: a rich bar with ETA on a terminal, one summary line in a log, nothing with --quiet
 # ------------------------------------------------------------------------------------------------------
+PROGRESS_ENV = "SPARSEATTN_PROGRESS"  # "lines": one `[i/n] step` line per step wherever stderr goes
+
+
 def _rich_progress() -> Any:
     try:
         from rich.console import Console
@@ -99,15 +104,24 @@ def _rich_progress() -> Any:
 
 @contextmanager
 def progress_steps(total: int, title: str, *, quiet: bool = False) -> Iterator[Callable[[str], None]]:
-    """A callback ``say(step)`` called before each of ``total`` steps.
+    """A callback ``say(step)`` called before each of ``total`` steps; progress goes to stderr.
 
-    On a terminal (stderr is a TTY) with ``rich`` installed: a progress bar with elapsed time and ETA.
-    Otherwise one ``[i/n] step`` line per step on stderr; with ``quiet`` nothing.
+    * ``quiet``: nothing;
+    * ``SPARSEATTN_PROGRESS=lines`` in the environment: one ``[i/n] step`` line per step;
+    * stderr a terminal: a progress bar with elapsed time and ETA (``rich``; ``[i/n] step`` lines without it);
+    * otherwise (a log file, a pipe): one line when the steps are done, ``title: n steps in 12.3 s``.
     """
     if quiet:
         yield lambda msg: None
         return
-    bar = _rich_progress() if sys.stderr.isatty() else None
+    lines = os.environ.get(PROGRESS_ENV, "").strip().lower() == "lines"
+    tty = sys.stderr.isatty()
+    if not lines and not tty:
+        started = time.perf_counter()
+        yield lambda msg: None
+        print(f"{title}: {total} steps in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+        return
+    bar = _rich_progress() if tty and not lines else None
     if bar is None:
         state = {"i": 0}
 
@@ -118,12 +132,12 @@ def progress_steps(total: int, title: str, *, quiet: bool = False) -> Iterator[C
         yield say_line
         return
     task = bar.add_task(title, total=total)
-    started = {"any": False}
+    started_any = {"any": False}
 
     def say_bar(msg: str) -> None:
-        if started["any"]:
+        if started_any["any"]:
             bar.advance(task)
-        started["any"] = True
+        started_any["any"] = True
         bar.update(task, description=f"{title}: {msg}")
 
     with bar:
@@ -131,24 +145,36 @@ def progress_steps(total: int, title: str, *, quiet: bool = False) -> Iterator[C
         bar.update(task, completed=total, description=f"{title}: done")
 
 
+def kernel_cache_cold() -> bool:
+    """True when Numba's cache of sparseattn's kernels holds no compiled kernel yet (a first run compiles)."""
+    from .._numba_setup import cache_dir
+
+    root = Path(cache_dir())
+    return not root.is_dir() or next(root.rglob("*.nbi"), None) is None
+
+
 @contextmanager
 def kernel_note(quiet: bool = False) -> Iterator[None]:
-    """Say, before any kernel runs, that Numba compiles the kernels on a first run; afterwards, how long this
-    run spent compiling kernels or loading them from Numba's cache (measured with Numba's compiler events).
+    """When Numba's kernel cache is cold, say before any kernel runs that the first run compiles the kernels
+    (minutes) and afterwards how long it took; on a warm cache say nothing unless the run compiled for over
+    a second (new argument types), measured with Numba's compiler events.
     """
     if quiet:
         yield
         return
     from numba.core import event
 
-    print("note: Numba compiles the kernels on the first run (this can take minutes) and caches them for later "
-          "runs", file=sys.stderr, flush=True)
+    cold = kernel_cache_cold()
+    if cold:
+        print("note: Numba compiles the kernels on the first run (this can take minutes) and caches them for "
+              "later runs", file=sys.stderr, flush=True)
     spent: dict[str, float] = {"lock": 0.0, "compile": 0.0}
     with event.install_timer("numba:compiler_lock", lambda s: spent.__setitem__("lock", s)), \
             event.install_timer("numba:compile", lambda s: spent.__setitem__("compile", s)):
         yield
-    print(f"note: kernel warm-up took {spent['lock']:.1f} s ({spent['compile']:.1f} s compiling, the rest loading "
-          f"from the cache)", file=sys.stderr, flush=True)
+    if cold or spent["compile"] >= 1.0:
+        print(f"note: kernel warm-up took {spent['lock']:.1f} s ({spent['compile']:.1f} s compiling, the rest "
+              f"loading from the cache)", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -329,6 +355,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if files:
         for p in report.write_compare(result, args.out, files):
             print(f"wrote {p}")
+    advice = bench.fairness_advice(result.get("fairness"))
+    if advice and not args.quiet:
+        print(advice, file=sys.stderr)
     failed = [r for r in result["results"] if "error" in r]
     for r in failed:
         print(f"sparseattn compare: error: selector {r['selector']}: {r['error']}", file=sys.stderr)
@@ -371,7 +400,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     import numpy as np
 
     from ..threads import get_num_threads, threads
-    from . import decode_report
+    from . import bench, decode_report
 
     formats = _check_formats(args.format)
     files = [f for f in formats if f != "table"]
@@ -426,6 +455,9 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     if files:
         for p in decode_report.write_decode(result, args.out, files):
             print(f"wrote {p}")
+    advice = bench.fairness_advice(result.get("fairness"))
+    if advice and not args.quiet:
+        print(advice, file=sys.stderr)
     return 0
 
 
@@ -554,13 +586,24 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_trace)
 
 
+def plain_text(rest: str) -> str:
+    """reST inline markup as plain text for ``--help``: ````x```` -> ``x``, ``:mod:`a.b``` -> ``a.b``,
+    ``:func:`~a.b``` -> ``b``; line breaks kept."""
+    text = re.sub(r":[a-z]+(?::[a-z]+)?:`~[\w.]*?\.?(\w+)`", r"\1", rest)
+    text = re.sub(r":[a-z]+(?::[a-z]+)?:`([^`]+)`", r"\1", text)
+    return text.replace("``", "")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``sparseattn`` argument parser with every subcommand."""
     from .. import __version__
 
-    parser = OneLineParser(prog="sparseattn", description=__doc__,
-                     epilog="Exit status: 0 success, 1 a run failed (a selector or bench case), 2 a usage or "
-                            "input error, 130 interrupted. SPARSEATTN_DEBUG=1 shows tracebacks.")
+    parser = OneLineParser(prog="sparseattn", description=plain_text(__doc__),
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog="Exit status: 0 success, 1 a run failed (a selector or bench case), 2 a usage\n"
+                                  "or input error, 130 interrupted. SPARSEATTN_DEBUG=1 shows tracebacks.\n"
+                                  "Progress goes to stderr: a bar on a terminal, one summary line otherwise\n"
+                                  f"({PROGRESS_ENV}=lines: one line per step); --quiet: none.")
     parser.add_argument("--version", action="version", version=f"sparseattn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 

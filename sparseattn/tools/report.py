@@ -249,8 +249,8 @@ def _title(result: dict[str, Any]) -> str:
 
 def _footnote(result: dict[str, Any]) -> str:
     return ("x dense: speed-up of build+select+kernel over our exact dense attention, same run; x SDPA: over "
-            "torch SDPA timed in a fresh process on the same inputs (the in-run time is checked against it: "
-            "see the fairness line); "
+            "torch SDPA on the same inputs, the faster of its time in this run and in a fresh process (see "
+            "the fairness line); "
             "recall@k: share of the exact top-k found (tie-aware); mass: dense softmax mass on the selected "
             "keys; out err: relative Frobenius error of the output; keys/q: mean keys read per query (marked * "
             "where it differs from k, see the notes). Selectors are labelled by their non-default parameters; "
