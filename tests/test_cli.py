@@ -272,6 +272,8 @@ def test_progress_steps_modes(capsys, monkeypatch):
 
 
 def test_trace_reports_each_generation_step(capsys, tmp_path, monkeypatch):
+    import re
+
     from sparseattn.tools import traces
 
     def fake(out_dir, kind, *, progress, **kwargs):
@@ -280,9 +282,13 @@ def test_trace_reports_each_generation_step(capsys, tmp_path, monkeypatch):
         return tmp_path / f"{kind}.npz"
 
     monkeypatch.setattr(traces, "generate_traces", fake)
+    monkeypatch.setenv("SPARSEATTN_PROGRESS", "lines")
     assert main(["trace", "store", "--out", str(tmp_path), "--heads", "0,1"]) == 0
     err = capsys.readouterr().err.splitlines()
     assert err == [f"[{i + 1}/{traces.GENERATE_STEPS}] step {i}" for i in range(traces.GENERATE_STEPS)]
+    monkeypatch.delenv("SPARSEATTN_PROGRESS")
+    assert main(["trace", "store", "--out", str(tmp_path), "--heads", "0,1"]) == 0
+    assert re.fullmatch(rf"trace store: {traces.GENERATE_STEPS} steps in \d+\.\d s\n", capsys.readouterr().err)
     assert main(["trace", "store", "--out", str(tmp_path), "--quiet"]) == 0
     assert capsys.readouterr().err == ""
     assert main(["trace", "store", "--out", str(tmp_path), "--heads", "0,x"]) == 2

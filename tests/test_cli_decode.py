@@ -112,9 +112,10 @@ def test_results_dict_has_the_fields(own_result):
     assert dense["speedup_vs_dense"] == 1.0
 
 
-def test_in_process_synthetic_with_clustering_and_progress(tmp_path, capsys):
+def test_in_process_synthetic_with_clustering_and_progress(tmp_path, capsys, monkeypatch):
     """4,400 keys: the cluster selector clusters a segment (64 clusters, 32 probed) and reads fewer keys;
-    without --quiet and a TTY, one ``[i/n]`` progress line per step goes to stderr."""
+    with SPARSEATTN_PROGRESS=lines, one ``[i/n]`` progress line per step goes to stderr."""
+    monkeypatch.setenv("SPARSEATTN_PROGRESS", "lines")
     rc = main(["decode", "--data", "synthetic:n=4400,d=16,kind=clustered,seed=1", "--heads", "2", "--steps", "3",
                "--selectors", "cluster,pages", "--dtype", "float16", "--format", "table,md", "--out",
                str(tmp_path / "r"), "--no-sdpa", "--threads", "1"])

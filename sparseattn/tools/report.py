@@ -384,22 +384,31 @@ def plot_title(result: dict[str, Any]) -> str:
             f"causal = {'yes' if result['is_causal'] else 'no'}")
 
 
-def plot_compare(result: dict[str, Any], out_dir: str) -> list[str]:
-    """``compare_pareto.png`` (mass recall vs speed-up) and ``compare_time.png`` (time per selector); paths.
+def compare_figures(result: dict[str, Any]) -> dict[str, Any]:
+    """The plots of a compare result as matplotlib Figures by file name, not saved:
+    ``compare_pareto.png`` (mass recall vs speed-up) and ``compare_time.png`` (time per selector).
 
-    Every selector has one colour and marker in both plots (:func:`selector_styles`) and its short label
-    (:func:`selector_labels`) in a legend or on the axis, never as text next to a point.
+    Every point and bar shows a number of :func:`table_rows` (same labels): the pareto plot puts each row
+    at (its x SDPA, or x dense without an SDPA time; its mass), the time plot draws each selector's total
+    seconds and marks those of the two dense baselines.  Every selector has one colour and marker in both
+    plots (:func:`selector_styles`) and its short label (:func:`selector_labels`) in a legend or on the
+    axis, never as text next to a point.  Empty when matplotlib is missing or no selector ran.
     """
     plt = pyplot()
     if plt is None:
-        return []
+        return {}
     ok = [r for r in result["results"] if "total_s" in r]
     if not ok:
-        return []
+        return {}
     labels = _label_map(result)
     styles = selector_styles([r["selector"] for r in ok])
-    return [_plot_pareto(plt, result, ok, labels, styles, out_dir),
-            _plot_time(plt, result, ok, labels, styles, out_dir)]
+    return {"compare_pareto.png": _pareto_figure(plt, result, ok, labels, styles),
+            "compare_time.png": _time_figure(plt, result, ok, labels, styles)}
+
+
+def plot_compare(result: dict[str, Any], out_dir: str) -> list[str]:
+    """Write the :func:`compare_figures` of a result into ``out_dir``; return the paths."""
+    return [save_figure(fig, out_dir, name) for name, fig in compare_figures(result).items()]
 
 
 _MARKER_SCALE = {"*": 2.0, "P": 1.3, "X": 1.3, "h": 1.2}  # these look smaller at the same area
@@ -411,8 +420,8 @@ def _rgba(colour: str, alpha: float) -> tuple[float, float, float, float]:
     return to_rgba(colour, alpha)
 
 
-def _plot_pareto(plt: Any, result: dict[str, Any], ok: list[dict[str, Any]], labels: dict[str, str],
-                 styles: dict[str, tuple[str, str]], out_dir: str) -> str:
+def _pareto_figure(plt: Any, result: dict[str, Any], ok: list[dict[str, Any]], labels: dict[str, str],
+                   styles: dict[str, tuple[str, str]]) -> Any:
     dense = result["dense"]
     vs_sdpa = bool(dense.get("sdpa_s"))
     fig, ax = plt.subplots(figsize=(10, 5.2))
@@ -425,7 +434,7 @@ def _plot_pareto(plt: Any, result: dict[str, Any], ok: list[dict[str, Any]], lab
         # translucent fill, opaque coloured edge: markers at (nearly) the same point stay visible
         ax.scatter([x], [y], s=80 * _MARKER_SCALE.get(marker, 1.0), marker=marker, facecolors=_rgba(colour, 0.35),
                    edgecolors=colour, linewidths=1.6, label=labels[r["selector"]], zorder=3)
-    base = dense["dense_s"] / dense["sdpa_s"] if vs_sdpa else 1.0
+    base = dense["sdpa_s"] / dense["dense_s"] if vs_sdpa else 1.0  # the dense row's x SDPA in the table
     ax.scatter([base], [1.0], s=90, color="black", marker="*", label="dense (ours, exact)", zorder=3)
     if vs_sdpa:
         ax.scatter([1.0], [1.0], s=60, facecolors="white", edgecolors="black", marker="o",
@@ -434,11 +443,11 @@ def _plot_pareto(plt: Any, result: dict[str, Any], ok: list[dict[str, Any]], lab
                 "(build + select + kernel), log scale", "softmax mass recall (1 = exact)")
     ax.set_title(plot_title(result), fontsize=9)
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False, borderaxespad=0.0)
-    return save_figure(fig, out_dir, "compare_pareto.png")
+    return fig
 
 
-def _plot_time(plt: Any, result: dict[str, Any], ok: list[dict[str, Any]], labels: dict[str, str],
-               styles: dict[str, tuple[str, str]], out_dir: str) -> str:
+def _time_figure(plt: Any, result: dict[str, Any], ok: list[dict[str, Any]], labels: dict[str, str],
+                 styles: dict[str, tuple[str, str]]) -> Any:
     dense = result["dense"]
     n = len(ok)
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 0.34 * n + 2.0), sharey=True,
@@ -469,7 +478,7 @@ def _plot_time(plt: Any, result: dict[str, Any], ok: list[dict[str, Any]], label
     ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08 - 0.6 / max(n, 1)), ncol=3,
                frameon=False)
     fig.suptitle(plot_title(result), fontsize=9)
-    return save_figure(fig, out_dir, "compare_time.png")
+    return fig
 
 
 def write_compare(result: dict[str, Any], out_dir: str, formats: list[str]) -> list[str]:
