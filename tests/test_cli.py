@@ -293,3 +293,32 @@ def test_trace_reports_each_generation_step(capsys, tmp_path, monkeypatch):
     assert capsys.readouterr().err == ""
     assert main(["trace", "store", "--out", str(tmp_path), "--heads", "0,x"]) == 2
     assert "--heads must be a comma list of integers such as 0,1; got '0,x'" in capsys.readouterr().err
+
+
+def test_compare_defaults_to_the_real_store_with_the_estimation_zone_and_top_p():
+    from sparseattn.tools import bench
+    from sparseattn.tools.cli import build_parser
+
+    args = build_parser().parse_args(["compare"])
+    assert args.data == "store" and args.selectors is None and args.quality_rows == 512
+    specs = bench.default_selectors()
+    assert "cluster:mode=block,estimate=-1" in specs and "cluster:mode=block,top_p=0.9" in specs
+    assert {"topk", "cluster:mode=block"} <= set(specs)
+    wl = bench.load_workload(args.data, max_groups=args.max_groups)
+    assert wl.shape["S"] == 16384 and wl.shape["L"] == 2048 and wl.shape["groups"] == 4
+
+
+def test_compare_on_the_store_estimate_lowers_the_error_and_the_plots_match_the_table(tmp_path, capsys,
+                                                                                    no_fresh_sdpa):
+    import json
+
+    from report_checks import assert_plots_match_the_table
+
+    rc = main(["compare", "--selectors", "cluster:mode=block", "cluster:mode=block,estimate=-1", "--repeats", "1",
+               "--max-groups", "1", "--quality-rows", "128", "--format", "json", "--out", str(tmp_path), "--quiet"])
+    assert rc == 0, capsys.readouterr().err
+    res = json.loads((tmp_path / "compare.json").read_text())
+    assert res["data"] == "store" and res["workload"]["S"] == 16384
+    block, est = (r["quality"]["rel_error_overall"] for r in res["results"])
+    assert est < 0.5 * block  # the estimation zone, on real keys: the reason it is in the default set
+    assert_plots_match_the_table(res)

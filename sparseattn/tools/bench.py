@@ -500,9 +500,22 @@ def run_selector(wl: Workload, spec: str, *, k: int, is_causal: bool, repeats: i
     }
 
 
-def compare(data: str = "window", selectors: Sequence[str] | None = None, *, k: int = 64,
+#: The selectors ``sparseattn compare`` measures by default: the exact top-k oracle, a structural union,
+#: two FAISS indexes, cluster routing (top-k and block mode), the estimation zone (unread clusters
+#: estimated from their statistics) and routing by estimated mass (``top_p``).  Others: ``--selectors``.
+DEFAULT_SELECTORS = ("topk", "window:width=48+sinks:g=4+random:n_random=12", "faiss-hnsw", "faiss-ivf", "cluster",
+                     "cluster:mode=block", "cluster:mode=block,estimate=-1", "cluster:mode=block,top_p=0.9")
+#: The data ``sparseattn compare`` runs on by default: the shipped store (4 heads x 2,048 real MiniLM
+#: queries against 16,384 real keys), long enough that reading fewer keys pays.
+DEFAULT_DATA = "store"
+#: Query rows per group whose quality (recall, mass, output error) is computed in float64 by default.
+DEFAULT_QUALITY_ROWS = 512
+
+
+def compare(data: str = DEFAULT_DATA, selectors: Sequence[str] | None = None, *, k: int = 64,
             is_causal: bool = False, repeats: int = 3, max_groups: int | None = None,
-            progress: Callable[[str], None] | None = None, fairness: bool = True) -> dict[str, Any]:
+            progress: Callable[[str], None] | None = None, fairness: bool = True,
+            quality_rows: int = DEFAULT_QUALITY_ROWS) -> dict[str, Any]:
     """Run every selector and the dense baselines on one workload; return the results as a dict.
 
     The dense baselines are timed first, after :func:`prepare_torch` and before any Numba kernel of the
@@ -511,6 +524,8 @@ def compare(data: str = "window", selectors: Sequence[str] | None = None, *, k: 
     ``speedup_vs_sdpa`` (``fairness["baseline"]`` says which: ``"fresh_s"`` or ``"in_run_s"``); the
     in-process time is ``result["dense"]["sdpa_in_run_s"]``.  With ``fairness=False`` (or when the fresh
     process fails) nothing is re-timed, ``sdpa_s`` is the in-process time and ``fairness["ok"]`` is None.
+    Quality is computed in float64 on ``quality_rows`` evenly spaced query rows of each group (all rows
+    when a group has fewer).  Defaults: :data:`DEFAULT_DATA`, :func:`default_selectors`.
     """
     wl = load_workload(data, max_groups=max_groups)
     selectors = list(selectors) if selectors else default_selectors(wl)
@@ -535,7 +550,7 @@ def compare(data: str = "window", selectors: Sequence[str] | None = None, *, k: 
     for spec in selectors:
         say(spec)
         try:
-            row = run_selector(wl, spec, k=k, is_causal=is_causal, repeats=repeats)
+            row = run_selector(wl, spec, k=k, is_causal=is_causal, repeats=repeats, max_quality_rows=quality_rows)
         except (ImportError, ValueError) as exc:
             row = {"selector": spec, "error": str(exc)}
         if "total_s" in row:
@@ -549,14 +564,12 @@ def compare(data: str = "window", selectors: Sequence[str] | None = None, *, k: 
 
 
 def default_selectors(wl: Workload | None = None) -> list[str]:
-    """A representative set: the exact oracle, structural, hashing, tree, FAISS and cluster routing."""
+    """:data:`DEFAULT_SELECTORS` whose backends are installed here (FAISS is optional on some platforms)."""
     from ..selectors import available_selectors
 
     avail = {name for name, reason in available_selectors().items() if reason is None}
-    wanted = ["topk", "window", "window:width=48+sinks:g=4+random:n_random=12", "angular-lsh", "lsh:n_candidates=256",
-              "kdtree", "faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-ivfpq", "cluster", "cluster:mode=block"]
     out = []
-    for spec in wanted:
+    for spec in DEFAULT_SELECTORS:
         names = [part.partition(":")[0] for part in spec.split("+")]
         if all(n in avail for n in names):
             out.append(spec)

@@ -346,7 +346,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     with threads(get_num_threads() if args.threads is None else args.threads), kernel_note(args.quiet), \
             progress_steps(len(specs) + 1, "compare", quiet=args.quiet) as say:
         result = bench.compare(data_spec, specs, k=args.k, is_causal=args.causal, repeats=args.repeats,
-                               max_groups=args.max_groups, progress=say)
+                               max_groups=args.max_groups, progress=say, quality_rows=args.quality_rows)
     result["data"] = args.data
     if trace is not None:
         result["workload"]["description"] = trace.meta["description"]
@@ -506,26 +506,33 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     """Register ``compare``, ``decode``, ``bench`` and ``trace`` on the ``sparseattn`` parser."""
     from ..data import USER_DATA_HELP
+    from .bench import DEFAULT_DATA, DEFAULT_QUALITY_ROWS, DEFAULT_SELECTORS
     from .suite import SUITES
 
     p = sub.add_parser("compare", help="compare selectors against dense attention (accuracy and speed)",
                        description="Run selectors and exact attention side by side on one workload and "
-                                   "report speed and accuracy. Default: the shipped real MiniLM traces. "
+                                   "report speed and accuracy. Default: the shipped store, 4 heads x 2,048 "
+                                   "real MiniLM queries against 16,384 real keys, with the estimation zone "
+                                   "(estimate=-1) and routing by mass (top_p) among the selectors. "
                                    "Your own Q/K/V: --data FILE.npz (" + USER_DATA_HELP + "); every (B, H) "
                                    "pair is one group.")
-    p.add_argument("--data", default="window",
-                   help="window | store | NAME@DIR (a trace written by `sparseattn trace --name NAME --out DIR`) | "
+    p.add_argument("--data", default=DEFAULT_DATA,
+                   help="store | window | NAME@DIR (a trace written by `sparseattn trace --name NAME --out DIR`) | "
                         "synthetic:n=65536,d=64,kind=gaussian|clustered|correlated | your arrays: FILE.npz, a "
-                        "FOLDER with q.npy k.npy v.npy, or q.npy,k.npy,v.npy (default window)")
+                        f"FOLDER with q.npy k.npy v.npy, or q.npy,k.npy,v.npy (default {DEFAULT_DATA}: 16,384 "
+                        "real keys; window: 512-token windows)")
     p.add_argument("--selectors", nargs="+", default=None,
-                   help="selector specs, e.g. topk window:width=64 'window+sinks+faiss-hnsw:M=32' (default: a "
-                        "representative set; see `sparseattn selectors`)")
+                   help="selector specs, e.g. topk window:width=64 'window+sinks+faiss-hnsw:M=32' (default: "
+                        f"{' '.join(DEFAULT_SELECTORS)}; see `sparseattn selectors`)")
     p.add_argument("--k", type=positive_int, default=64,
                    help="keys per query for top-k selectors, at most the keys per group (default 64)")
     p.add_argument("--causal", action="store_true", help="causal attention (query i sees keys j <= i)")
     p.add_argument("--repeats", type=positive_int, default=3, help="timing repeats; medians are reported (default 3)")
     p.add_argument("--max-groups", type=positive_int, default=12,
                    help="evaluate this many evenly spaced (batch, head) groups of multi-group data (default 12)")
+    p.add_argument("--quality-rows", type=positive_int, default=DEFAULT_QUALITY_ROWS,
+                   help="query rows per group whose recall, mass and output error are computed in float64, "
+                        f"evenly spaced (default {DEFAULT_QUALITY_ROWS})")
     _add_run_args(p, "Numba/FAISS/BLAS", "output folder")
     p.set_defaults(func=_cmd_compare)
 

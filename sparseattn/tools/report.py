@@ -386,10 +386,10 @@ def plot_title(result: dict[str, Any]) -> str:
 
 def compare_figures(result: dict[str, Any]) -> dict[str, Any]:
     """The plots of a compare result as matplotlib Figures by file name, not saved:
-    ``compare_pareto.png`` (mass recall vs speed-up) and ``compare_time.png`` (time per selector).
+    ``compare_pareto.png`` (output error vs speed-up) and ``compare_time.png`` (time per selector).
 
     Every point and bar shows a number of :func:`table_rows` (same labels): the pareto plot puts each row
-    at (its x SDPA, or x dense without an SDPA time; its mass), the time plot draws each selector's total
+    at (its x SDPA, or x dense without an SDPA time; its out err), the time plot draws each selector's total
     seconds and marks those of the two dense baselines.  Every selector has one colour and marker in both
     plots (:func:`selector_styles`) and its short label (:func:`selector_labels`) in a legend or on the
     axis, never as text next to a point.  Empty when matplotlib is missing or no selector ran.
@@ -427,7 +427,7 @@ def _pareto_figure(plt: Any, result: dict[str, Any], ok: list[dict[str, Any]], l
     fig, ax = plt.subplots(figsize=(10, 5.2))
     for r in ok:
         x = r.get("speedup_vs_sdpa") if vs_sdpa else r.get("speedup_vs_dense")
-        y = _get(r, "quality.mass_recall_mean")
+        y = _get(r, "quality.rel_error_overall")
         if x is None or y is None or x <= 0:
             continue
         colour, marker = styles[r["selector"]]
@@ -435,12 +435,13 @@ def _pareto_figure(plt: Any, result: dict[str, Any], ok: list[dict[str, Any]], l
         ax.scatter([x], [y], s=80 * _MARKER_SCALE.get(marker, 1.0), marker=marker, facecolors=_rgba(colour, 0.35),
                    edgecolors=colour, linewidths=1.6, label=labels[r["selector"]], zorder=3)
     base = dense["sdpa_s"] / dense["dense_s"] if vs_sdpa else 1.0  # the dense row's x SDPA in the table
-    ax.scatter([base], [1.0], s=90, color="black", marker="*", label="dense (ours, exact)", zorder=3)
+    ax.scatter([base], [0.0], s=90, color="black", marker="*", label="dense (ours, exact)", zorder=3)
     if vs_sdpa:
-        ax.scatter([1.0], [1.0], s=60, facecolors="white", edgecolors="black", marker="o",
+        ax.scatter([1.0], [0.0], s=60, facecolors="white", edgecolors="black", marker="o",
                    label="torch SDPA (exact)", zorder=3)
     pareto_axes(ax, f"speed-up over {'torch SDPA' if vs_sdpa else 'our dense attention'}, end to end "
-                "(build + select + kernel), log scale", "softmax mass recall (1 = exact)")
+                "(build + select + kernel), log scale", "output relative error vs exact (0 = exact; lower is better)")
+    ax.set_ylim(bottom=-0.02 * max([1.0] + [float(_get(r, "quality.rel_error_overall") or 0.0) for r in ok]))
     ax.set_title(plot_title(result), fontsize=9)
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False, borderaxespad=0.0)
     return fig
