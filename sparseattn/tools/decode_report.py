@@ -9,7 +9,7 @@
   (float32), timed in this run and again in a fresh process that imports numpy and torch only, with the
   user's environment (as :func:`sparseattn.tools.bench.fresh_sdpa_seconds` does for ``compare``), the two
   compared by :func:`sparseattn.tools.bench.fairness_flag`; the *faster* of the two (by p50) is the baseline of
-  every speed-up.  Why not always the fresh one, as ``compare`` does: a decode step is well under a
+  every speed-up (as in ``compare``).  Why not always the fresh one: a decode step is well under a
   millisecond, and a fresh process runs torch with the user's OpenMP settings, where on a busy machine
   the wake-ups of torch's thread pool can dominate (more than 10x slower at 4 heads x 2,000 keys, 2
   threads, load average 7 on 2 cores), while this process sets passive OpenMP waits (:mod:`sparseattn._numba_setup`); the faster time never flatters us;
