@@ -24,7 +24,6 @@ Writes ``benchmarks/results/cache-tail.json`` and ``cache-tail.md`` (``--out`` c
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -33,6 +32,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from sparseattn.tools.args import OneLineParser, int_arg, nonnegative_int
 
 HERE = Path(__file__).resolve().parent
 TRACE_DIR = Path(os.path.expanduser("~/.cache/sparseattn/traces"))
@@ -150,19 +151,15 @@ def write_report(path: Path, meta: dict, res: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=32, help="decode steps (1-4096), default 32")
+    ap = OneLineParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int_arg(1, 4096), default=32, help="decode steps (1-4096), default 32")
     ap.add_argument("--segment", type=int, default=4096, help="KVCache segment (multiple of 16), default 4096")
-    ap.add_argument("--seed", type=int, default=0, help="seed choosing the held-out queries, default 0")
+    ap.add_argument("--seed", type=nonnegative_int, default=0, help="seed choosing the held-out queries, default 0")
     ap.add_argument("--out", default=str(HERE / "results" / "cache-tail.json"),
                     help="JSON output path (the .md goes next to it)")
     args = ap.parse_args(argv)
-    if not 1 <= args.steps <= 4096:
-        ap.error(f"--steps must be in [1, 4096]; got {args.steps}.")
     if args.segment < 16 or args.segment % 16:
         ap.error(f"--segment must be a positive multiple of 16 (the page size); got {args.segment}.")
-    if args.seed < 0:
-        ap.error(f"--seed must be >= 0; got {args.seed}.")
     out = Path(args.out)
     if out.suffix != ".json":
         ap.error(f"--out must end in .json; got {args.out}.")

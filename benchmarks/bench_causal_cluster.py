@@ -26,7 +26,6 @@ Results: ``results/causal-cluster.json`` and ``results/causal-cluster.md``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -38,6 +37,7 @@ import sparseattn as sa
 from sparseattn.attention.routed import routed_attention
 from sparseattn.index import ClusterIndex
 from sparseattn.selectors.cluster import ClusterSelector
+from sparseattn.tools.args import OneLineParser, positive_int
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
@@ -140,9 +140,9 @@ def markdown(meta, rows):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--rows", type=int, default=2048, help="queries of the 65k store")
+    ap = OneLineParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=positive_int, default=3)
+    ap.add_argument("--rows", type=positive_int, default=2048, help="queries of the 65k store")
     ap.add_argument("--skip-65k", action="store_true")
     ap.add_argument("--out", default=os.path.join(RESULTS, "causal-cluster"))
     argv = sys.argv[1:] if argv is None else argv

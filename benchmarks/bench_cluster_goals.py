@@ -9,7 +9,7 @@ Cases: synthetic clustered keys at n = 4,096, 16,384 and 65,536 (causal and not)
 262,144; norm-matched Gaussian keys at 65,536 (the adversarial case: no cluster structure); real MiniLM
 keys from a 65,536-key trace when it exists (not shipped: ``sparseattn trace store --n-keys 65536
 --n-queries 65536 --heads 0,5 --name store65k --out ~/.cache/sparseattn/traces``, 77 s).  Each case is
-one :func:`sparseattn.bench.compare` run: medians over ``--repeats``, recall and softmax mass on 2,048
+one :func:`sparseattn.tools.bench.compare` run: medians over ``--repeats``, recall and softmax mass on 2,048
 evenly spaced query rows.  Results: ``results/cluster-goals.json`` (all numbers) and ``.md`` (table).
 """
 
@@ -21,7 +21,8 @@ import os
 import sys
 import time
 
-from sparseattn import bench
+from sparseattn.tools import bench
+from sparseattn.tools.args import OneLineParser, positive_int
 
 _SYN = "synthetic:n={n},d=64,kind={kind},seed=0"
 _BLOCK = "cluster:mode=block"
@@ -45,8 +46,8 @@ def cases(real: str | None, skip_large: bool) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--skip-large", action="store_true", help="skip n = 262,144 (SDPA alone takes ~80 s)")
     default_real = os.path.expanduser("~/.cache/sparseattn/traces")
     ap.add_argument("--real", default=f"store65k@{default_real}",

@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 import sparseattn as sa
+from sparseattn.tools.args import OneLineParser, int_arg, positive_int
 
 
 def median_time(fn, repeats: int) -> float:
@@ -85,15 +86,18 @@ def cold_warm_first_call() -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, nargs="+", default=[16384, 65536])
-    ap.add_argument("--d", type=int, default=64)
-    ap.add_argument("--k", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None, help="default: all cores Numba sees")
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=positive_int, nargs="+", default=[16384, 65536], help="keys (= queries) per case")
+    ap.add_argument("--d", type=positive_int, default=64)
+    ap.add_argument("--k", type=positive_int, default=64, help="keys per query of the sparse patterns (<= every --n)")
+    ap.add_argument("--repeats", type=positive_int, default=3)
+    ap.add_argument("--threads", type=int_arg(1, lambda: sa.get_num_threads(), " (the threads Numba has)"),
+                    default=None, help="default: all cores Numba sees")
     ap.add_argument("--skip-numpy", action="store_true", help="skip the slow plain-numpy baseline")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "core.json"))
     args = ap.parse_args()
+    if args.k > min(args.n):
+        ap.error(f"--k {args.k} exceeds --n {min(args.n)} (keys per query cannot exceed the keys); lower --k")
     threads = args.threads or sa.get_num_threads()
     try:
         import torch

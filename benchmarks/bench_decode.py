@@ -52,7 +52,6 @@ output error of ``selector="cluster"`` with ``n_probe = 32`` against ``top_p`` b
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -63,45 +62,17 @@ from pathlib import Path
 
 import numpy as np
 
+from sparseattn.data import SYNTHETIC_KINDS
 from sparseattn.kernels.decode import EVICTED
+from sparseattn.tools.args import OneLineParser, choice_list_arg, int_list_arg, positive_int
+from sparseattn.tools.bench import decode_inputs as make_data
+from sparseattn.tools.bench import log
 
 HERE = Path(__file__).resolve().parent
 TRACE_DIR = Path.home() / ".cache" / "sparseattn" / "traces"
 
 
 CYCLE = 4096  # extra synthetic tokens: one segment (the default) appended one at a time after the steps
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {v}")
-    return v
-
-
-def log(*a: object) -> None:
-    print(time.strftime("%H:%M:%S"), *a, flush=True)
-
-
-def make_data(kind: str, n_total: int, hkv: int, rep: int, steps: int, e: int = 64):
-    """K (hkv, n_total, e), V, Q (hkv * rep, steps, e): per kv head one generator call."""
-    import sparseattn as sa
-
-    K = np.empty((hkv, n_total, e), np.float32)
-    V = np.empty((hkv, n_total, e), np.float32)
-    Q = np.empty((hkv * rep, steps, e), np.float32)
-    extra = ",norm_profile=minilm" if kind == "gaussian" else ""
-    for g in range(hkv):
-        q, k, v = sa.data.synthetic(f"synthetic:n={n_total},d={e},kind={kind},seed={g},"
-                                    f"n_queries={steps * rep}{extra}")
-        K[g], V[g] = k, v
-        Q[g * rep:(g + 1) * rep] = q.reshape(rep, steps, e)
-        del q, k, v
-    return K, V, Q
 
 
 def exact_step(cache, q: np.ndarray):
@@ -410,24 +381,24 @@ PAGES = [("pages", {"selector": "pages"}, {})]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lengths", default="16384,65536,131072,262144,1048576")
-    ap.add_argument("--steps", type=_positive_int, default=64, help="timed decode steps per case")
-    ap.add_argument("--stride", type=_positive_int, default=64,
+    ap = OneLineParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int_list_arg(1, "16384,65536"), default=[16384, 65536, 131072, 262144, 1048576])
+    ap.add_argument("--steps", type=positive_int, default=64, help="timed decode steps per case")
+    ap.add_argument("--stride", type=positive_int, default=64,
                     help="tokens appended (one at a time) before each timed step; the default 64 x 64 steps "
                          "spreads the steps over one whole segment cycle of 4,096 tokens")
-    ap.add_argument("--kinds", default="clustered,gaussian")
+    ap.add_argument("--kinds", type=choice_list_arg(sorted(SYNTHETIC_KINDS)), default=["clustered", "gaussian"])
     ap.add_argument("--no-gqa", action="store_true")
     ap.add_argument("--no-storage", action="store_true")
     ap.add_argument("--no-cap", action="store_true")
     ap.add_argument("--no-real", action="store_true")
     ap.add_argument("--no-estimate", action="store_true", help="skip the estimation-zone phases")
-    ap.add_argument("--topk-max", type=int, default=262144, help="largest n for the exact top-64 selector")
+    ap.add_argument("--topk-max", type=positive_int, default=262144, help="largest n for the exact top-64 selector")
     ap.add_argument("--out", default=str(HERE / "results" / "decode.json"))
     ap.add_argument("--append", action="store_true", help="add to the results already in --out")
     ap.add_argument("--cap-policies", action="store_true",
                     help="only the streaming vs h2o comparison on store65k (writes decode-cap.json / .md)")
-    ap.add_argument("--cap-sizes", default="4096,16384", help="max_keys values of --cap-policies")
+    ap.add_argument("--cap-sizes", type=int_list_arg(1, "4096,16384"), default=[4096, 16384], help="max_keys values of --cap-policies")
     ap.add_argument("--top-p-store", action="store_true",
                     help="only print the cluster selector's n_probe vs top_p budget on store65k")
     args = ap.parse_args(argv)
@@ -438,8 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     import sparseattn as sa  # first: sets OpenMP's passive wait policy before torch starts its pool
 
     torch.set_num_threads(os.cpu_count() or 1)
-    lengths = [int(x) for x in args.lengths.split(",") if x]
-    kinds = [k for k in args.kinds.split(",") if k]
+    lengths, kinds = args.lengths, args.kinds
     steps, stride = args.steps, args.stride
     results: list[dict] = []
     if args.append and Path(args.out).is_file():
@@ -456,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cap_policies:
         if not (TRACE_DIR / "manifest.json").is_file():
             raise SystemExit(f"--cap-policies needs the store65k trace in {TRACE_DIR}.")
-        res = cap_policies(steps, [int(x) for x in args.cap_sizes.split(",") if x])
+        res = cap_policies(steps, args.cap_sizes)
         meta["loadavg_end"] = os.getloadavg()
         out = HERE / "results" / "decode-cap.json"
         out.write_text(json.dumps({"meta": meta, "results": res}, indent=1))

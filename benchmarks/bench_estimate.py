@@ -45,6 +45,7 @@ import sparseattn as sa
 from sparseattn.attention.routed import routed_attention
 from sparseattn.index import ClusterIndex
 from sparseattn.metrics import mass_error_profile
+from sparseattn.tools.args import OneLineParser, positive_int
 
 TRACE_DIR = os.path.expanduser("~/.cache/sparseattn/traces")
 SWEEP = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -383,20 +384,17 @@ def _stores(args: argparse.Namespace):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quality-rows", type=int, default=2048)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=positive_int, default=3)
+    ap.add_argument("--quality-rows", type=positive_int, default=2048)
     ap.add_argument("--skip-65k", action="store_true")
     ap.add_argument("--heads16k", default="0,1,2,3")
-    ap.add_argument("--top-p-repeats", type=int, default=1)
+    ap.add_argument("--top-p-repeats", type=positive_int, default=1)
     ap.add_argument("--equal-error-only", action="store_true",
                     help="run only the equal-output-error section (default --out results/estimate-equal-error)")
     ap.add_argument("--out", default=None, help="output path without extension (default results/estimate, or "
                     "results/estimate-equal-error with --equal-error-only)")
     args = ap.parse_args()
-    for name in ("repeats", "quality_rows", "top_p_repeats"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     try:
         heads16k = [int(x) for x in args.heads16k.split(",")]
     except ValueError:

@@ -51,7 +51,6 @@ Writes benchmarks/results/fidelity.json and fidelity.md (``--out`` to change the
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import os
@@ -61,6 +60,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from sparseattn.tools.args import OneLineParser, choice_list_arg, int_list_arg, positive_int
 
 HERE = Path(__file__).resolve().parent
 CONTENT = 510
@@ -216,26 +217,22 @@ def spec_for(selector: str, k: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="4 passages per corpus, k in {16, 64}, 3 selectors")
-    ap.add_argument("--passages", type=int, default=None, help="passages per corpus (default 8; quick 4)")
-    ap.add_argument("--ks", default=None, help="comma-separated k values (default 16,32,64,128; quick 16,64)")
-    ap.add_argument("--selectors", default=None,
+    ap.add_argument("--passages", type=positive_int, default=None, help="passages per corpus (default 8; quick 4)")
+    ap.add_argument("--ks", type=int_list_arg(1, "16,64"), default=None, help="comma-separated k values (default 16,32,64,128; quick 16,64)")
+    ap.add_argument("--selectors", type=choice_list_arg(SELECTORS), default=None,
                     help="comma-separated, from " + ",".join(SELECTORS) + " (default: the first four)")
-    ap.add_argument("--threads", type=int, default=1, help="torch and sparseattn threads")
-    ap.add_argument("--batch", type=int, default=8, help="passages per forward pass")
+    ap.add_argument("--threads", type=positive_int, default=1, help="torch and sparseattn threads")
+    ap.add_argument("--batch", type=positive_int, default=8, help="passages per forward pass")
     ap.add_argument("--devil-dict", default=None,
                     help=f"The Devil's Dictionary .dict.dz (default {DEVIL_DICT}, from apt-get install "
                          f"{DEVIL_PACKAGE})")
     ap.add_argument("--out", default=str(HERE / "results" / "fidelity.json"))
     args = ap.parse_args(argv)
     n = args.passages or (4 if args.quick else 8)
-    ks = [int(x) for x in (args.ks or ("16,64" if args.quick else "16,32,64,128")).split(",")]
-    selectors = [s for s in (args.selectors or ",".join(QUICK_SELECTORS if args.quick else DEFAULT_SELECTORS)
-                             ).split(",") if s]
-    bad = [s for s in selectors if s not in SELECTORS]
-    if bad:
-        ap.error(f"unknown selectors {bad}; choose from {', '.join(SELECTORS)}")
+    ks = args.ks or ([16, 64] if args.quick else [16, 32, 64, 128])
+    selectors = args.selectors or list(QUICK_SELECTORS if args.quick else DEFAULT_SELECTORS)
     m = min(10, 2 * n - 2)
 
     import torch

@@ -183,21 +183,27 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=262144)
-    ap.add_argument("--d", type=int, default=64)
-    ap.add_argument("--k", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1, help="Numba/FAISS/BLAS threads in each child")
-    ap.add_argument("--only", nargs="+", default=None, help="run only these selector specs")
-    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per selector subprocess")
+    from sparseattn.tools.args import OneLineParser, choice_arg, float_arg, positive_int
+
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=positive_int, default=262144)
+    ap.add_argument("--d", type=positive_int, default=64)
+    ap.add_argument("--k", type=positive_int, default=64, help="keys per query (<= --n)")
+    ap.add_argument("--threads", type=positive_int, default=1, help="Numba/FAISS/BLAS threads in each child")
+    ap.add_argument("--only", nargs="+", type=choice_arg([spec for spec, _ in CASES]), default=None,
+                    help="run only these selector specs (of the cases listed above)")
+    ap.add_argument("--timeout", type=float_arg(0.0, strict=True), default=1800.0,
+                    help="seconds per selector subprocess")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "memory.json"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.k > args.n:
+        ap.error(f"--k {args.k} exceeds --n {args.n}; use --k <= --n")
     if args.child is not None:
         print(json.dumps(child(json.loads(args.child))))
         return
 
-    from sparseattn.bench import machine_info
+    from sparseattn.tools.bench import machine_info
 
     data = f"synthetic:n={args.n},d={args.d},kind=clustered,seed=0"
     cases = [c for c in CASES if args.only is None or c[0] in args.only]

@@ -123,17 +123,19 @@ def _worker(tree: str, data_dir: str, case: dict, repeats: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sys.path.insert(0, ROOT)  # this working tree's sparseattn, whatever is installed
+    from sparseattn.tools.args import OneLineParser, positive_int
+
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="git revision to compare against (e.g. a commit id)")
-    ap.add_argument("--repeats", type=int, default=7, help="timed calls per worker process")
+    ap.add_argument("--repeats", type=positive_int, default=7, help="timed calls per worker process")
     ap.add_argument("--head", default=None,
                     help="git revision for the head side (default: this working tree, uncommitted changes included)")
-    ap.add_argument("--rounds", type=int, default=2, help="worker processes per side (alternating)")
+    ap.add_argument("--rounds", type=positive_int, default=2, help="worker processes per side (alternating)")
     ap.add_argument("--quick", action="store_true", help="only the n <= 16,384 cases")
     ap.add_argument("--only", default=None, help="only the cases whose name contains this text (e.g. 'cluster')")
     ap.add_argument("--out", default=None, help="output path without extension")
     args = ap.parse_args()
-    sys.path.insert(0, ROOT)
     from sparseattn import data as data_mod
 
     rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", args.base], check=True,

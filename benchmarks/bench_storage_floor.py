@@ -32,7 +32,6 @@ Writes benchmarks/results/storage-floor.json and storage-floor.md (``--out`` for
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -43,21 +42,13 @@ from pathlib import Path
 import numpy as np
 from numba import njit, prange
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from bench_decode import _positive_int, log, make_data  # noqa: E402
+from sparseattn.kernels._intrinsics import prefetch_l2
+from sparseattn.tools.args import OneLineParser, int_arg, positive_int
+from sparseattn.tools.bench import decode_inputs, log
 
-from sparseattn.kernels._intrinsics import prefetch_l2  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 MAX_FLUSH_MB = 16384
-
-
-def _flush_mb(text: str) -> int:
-    """argparse type of --flush-mb: a positive integer of at most MAX_FLUSH_MB."""
-    n = _positive_int(text)
-    if n > MAX_FLUSH_MB:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_FLUSH_MB} (MB); got {n}")
-    return n
 
 
 STORAGES = (("float32", np.float32), ("float16", np.float16), ("bfloat16", "bfloat16"))
@@ -135,11 +126,11 @@ def _ratio(a: float, b: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=_positive_int, default=131072, help="cached keys per head before the steps")
-    ap.add_argument("--steps", type=_positive_int, default=64, help="measured steps")
-    ap.add_argument("--stride", type=_positive_int, default=64, help="tokens appended before each step")
-    ap.add_argument("--flush-mb", type=_flush_mb, default=128,
+    ap = OneLineParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=positive_int, default=131072, help="cached keys per head before the steps")
+    ap.add_argument("--steps", type=positive_int, default=64, help="measured steps")
+    ap.add_argument("--stride", type=positive_int, default=64, help="tokens appended before each step")
+    ap.add_argument("--flush-mb", type=int_arg(1, MAX_FLUSH_MB, " (MB)"), default=128,
                     help=f"MB written by both cores before each cold measurement (> the last-level cache; at "
                          f"most {MAX_FLUSH_MB})")
     ap.add_argument("--out", default=str(HERE / "results" / "storage-floor.json"),
@@ -149,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out.strip() or out.is_dir():
         ap.error(f"--out {args.out!r}: give a file path such as results/storage-floor.json")
     try:
-        from sparseattn.cli import check_out_dir
+        from sparseattn.tools.cli import check_out_dir
 
         check_out_dir(str(out.parent), "--out's folder")
     except ValueError as exc:
@@ -168,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "n": n, "steps": steps, "stride": stride,
             "flush_mb": args.flush_mb, "heads": H, "dim": E}
     log(f"n={n}: generating")
-    K, V, Q = make_data("clustered", n + steps * stride, H, 1, steps, E)
+    K, V, Q = decode_inputs("clustered", n + steps * stride, H, 1, steps, E)
     caches = {}
     for name, dtype in STORAGES:
         c = KVCache(H, E, selector="cluster", dtype=dtype)

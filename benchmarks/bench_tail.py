@@ -13,7 +13,6 @@ the median wall time of 3 calls.  Results: ``results/tail.json`` and ``results/t
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -22,7 +21,8 @@ import time
 import numpy as np
 
 import sparseattn as sa
-from sparseattn.bench import iter_workloads
+from sparseattn.tools.args import OneLineParser, positive_int
+from sparseattn.tools.bench import iter_workloads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -110,12 +110,14 @@ def write(rows: list[dict], out: str, cmd: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--queries", type=int, default=512, help="queries per head (evenly spaced)")
+    ap = OneLineParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--queries", type=positive_int, default=512, help="queries per head (evenly spaced)")
     ap.add_argument("--stores", default="store,store65k@~/.cache/sparseattn/traces")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "tail"))
     args = ap.parse_args()
+    if not [s for s in args.stores.split(",") if s.strip()]:
+        ap.error("--stores must name at least one store, e.g. store or store65k@~/.cache/sparseattn/traces")
     cmd = f"python benchmarks/bench_tail.py --queries {args.queries} --stores {args.stores}"
     rows = run(args.stores.split(","), args.queries, args.repeats)
     write(rows, args.out, cmd)

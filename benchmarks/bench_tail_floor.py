@@ -27,7 +27,6 @@ Results: ``results/tail-floor.json`` and ``results/tail-floor.md`` (``--out``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -35,7 +34,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from sparseattn.bench import iter_workloads
+from sparseattn.tools.args import OneLineParser, int_list_arg, nonnegative_int, positive_int
+from sparseattn.tools.bench import iter_workloads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROPOSALS = ("weights", "optimal", "uniform")
@@ -259,30 +259,17 @@ def write(rows: list[dict], out: str, cmd: str) -> None:
         f.write("\n".join(lines) + "\n")
 
 
-def _positive_ints(text: str, name: str, ap: argparse.ArgumentParser) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"{name} must be comma-separated positive integers, e.g. 64,128,256; got {text!r}")
-    if not vals or any(x < 1 for x in vals):
-        ap.error(f"{name} must be comma-separated positive integers, e.g. 64,128,256; got {text!r}")
-    return sorted(set(vals))
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--queries", type=int, default=512, help="queries per head (evenly spaced)")
-    ap.add_argument("--budgets", default="64,128,256", help="keys read per query, comma-separated")
-    ap.add_argument("--draws", type=int, default=8, help="seeded sample draws per query")
-    ap.add_argument("--seed", type=int, default=0)
+    ap = OneLineParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--queries", type=positive_int, default=512, help="queries per head (evenly spaced)")
+    ap.add_argument("--budgets", type=int_list_arg(1, "64,128,256"), default=[64, 128, 256],
+                    help="keys read per query, comma-separated")
+    ap.add_argument("--draws", type=positive_int, default=8, help="seeded sample draws per query")
+    ap.add_argument("--seed", type=nonnegative_int, default=0)
     ap.add_argument("--stores", default="store,store65k@~/.cache/sparseattn/traces")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "tail-floor"))
     args = ap.parse_args()
-    if args.queries < 1:
-        ap.error(f"--queries must be >= 1; got {args.queries}")
-    if args.draws < 1:
-        ap.error(f"--draws must be >= 1; got {args.draws}")
-    budgets = _positive_ints(args.budgets, "--budgets", ap)
+    budgets = sorted(set(args.budgets))
     stores = [s for s in args.stores.split(",") if s.strip()]
     if not stores:
         ap.error("--stores must name at least one store, e.g. store or store65k@~/.cache/sparseattn/traces")

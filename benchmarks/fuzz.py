@@ -49,6 +49,7 @@ import sparseattn as sa
 from sparseattn import SparsePattern
 from sparseattn.attention.sparse import sparse_attention_result
 from sparseattn.selectors import get_selector
+from sparseattn.tools.args import OneLineParser, float_arg, nonnegative_int, positive_int
 
 KINDS = ("full", "pattern", "bias", "selector", "invalid")
 KIND_WEIGHTS = (0.45, 0.2, 0.1, 0.13, 0.12)
@@ -693,17 +694,15 @@ def _show_case(seed: int, case: int, max_n: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", type=int, default=100_000, help="number of cases (default 100000)")
-    ap.add_argument("--seed", type=int, default=0, help="base seed; case i uses default_rng([seed, i])")
-    ap.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help=f"largest L and S (default {DEFAULT_MAX_N})")
-    ap.add_argument("--start", type=int, default=0, help="first case index")
-    ap.add_argument("--case", type=int, default=None, help="run only this case, with a traceback")
-    ap.add_argument("--progress", type=float, default=0.0, help="print progress every N seconds (stderr)")
+    ap = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", type=nonnegative_int, default=100_000, help="number of cases (default 100000)")
+    ap.add_argument("--seed", type=nonnegative_int, default=0, help="base seed; case i uses default_rng([seed, i])")
+    ap.add_argument("--max-n", type=positive_int, default=DEFAULT_MAX_N,
+                    help=f"largest L and S (default {DEFAULT_MAX_N})")
+    ap.add_argument("--start", type=nonnegative_int, default=0, help="first case index")
+    ap.add_argument("--case", type=nonnegative_int, default=None, help="run only this case, with a traceback")
+    ap.add_argument("--progress", type=float_arg(0.0), default=0.0, help="print progress every N seconds (stderr)")
     args = ap.parse_args(argv)
-    if args.max_n < 1 or args.cases < 0:
-        ap.error("--max-n must be >= 1 and --cases >= 0")
     if args.case is not None:
         return _show_case(args.seed, args.case, args.max_n)
     print(f"sparseattn {sa.__version__} fuzz: --cases {args.cases} --seed {args.seed} --max-n {args.max_n}")

@@ -22,9 +22,10 @@ Causal queries use ``index/segments.py`` instead (the keys in position order cut
 each clustered on its own keys) and ``attention/segmented.py``, so no row depends on a later key.
 
 Around the path: ``inputs`` (validation shared by every stage), ``positional`` (RoPE, ALiBi, T5 biases),
-``threads`` (Numba, FAISS and BLAS thread counts), ``data`` (real and synthetic Q/K/V), ``traces``
-(regenerating real traces), ``bench`` / ``suite`` / ``report`` / ``cli`` (measurement) and ``tutorial``
-(the eight steps of attention, heads, multi-head, the worked example).
+``threads`` (Numba, FAISS and BLAS thread counts: ``with sparseattn.threads(n):``), ``data`` (real and
+synthetic Q/K/V) and ``tutorial`` (the eight steps of attention, heads, multi-head, the worked example).
+The measurement tools and the ``sparseattn`` command live in ``tools/`` (bench, suite, report,
+decode_report, traces, cli); the library never imports them.
 
 >>> import numpy as np, sparseattn as sa
 >>> rng = np.random.default_rng(0)
@@ -45,7 +46,7 @@ True
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _dist_version
 
-from . import _numba_setup, data, metrics, tutorial  # noqa: F401  (_numba_setup first: OpenMP wait policy)
+from . import _numba_setup, data, metrics, threads, tutorial  # noqa: F401  (_numba_setup first: OpenMP wait policy)
 from .attention.dense import scaled_dot_product_attention
 from .attention.merge import merge_attention, merge_pair
 from .attention.routed import routed_attention
@@ -55,7 +56,7 @@ from .cache import KVCache
 from .index import ClusterIndex
 from .pattern import SparsePattern
 from .selectors import Selector, available_selectors, get_selector
-from .threads import get_num_threads, threads
+from .threads import get_num_threads
 from .topk import exact_topk
 
 try:

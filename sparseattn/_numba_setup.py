@@ -115,7 +115,7 @@ def user_environ() -> dict[str, str]:
     """The process environment without the variables sparseattn set itself (``OMP_WAIT_POLICY``).
 
     For child processes that must run as the user's own code would, e.g. a baseline timed in a fresh
-    process (:func:`sparseattn.bench.fresh_sdpa_seconds`).
+    process (:func:`sparseattn.tools.bench.fresh_sdpa_seconds`).
     """
     env = dict(os.environ)
     for name in _set_by_us:

@@ -803,7 +803,13 @@ SYNTHETIC_KINDS: dict[str, Callable[..., tuple[np.ndarray, np.ndarray, np.ndarra
 }
 
 
-def _parse_value(text: str) -> Any:
+def parse_spec_value(text: str) -> Any:
+    """One value of a ``key=value`` spec string as Python: none/null, true/false, an int (``65_536``, and
+    ``1e6`` when integral), a float, else the text.
+
+    >>> parse_spec_value("65_536"), parse_spec_value("1e3"), parse_spec_value("0.5"), parse_spec_value("x")
+    (65536, 1000, 0.5, 'x')
+    """
     low = text.lower()
     if low in ("none", "null"):
         return None
@@ -867,7 +873,7 @@ def _parse_synthetic(spec: str) -> tuple[Callable[..., tuple[np.ndarray, np.ndar
         key, val = (s.strip() for s in item.split("=", 1))
         if key in params:
             raise ValueError(f"duplicate key {key!r} in spec {spec!r}.")
-        params[key] = _parse_value(val)
+        params[key] = parse_spec_value(val)
     kind = params.pop("kind", "gaussian")
     if kind not in SYNTHETIC_KINDS:
         raise ValueError(f"unknown synthetic kind {kind!r} in spec {spec!r}; available: {sorted(SYNTHETIC_KINDS)}.")

@@ -3,6 +3,10 @@
 Why explicit: on a shared 2-core machine, 2 threads were measured slower than 1 for both Numba and FAISS
 when the other core was busy, and FAISS's OpenMP pool slowed ~20x under oversubscription.  The default
 is every core Numba sees; ``threads(1)`` makes everything serial (and CI runs that way).
+
+The module is callable: ``sparseattn.threads(n)`` is :func:`threads` (``with sparseattn.threads(2): ...``),
+and ``sparseattn.threads`` is still this module, so ``sparseattn.threads.get_num_threads()`` and
+``import sparseattn.threads`` reach the helpers below.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -181,3 +186,14 @@ def run_jobs(work: Callable[[int], None], jobs: Iterable[int], n: int) -> None:
         return
     for _ in executor(n).map(work, jobs):
         pass
+
+
+class _CallableModule(types.ModuleType):
+    """The type of this module: calling it enters :func:`threads`, so ``sparseattn.threads(n)`` works while
+    the attribute ``sparseattn.threads`` stays the module."""
+
+    def __call__(self, n: int) -> contextlib.AbstractContextManager[int]:
+        return threads(n)
+
+
+sys.modules[__name__].__class__ = _CallableModule

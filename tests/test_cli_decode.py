@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from sparseattn import decode_report
-from sparseattn.cli import main
+from sparseattn.tools import decode_report
+from sparseattn.tools.cli import main
 
 H, S, E, STEPS = 2, 600, 16, 4
 ROW_FIELDS = {"selector", "p50_ms", "p99_ms", "mean_ms", "step_ms", "prefill_s", "append_us_per_token", "kv_bytes",
@@ -112,9 +112,10 @@ def test_results_dict_has_the_fields(own_result):
     assert dense["speedup_vs_dense"] == 1.0
 
 
-def test_in_process_synthetic_with_clustering_and_progress(tmp_path, capsys):
+def test_in_process_synthetic_with_clustering_and_progress(tmp_path, capsys, monkeypatch):
     """4,400 keys: the cluster selector clusters a segment (64 clusters, 32 probed) and reads fewer keys;
-    without --quiet and a TTY, one ``[i/n]`` progress line per step goes to stderr."""
+    with SPARSEATTN_PROGRESS=lines, one ``[i/n]`` progress line per step goes to stderr."""
+    monkeypatch.setenv("SPARSEATTN_PROGRESS", "lines")
     rc = main(["decode", "--data", "synthetic:n=4400,d=16,kind=clustered,seed=1", "--heads", "2", "--steps", "3",
                "--selectors", "cluster,pages", "--dtype", "float16", "--format", "table,md", "--out",
                str(tmp_path / "r"), "--no-sdpa", "--threads", "1"])
@@ -136,7 +137,7 @@ def test_in_process_synthetic_with_clustering_and_progress(tmp_path, capsys):
 
 def test_subprocess(tmp_path):
     env = dict(os.environ, SPARSEATTN_DEBUG="0")
-    cmd = [sys.executable, "-m", "sparseattn.cli", "decode", "--data", "synthetic:n=300,d=8,seed=2", "--heads", "2",
+    cmd = [sys.executable, "-m", "sparseattn.tools.cli", "decode", "--data", "synthetic:n=300,d=8,seed=2", "--heads", "2",
            "--steps", "3", "--selectors", "window", "--format", "table,json", "--out", str(tmp_path), "--quiet",
            "--no-sdpa"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparseattn import bench, cli, suite
-from sparseattn.cli import main
+from sparseattn.tools import bench, cli, suite
+from sparseattn.tools.cli import main
 
 SMALL = ["--data", "synthetic:n=256,d=16,seed=0", "--repeats", "1", "--quiet"]
 
@@ -154,30 +154,39 @@ def test_k_and_sizes_checked_against_the_data(capsys, no_work):
 
 
 def test_safety_net_one_line_exit_1_and_debug_reraises(capsys, monkeypatch):
-    def boom(args):
+    import sparseattn.selectors as selectors_pkg  # `sparseattn selectors` lists selector_classes()
+
+    def boom():
         raise RuntimeError("something\nbroke")
 
-    monkeypatch.setattr(cli, "_cmd_selectors", boom)
+    monkeypatch.setattr(selectors_pkg, "selector_classes", boom)
     rc, _, err = run(capsys, ["selectors"])
     assert rc == 1 and err == ("sparseattn selectors: error: RuntimeError: something broke (set SPARSEATTN_DEBUG=1 "
                                "for the traceback)\n")
-    monkeypatch.setattr(cli, "_cmd_selectors", lambda args: (_ for _ in ()).throw(MemoryError("too big")))
+    monkeypatch.setattr(selectors_pkg, "selector_classes", lambda: (_ for _ in ()).throw(MemoryError("too big")))
     rc, _, err = run(capsys, ["selectors"])
     assert rc == 2 and err == "sparseattn selectors: error: MemoryError: too big\n"
-    monkeypatch.setattr(cli, "_cmd_selectors", lambda args: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(selectors_pkg, "selector_classes", lambda: (_ for _ in ()).throw(KeyboardInterrupt()))
     rc, _, err = run(capsys, ["selectors"])
     assert rc == 130 and err == "sparseattn selectors: interrupted\n"
-    monkeypatch.setattr(cli, "_cmd_selectors", boom)
+    monkeypatch.setattr(selectors_pkg, "selector_classes", boom)
     monkeypatch.setenv("SPARSEATTN_DEBUG", "1")
     with pytest.raises(RuntimeError, match="something"):
         main(["selectors"])
 
 
+def _default_sigint() -> None:
+    """In the child before exec: Ctrl-C handled by default, even when this pytest started with SIGINT ignored
+    (``nohup ... &``), so the child's Python installs its KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_exits_130_with_one_line(tmp_path):
-    env = dict(os.environ, SPARSEATTN_DEBUG="0")
-    cmd = [sys.executable, "-m", "sparseattn.cli", "compare", "--data", "synthetic:n=4096,d=32,seed=0",
+    env = dict(os.environ, SPARSEATTN_DEBUG="0", SPARSEATTN_PROGRESS="lines")  # a line marks the start
+    cmd = [sys.executable, "-m", "sparseattn.tools.cli", "compare", "--data", "synthetic:n=4096,d=32,seed=0",
            "--selectors", "topk", "--repeats", "200", "--format", "json", "--out", str(tmp_path / "r")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                            preexec_fn=_default_sigint)
     seen = []
     for line in proc.stderr:  # wait until the timed work has started
         seen.append(line)
@@ -222,7 +231,7 @@ def test_bench_case_subprocess_ignores_a_sparseattn_folder_in_cwd(capsys, tmp_pa
     assert rc == 1 and "1 of 2 cases failed" in err  # the bad case still makes the run fail
     assert Path("res/suite-tiny.md").read_text().count("| gaussian | 128 |") == 1
     cmd = suite.case_command(OK_CASE, 1)
-    assert "-m" not in cmd and str(Path(suite.__file__).parent.parent) in cmd[2]
+    assert "-m" not in cmd and str(Path(suite.__file__).parents[2]) in cmd[2]
 
 
 # ----------------------------------------------------------------------------------------------- decode
@@ -232,7 +241,7 @@ DECODE = ["decode", "--data", "synthetic:n=256,d=16,seed=0", "--no-sdpa", "--qui
 @pytest.fixture
 def no_decode_work(monkeypatch):
     """Fails the test if decode generates its workload or starts measuring."""
-    from sparseattn import decode_report
+    from sparseattn.tools import decode_report
 
     monkeypatch.setattr(decode_report, "run_decode", lambda *a, **k: pytest.fail("run_decode ran"))
     monkeypatch.setattr(decode_report.KeySource, "workload", lambda *a, **k: pytest.fail("workload made"))
@@ -281,7 +290,7 @@ def test_decode_heads_checked_against_the_data(capsys, no_decode_work):
 
 
 def test_decode_ctrl_c_exits_130_with_one_line(capsys, monkeypatch, tmp_path):
-    from sparseattn import decode_report
+    from sparseattn.tools import decode_report
 
     def interrupt(*a, **k):
         raise KeyboardInterrupt

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from sparseattn import data
-from sparseattn import traces as tr
+from sparseattn.tools import traces as tr
 
 REPO_DATA = Path(__file__).resolve().parent.parent / "data"
 
@@ -373,7 +373,7 @@ the deep. And the Spirit of God moved upon the face of the waters.
 
 
 def test_clean_kjv_hand_worked():
-    assert tr._clean_kjv(RAW_SNIPPET) == (
+    assert tr.clean_kjv(RAW_SNIPPET) == (
         "In the beginning God created the heaven and the earth.\n"
         "And the earth was without form, and void; and darkness was upon the face of the deep. "
         "And the Spirit of God moved upon the face of the waters.\n"
@@ -496,7 +496,7 @@ def _user_arrays(rng: np.random.Generator, lead: tuple[int, ...], L: int = 6, S:
 @pytest.mark.parametrize("lead", [(), (3,), (2, 3)])
 def test_load_user_npz_matches_the_same_arrays_in_manifest_format(tmp_path, rng, lead):
     """2-D, 3-D and 4-D user files load into the same Trace (and bench workload) as a manifest trace."""
-    from sparseattn import bench
+    from sparseattn.tools import bench
 
     arrays = _user_arrays(rng, lead)
     np.savez(tmp_path / "mine.npz", **arrays)

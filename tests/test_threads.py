@@ -35,3 +35,17 @@ def test_threads_rejects_bad_counts():
         pass
     with pytest.raises(ValueError, match="exceeds the"), sa.threads(numba.config.NUMBA_NUM_THREADS + 1):
         pass
+
+
+def test_threads_is_the_module_and_calling_it_enters_the_block():
+    import sys
+    import types
+
+    import sparseattn.threads as threads_module
+
+    assert isinstance(sa.threads, types.ModuleType)
+    assert sa.threads is threads_module is sys.modules["sparseattn.threads"]
+    outer = sa.get_num_threads()
+    with sa.threads(1) as n:
+        assert n == 1 and threads_module.get_num_threads() == 1
+    assert sa.get_num_threads() == outer

@@ -17,7 +17,6 @@ BLAS pinned to one thread.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -35,7 +34,7 @@ from sparseattn.selectors import available_selectors, get_selector
 
 WORKERS = 4
 NUMBA_MAX = numba.config.NUMBA_NUM_THREADS
-_threads_module = importlib.import_module("sparseattn.threads")  # `sa.threads` is the function
+_threads_module = sa.threads  # the module; calling it enters threads()
 
 
 def _pools() -> dict[tuple[str, str], int]:

@@ -1,7 +1,7 @@
 """The measurement harness: workloads, timed runs of selectors and dense baselines, quality recomputed.
 
 Results are data first (plain dicts, JSON-serialisable); tables and plots are made from them in
-:mod:`sparseattn.report`.  Rules the harness follows:
+:mod:`sparseattn.tools.report`.  Rules the harness follows:
 
 * the JIT is warmed up before anything is timed; times are ``perf_counter`` medians over repeats;
 * build, select and kernel are timed separately; dense baselines (ours, and torch SDPA when installed,
@@ -36,13 +36,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _numba_setup, metrics
-from . import data as data_mod
-from .attention.dense import scaled_dot_product_attention
-from .attention.sparse import sparse_attention
-from .pattern import SparsePattern
-from .selectors import get_selector, spec_string
-from .threads import get_num_threads
+from .. import _numba_setup, metrics
+from .. import data as data_mod
+from ..attention.dense import scaled_dot_product_attention
+from ..attention.sparse import sparse_attention
+from ..pattern import SparsePattern
+from ..selectors import get_selector, spec_string
+from ..threads import get_num_threads
 
 
 @dataclass
@@ -118,6 +118,49 @@ def iter_workloads(specs: Iterable[str]) -> Iterator[tuple[int, str, Workload]]:
             print(f"skip {spec}: {exc}", flush=True)
 
 
+def decode_inputs(kind: str, n_total: int, hkv: int, rep: int, steps: int, e: int = 64
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Synthetic decode inputs with grouped-query heads, one :func:`sparseattn.data.synthetic` call per
+    kv head (seed = the kv head's index; ``gaussian`` keys follow MiniLM's norm profile).
+
+    Parameters
+    ----------
+    kind : str
+        ``"gaussian"``, ``"clustered"`` or ``"correlated"``.
+    n_total : int
+        Keys per kv head.
+    hkv, rep : int
+        kv heads, and query heads per kv head.
+    steps : int
+        Queries per query head.
+    e : int
+        Head size.
+
+    Returns
+    -------
+    K, V : numpy.ndarray
+        float32, shape (hkv, n_total, e).
+    Q : numpy.ndarray
+        float32, shape (hkv * rep, steps, e); query head ``g * rep + r`` belongs to kv head ``g``.
+    """
+    K = np.empty((hkv, n_total, e), np.float32)
+    V = np.empty((hkv, n_total, e), np.float32)
+    Q = np.empty((hkv * rep, steps, e), np.float32)
+    extra = ",norm_profile=minilm" if kind == "gaussian" else ""
+    for g in range(hkv):
+        q, k, v = data_mod.synthetic(f"synthetic:n={n_total},d={e},kind={kind},seed={g},"
+                                     f"n_queries={steps * rep}{extra}")
+        K[g], V[g] = k, v
+        Q[g * rep:(g + 1) * rep] = q.reshape(rep, steps, e)
+        del q, k, v
+    return K, V, Q
+
+
+def log(*parts: object) -> None:
+    """Print ``HH:MM:SS part ...`` on stdout at once (progress lines of the benchmark scripts)."""
+    print(time.strftime("%H:%M:%S"), *parts, flush=True)
+
+
 def machine_info() -> dict[str, Any]:
     """CPU, threads and library versions, stored with every result."""
     import numba
@@ -159,8 +202,8 @@ def json_default(o: Any) -> Any:
 
 def warm_up() -> None:
     """Compile the shared kernels the harness times: both fused variants, float32 and float64."""
-    from .kernels import fused
-    from .kernels.bias import no_bias_args
+    from ..kernels import fused
+    from ..kernels.bias import no_bias_args
 
     for dt in (np.float32, np.float64):
         w = np.ones((1, 64, 8), dt)
@@ -238,9 +281,10 @@ def time_dense(wl: Workload, *, is_causal: bool, repeats: int = 3) -> dict[str, 
 
 FAIRNESS_TOLERANCE = 0.25  # in-run SDPA may differ from a fresh process's by at most this fraction
 
-# Runs in a fresh interpreter that imports numpy and torch only (never sparseattn or Numba), so nothing of
-# ours can have slowed torch; times SDPA exactly as time_dense does and prints the median as JSON.
-_FRESH_SDPA_SCRIPT = r"""
+# The script fresh_sdpa_seconds runs in a fresh interpreter (argv: the .npz path, causal 0/1, scale, repeats,
+# threads).  It imports numpy and torch only (never sparseattn or Numba), so nothing of ours can have
+# slowed torch; times SDPA exactly as time_dense does and prints the median as JSON.
+FRESH_SDPA_SCRIPT = r"""
 import json, statistics, sys, time
 import numpy as np
 import torch
@@ -273,7 +317,7 @@ def fresh_sdpa_seconds(wl: Workload, *, is_causal: bool, repeats: int = 3, timeo
     with tempfile.TemporaryDirectory(prefix="sparseattn-fair-") as tmp:
         path = os.path.join(tmp, "qkv.npz")
         np.savez(path, q=wl.q, k=wl.k, v=wl.v)
-        cmd = [sys.executable, "-c", _FRESH_SDPA_SCRIPT, path, "1" if is_causal else "0", repr(float(wl.scale)),
+        cmd = [sys.executable, "-c", FRESH_SDPA_SCRIPT, path, "1" if is_causal else "0", repr(float(wl.scale)),
                str(int(repeats)), str(get_num_threads())]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_numba_setup.user_environ())
     if proc.returncode != 0:
@@ -307,9 +351,9 @@ def check_fairness(wl: Workload, dense: dict[str, float | None], *, is_causal: b
     :func:`fresh_sdpa_seconds`, plus Numba's threading layer and TBB preload (:mod:`sparseattn._numba_setup`).
 
     ``ok`` is None, with ``reason``, when there is no SDPA time (torch not installed) or the fresh process
-    failed; it is False when the in-process SDPA was slowed (or sped up) by more than the tolerance:
-    something loaded in this process changes torch's speed, and a speed-up measured against the
-    in-process time would be off (:func:`compare` measures speed-ups against the fresh time).
+    failed; it is False when the two timings differ by more than the tolerance: something loaded in this
+    process changes torch's speed, or the machine is busy (:func:`compare` measures speed-ups against the
+    faster of the two, and :func:`fairness_advice` says what to do).
     ``threading_layer`` is Numba's layer at the time of the call (None before any parallel kernel ran).
     """
     status = _numba_setup.threading_status()
@@ -326,8 +370,38 @@ def check_fairness(wl: Workload, dense: dict[str, float | None], *, is_causal: b
     reason = (f"in-process SDPA {in_run:.3g} s vs {fresh:.3g} s in a fresh process: {flag['ratio']:.2f}x, "
               f"tolerance {flag['tolerance']:.0%}; Numba threading layer {extra['threading_layer']}")
     if not flag["ok"]:
-        reason += "; something in this process changes torch's speed (speed-ups use the fresh time)"
+        reason += ("; something in this process changes torch's speed, or the machine is busy (speed-ups use "
+                   "the faster time)")
     return {**flag, **extra, "reason": reason}
+
+
+def fairness_advice(fair: dict[str, Any] | None, what: str = "SDPA") -> str | None:
+    """What to do when the two SDPA timings of a run disagree (``fair["ok"] is False``), else None.
+
+    Parameters
+    ----------
+    fair : dict or None
+        A fairness record (:func:`check_fairness`, or the ``fairness`` of a decode result) with ``ratio``
+        (in-process time / fresh-process time) and ``ok``.
+    what : str
+        The baseline's name in the message.
+
+    Returns
+    -------
+    str or None
+        One line: which timing was slower, that the faster one is the baseline, the load average against
+        the core count, and how to get a steadier baseline.
+    """
+    if not fair or fair.get("ok") is not False or not fair.get("ratio"):
+        return None
+    ratio = float(fair["ratio"])
+    slower = "this process" if ratio > 1 else "the fresh process"
+    try:
+        load = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count() or 1} cores"
+    except OSError:  # pragma: no cover - no load average on this platform
+        load = f"{os.cpu_count() or 1} cores"
+    return (f"advice: the two {what} timings differ {max(ratio, 1 / ratio):.1f}x ({slower} was slower; {load}); "
+            f"x {what} uses the faster. For a steadier baseline rerun on an idle machine, or with --threads 1.")
 
 
 def _quality_rows(L: int, max_rows: int) -> np.ndarray | None:
@@ -426,16 +500,32 @@ def run_selector(wl: Workload, spec: str, *, k: int, is_causal: bool, repeats: i
     }
 
 
-def compare(data: str = "window", selectors: Sequence[str] | None = None, *, k: int = 64,
+#: The selectors ``sparseattn compare`` measures by default: the exact top-k oracle, a structural union,
+#: two FAISS indexes, cluster routing (top-k and block mode), the estimation zone (unread clusters
+#: estimated from their statistics) and routing by estimated mass (``top_p``).  Others: ``--selectors``.
+DEFAULT_SELECTORS = ("topk", "window:width=48+sinks:g=4+random:n_random=12", "faiss-hnsw", "faiss-ivf", "cluster",
+                     "cluster:mode=block", "cluster:mode=block,estimate=-1", "cluster:mode=block,top_p=0.9")
+#: The data ``sparseattn compare`` runs on by default: the shipped store (4 heads x 2,048 real MiniLM
+#: queries against 16,384 real keys), long enough that reading fewer keys pays.
+DEFAULT_DATA = "store"
+#: Query rows per group whose quality (recall, mass, output error) is computed in float64 by default.
+DEFAULT_QUALITY_ROWS = 512
+
+
+def compare(data: str = DEFAULT_DATA, selectors: Sequence[str] | None = None, *, k: int = 64,
             is_causal: bool = False, repeats: int = 3, max_groups: int | None = None,
-            progress: Callable[[str], None] | None = None, fairness: bool = True) -> dict[str, Any]:
+            progress: Callable[[str], None] | None = None, fairness: bool = True,
+            quality_rows: int = DEFAULT_QUALITY_ROWS) -> dict[str, Any]:
     """Run every selector and the dense baselines on one workload; return the results as a dict.
 
     The dense baselines are timed first, after :func:`prepare_torch` and before any Numba kernel of the
-    run.  ``result["fairness"]`` is :func:`check_fairness`: SDPA timed again in a fresh process.  That
-    fresh time becomes ``result["dense"]["sdpa_s"]``, the baseline of every ``speedup_vs_sdpa``; the
+    run.  ``result["fairness"]`` is :func:`check_fairness`: SDPA timed again in a fresh process.  The
+    faster of the two times becomes ``result["dense"]["sdpa_s"]``, the baseline of every
+    ``speedup_vs_sdpa`` (``fairness["baseline"]`` says which: ``"fresh_s"`` or ``"in_run_s"``); the
     in-process time is ``result["dense"]["sdpa_in_run_s"]``.  With ``fairness=False`` (or when the fresh
     process fails) nothing is re-timed, ``sdpa_s`` is the in-process time and ``fairness["ok"]`` is None.
+    Quality is computed in float64 on ``quality_rows`` evenly spaced query rows of each group (all rows
+    when a group has fewer).  Defaults: :data:`DEFAULT_DATA`, :func:`default_selectors`.
     """
     wl = load_workload(data, max_groups=max_groups)
     selectors = list(selectors) if selectors else default_selectors(wl)
@@ -449,14 +539,18 @@ def compare(data: str = "window", selectors: Sequence[str] | None = None, *, k: 
         fair = check_fairness(wl, dense, is_causal=is_causal, repeats=repeats)
     else:
         fair = {**fairness_flag(dense["sdpa_s"], None), "reason": "not checked (fairness=False)"}
-    if fair["fresh_s"] is not None:  # the baseline nothing of ours can have slowed
+    # The baseline is the faster of the two timings: a speed-up is never measured against a slowed torch,
+    # whether our process slowed it (a fresh process has nothing of ours) or a busy machine slowed the fresh
+    # process (its torch runs with the user's OpenMP settings, whose spinning threads suffer most from load).
+    use_fresh = fair["fresh_s"] is not None and (dense["sdpa_s"] is None or fair["fresh_s"] <= dense["sdpa_s"])
+    if use_fresh:
         dense["sdpa_s"] = fair["fresh_s"]
-    fair["baseline"] = "fresh_s" if fair["fresh_s"] is not None else "in_run_s"
+    fair["baseline"] = "fresh_s" if use_fresh else "in_run_s"
     rows = []
     for spec in selectors:
         say(spec)
         try:
-            row = run_selector(wl, spec, k=k, is_causal=is_causal, repeats=repeats)
+            row = run_selector(wl, spec, k=k, is_causal=is_causal, repeats=repeats, max_quality_rows=quality_rows)
         except (ImportError, ValueError) as exc:
             row = {"selector": spec, "error": str(exc)}
         if "total_s" in row:
@@ -470,14 +564,12 @@ def compare(data: str = "window", selectors: Sequence[str] | None = None, *, k: 
 
 
 def default_selectors(wl: Workload | None = None) -> list[str]:
-    """A representative set: the exact oracle, structural, hashing, tree, FAISS and cluster routing."""
-    from .selectors import available_selectors
+    """:data:`DEFAULT_SELECTORS` whose backends are installed here (FAISS is optional on some platforms)."""
+    from ..selectors import available_selectors
 
     avail = {name for name, reason in available_selectors().items() if reason is None}
-    wanted = ["topk", "window", "window:width=48+sinks:g=4+random:n_random=12", "angular-lsh", "lsh:n_candidates=256",
-              "kdtree", "faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-ivfpq", "cluster", "cluster:mode=block"]
     out = []
-    for spec in wanted:
+    for spec in DEFAULT_SELECTORS:
         names = [part.partition(":")[0] for part in spec.split("+")]
         if all(n in avail for n in names):
             out.append(spec)

@@ -7,9 +7,9 @@
   hits them alike), and our dense step (``selector="dense"``, the same Numba kernel over every key);
 * torch's ``scaled_dot_product_attention`` on a ``(1, H, 1, E)`` query over the same keys and values
   (float32), timed in this run and again in a fresh process that imports numpy and torch only, with the
-  user's environment (as :func:`sparseattn.bench.fresh_sdpa_seconds` does for ``compare``), the two
-  compared by :func:`sparseattn.bench.fairness_flag`; the *faster* of the two (by p50) is the baseline of
-  every speed-up.  Why not always the fresh one, as ``compare`` does: a decode step is well under a
+  user's environment (as :func:`sparseattn.tools.bench.fresh_sdpa_seconds` does for ``compare``), the two
+  compared by :func:`sparseattn.tools.bench.fairness_flag`; the *faster* of the two (by p50) is the baseline of
+  every speed-up (as in ``compare``).  Why not always the fresh one: a decode step is well under a
   millisecond, and a fresh process runs torch with the user's OpenMP settings, where on a busy machine
   the wake-ups of torch's thread pool can dominate (more than 10x slower at 4 heads x 2,000 keys, 2
   threads, load average 7 on 2 cores), while this process sets passive OpenMP waits (:mod:`sparseattn._numba_setup`); the faster time never flatters us;
@@ -42,9 +42,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _numba_setup
-from . import data as data_mod
-from .threads import get_num_threads, single_threaded_blas
+from .. import _numba_setup
+from .. import data as data_mod
+from ..threads import get_num_threads, single_threaded_blas
 
 __all__ = ["DEFAULT_SELECTORS", "DTYPES", "DecodeWorkload", "KeySource", "check_selectors", "exact_step",
            "fresh_sdpa_steps", "latency_summary", "open_source", "render_html", "render_markdown", "render_text",
@@ -170,7 +170,7 @@ def synthetic_head_spec(spec: str, head: int, *, n: int | None = None, n_queries
     body = spec.partition(":")[2] if spec.startswith("synthetic:") else spec
     keyed = {it.partition("=")[0].strip(): it.partition("=")[2].strip()
              for it in body.split(",") if it.strip()}
-    seed = data_mod._parse_value(keyed.pop("seed", "0"))
+    seed = data_mod.parse_spec_value(keyed.pop("seed", "0"))
     if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
         seed = int(seed) + head
     elif head:
@@ -348,7 +348,7 @@ def split_selectors(text: str) -> list[str]:
 def check_selectors(selectors: Sequence[str]) -> list[str]:
     """Validate cache selectors (by constructing a tiny :class:`KVCache` with each); deduplicated,
     ``dense`` dropped (always measured).  The error names the bad one and what the cache accepts."""
-    from .cache import KVCache
+    from ..cache import KVCache
 
     out: list[str] = []
     for name in selectors:
@@ -393,8 +393,8 @@ def run_decode(wl: DecodeWorkload, selectors: Sequence[str] = DEFAULT_SELECTORS,
     ``recall`` / ``recall_min`` (means and worst over steps and heads), ``per_step`` (lists of the
     per-step means), ``speedup_vs_dense`` and ``speedup_vs_sdpa``.
     """
+    from ..cache import KVCache
     from . import bench
-    from .cache import KVCache
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}.")
@@ -568,7 +568,7 @@ def _sci(x: float | None) -> str:
 
 def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Header and formatted rows of a decode result: torch SDPA (when timed), our dense step, the selectors."""
-    from .report import _fmt
+    from .report import format_value
 
     k = result["k"]
     header = [c if c != "recall@k" else f"recall@{k}" for c in COLUMNS]
@@ -577,12 +577,12 @@ def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     if sd:
         dense_p50 = result["results"][0]["p50_ms"]
         mean_keys = result["workload"]["length"] + (result["workload"]["steps"] + 1) / 2  # every key, each step
-        rows.append(["torch SDPA (exact)", _fmt(sd["p50_ms"]), _fmt(sd["p99_ms"]), "1.00",
-                     _fmt(dense_p50 / sd["p50_ms"]), _fmt(mean_keys), "-", "-", _sci(sd["rel_err"]), "1", "1"])
+        rows.append(["torch SDPA (exact)", format_value(sd["p50_ms"]), format_value(sd["p99_ms"]), "1.00",
+                     format_value(dense_p50 / sd["p50_ms"]), format_value(mean_keys), "-", "-", _sci(sd["rel_err"]), "1", "1"])
     for r in result["results"]:
         label = "dense (ours, exact)" if r["selector"] == "dense" else _label(r["selector"], k)
-        rows.append([label, _fmt(r["p50_ms"]), _fmt(r["p99_ms"]), _fmt(r["speedup_vs_sdpa"]),
-                     _fmt(r["speedup_vs_dense"]), _fmt(r["keys_read"]), _fmt(r["append_us_per_token"]),
+        rows.append([label, format_value(r["p50_ms"]), format_value(r["p99_ms"]), format_value(r["speedup_vs_sdpa"]),
+                     format_value(r["speedup_vs_dense"]), format_value(r["keys_read"]), format_value(r["append_us_per_token"]),
                      f"{r['index_over_kv']:.1%}" if r["index_over_kv"] is not None else "-",
                      _sci(r["rel_err"]), f"{r['mass']:.4f}", f"{r['recall']:.3f}"])
     return header, rows
@@ -612,7 +612,7 @@ def _footnote(result: dict[str, Any]) -> str:
 
 def render_text(result: dict[str, Any]) -> str:
     """A decode result (:func:`run_decode`) as a fixed-width terminal table with its notes."""
-    from .report import _fairness_line
+    from .report import fairness_line
 
     header, rows = table_rows(result)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
@@ -620,7 +620,7 @@ def render_text(result: dict[str, Any]) -> str:
                                    for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
     out = [_title(result), line(header), line(["-" * w for w in widths]), *(line(r) for r in rows),
            _footnote(result)]
-    fair = _fairness_line(result)
+    fair = fairness_line(result)
     if fair:
         out.append(fair)
     return "\n".join(out)
@@ -628,33 +628,33 @@ def render_text(result: dict[str, Any]) -> str:
 
 def render_markdown(result: dict[str, Any]) -> str:
     """A decode result as a Markdown page: title, table, notes, SDPA check, machine."""
-    from .report import _fairness_line, _machine_line
+    from .report import fairness_line, machine_line
 
     header, rows = table_rows(result)
     lines = [f"# {_title(result)}", "", "| " + " | ".join(header) + " |",
              "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
     lines += ["", _footnote(result), ""]
-    fair = _fairness_line(result)
+    fair = fairness_line(result)
     if fair:
         lines += [fair, ""]
-    lines += [f"Data: `{result['data']}`. Machine: {_machine_line(result)}", ""]
+    lines += [f"Data: `{result['data']}`. Machine: {machine_line(result)}", ""]
     return "\n".join(lines)
 
 
 def render_html(result: dict[str, Any]) -> str:
     """A decode result as a standalone HTML page (same content as :func:`render_markdown`)."""
-    from .report import _CSS, _fairness_line, _machine_line
+    from .report import HTML_CSS, fairness_line, machine_line
 
     header, rows = table_rows(result)
     th = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
-    fair = _fairness_line(result)
+    fair = fairness_line(result)
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>sparseattn decode</title>"
-            f"<style>{_CSS}</style></head><body><h2>{html.escape(_title(result))}</h2>"
+            f"<style>{HTML_CSS}</style></head><body><h2>{html.escape(_title(result))}</h2>"
             f"<table><tr>{th}</tr>{body}</table><p>{html.escape(_footnote(result))}</p>"
             + (f"<p>{html.escape(fair)}</p>" if fair else "")
-            + f"<p>Data: {html.escape(result['data'])}. Machine: {html.escape(_machine_line(result))}</p>"
+            + f"<p>Data: {html.escape(result['data'])}. Machine: {html.escape(machine_line(result))}</p>"
             "</body></html>\n")
 
 

@@ -2,10 +2,10 @@
 
 * ``explain``: the tutorial's worked example, step by step;
 * ``selectors``: every selector with its parameters and availability;
-* ``compare``: selectors against exact attention on one workload (tables via :mod:`sparseattn.report`);
+* ``compare``: selectors against exact attention on one workload (tables via :mod:`sparseattn.tools.report`);
 * ``decode``: the decode workload of :class:`sparseattn.KVCache`, per cache selector
-  (:mod:`sparseattn.decode_report`);
-* ``bench``: a benchmark suite (:mod:`sparseattn.suite`);
+  (:mod:`sparseattn.tools.decode_report`);
+* ``bench``: a benchmark suite (:mod:`sparseattn.tools.suite`);
 * ``trace``: capture real Q/K/V traces from MiniLM (:mod:`sparseattn.traces`).
 """
 
@@ -13,48 +13,25 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+import time
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .args import OneLineParser, choice_arg, int_arg, positive_int
+
 _INT_MAX = 2**31 - 1  # FAISS and BLAS take C ints: a larger selector parameter overflows there
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line usage errors (exit 2): ``sparseattn compare: error: argument --k: ...``."""
-
-    def error(self, message: str) -> Any:  # type: ignore[override]
-        if message.startswith("argument ") and ": must be " in message:  # our types: "--k must be >= 1; ..."
-            message = message[len("argument "):].replace(": must be ", " must be ", 1)
-        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
-
-
-def _int_arg(minimum: int, maximum: Callable[[], int] | None = None, what: str = "") -> Callable[[str], int]:
-    """argparse type: an integer in [minimum, maximum()] with a message saying the allowed range."""
-
-    def parse(text: str) -> int:
-        hi = maximum() if maximum is not None else None
-        rule = f">= {minimum}" if hi is None else f"from {minimum} to {hi}{what}"
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer {rule}; got {text!r}") from None
-        if value < minimum or (hi is not None and value > hi):
-            raise argparse.ArgumentTypeError(f"must be {rule}; got {value}")
-        return value
-
-    parse.__name__ = "int"
-    return parse
 
 
 def _cpus() -> int:
     return os.cpu_count() or 1
 
 
-_threads_arg = _int_arg(1, _cpus, " (the CPUs here)")
+_threads_arg = int_arg(1, _cpus, " (the CPUs here)")
 
 
 def _scale_arg(text: str) -> float | None:
@@ -71,7 +48,7 @@ def _scale_arg(text: str) -> float | None:
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    from .tutorial import attention_steps, seed_example
+    from ..tutorial import attention_steps, seed_example
 
     e = seed_example()
     scale = args.scale
@@ -86,7 +63,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_selectors(args: argparse.Namespace) -> int:
-    from .selectors import selector_classes
+    from ..selectors import selector_classes
 
     for name, cls in selector_classes().items():
         reason = cls.unavailable_reason()
@@ -103,8 +80,11 @@ _FORMATS = ("table", "json", "md", "html")
 
 
 # ------------------------------------------------------------------------------------------------------
-# progress: a rich bar with ETA on a terminal, `[i/n] step` lines otherwise, nothing with --quiet
+# progress: a rich bar with ETA on a terminal, one summary line in a log, nothing with --quiet
 # ------------------------------------------------------------------------------------------------------
+PROGRESS_ENV = "SPARSEATTN_PROGRESS"  # "lines": one `[i/n] step` line per step wherever stderr goes
+
+
 def _rich_progress() -> Any:
     try:
         from rich.console import Console
@@ -124,15 +104,24 @@ def _rich_progress() -> Any:
 
 @contextmanager
 def progress_steps(total: int, title: str, *, quiet: bool = False) -> Iterator[Callable[[str], None]]:
-    """A callback ``say(step)`` called before each of ``total`` steps.
+    """A callback ``say(step)`` called before each of ``total`` steps; progress goes to stderr.
 
-    On a terminal (stderr is a TTY) with ``rich`` installed: a progress bar with elapsed time and ETA.
-    Otherwise one ``[i/n] step`` line per step on stderr; with ``quiet`` nothing.
+    * ``quiet``: nothing;
+    * ``SPARSEATTN_PROGRESS=lines`` in the environment: one ``[i/n] step`` line per step;
+    * stderr a terminal: a progress bar with elapsed time and ETA (``rich``; ``[i/n] step`` lines without it);
+    * otherwise (a log file, a pipe): one line when the steps are done, ``title: n steps in 12.3 s``.
     """
     if quiet:
         yield lambda msg: None
         return
-    bar = _rich_progress() if sys.stderr.isatty() else None
+    lines = os.environ.get(PROGRESS_ENV, "").strip().lower() == "lines"
+    tty = sys.stderr.isatty()
+    if not lines and not tty:
+        started = time.perf_counter()
+        yield lambda msg: None
+        print(f"{title}: {total} steps in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+        return
+    bar = _rich_progress() if tty and not lines else None
     if bar is None:
         state = {"i": 0}
 
@@ -143,12 +132,12 @@ def progress_steps(total: int, title: str, *, quiet: bool = False) -> Iterator[C
         yield say_line
         return
     task = bar.add_task(title, total=total)
-    started = {"any": False}
+    started_any = {"any": False}
 
     def say_bar(msg: str) -> None:
-        if started["any"]:
+        if started_any["any"]:
             bar.advance(task)
-        started["any"] = True
+        started_any["any"] = True
         bar.update(task, description=f"{title}: {msg}")
 
     with bar:
@@ -156,24 +145,36 @@ def progress_steps(total: int, title: str, *, quiet: bool = False) -> Iterator[C
         bar.update(task, completed=total, description=f"{title}: done")
 
 
+def kernel_cache_cold() -> bool:
+    """True when Numba's cache of sparseattn's kernels holds no compiled kernel yet (a first run compiles)."""
+    from .._numba_setup import cache_dir
+
+    root = Path(cache_dir())
+    return not root.is_dir() or next(root.rglob("*.nbi"), None) is None
+
+
 @contextmanager
 def kernel_note(quiet: bool = False) -> Iterator[None]:
-    """Say, before any kernel runs, that Numba compiles the kernels on a first run; afterwards, how long this
-    run spent compiling kernels or loading them from Numba's cache (measured with Numba's compiler events).
+    """When Numba's kernel cache is cold, say before any kernel runs that the first run compiles the kernels
+    (minutes) and afterwards how long it took; on a warm cache say nothing unless the run compiled for over
+    a second (new argument types), measured with Numba's compiler events.
     """
     if quiet:
         yield
         return
     from numba.core import event
 
-    print("note: Numba compiles the kernels on the first run (this can take minutes) and caches them for later "
-          "runs", file=sys.stderr, flush=True)
+    cold = kernel_cache_cold()
+    if cold:
+        print("note: Numba compiles the kernels on the first run (this can take minutes) and caches them for "
+              "later runs", file=sys.stderr, flush=True)
     spent: dict[str, float] = {"lock": 0.0, "compile": 0.0}
     with event.install_timer("numba:compiler_lock", lambda s: spent.__setitem__("lock", s)), \
             event.install_timer("numba:compile", lambda s: spent.__setitem__("compile", s)):
         yield
-    print(f"note: kernel warm-up took {spent['lock']:.1f} s ({spent['compile']:.1f} s compiling, the rest loading "
-          f"from the cache)", file=sys.stderr, flush=True)
+    if cold or spent["compile"] >= 1.0:
+        print(f"note: kernel warm-up took {spent['lock']:.1f} s ({spent['compile']:.1f} s compiling, the rest "
+              f"loading from the cache)", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -215,8 +216,8 @@ def check_selector_specs(specs: Sequence[str], option: str = "--selectors") -> l
     Checks: known names, known parameters given once, values of the right type and range (integers at
     most 2**31 - 1, the C int the FAISS and BLAS calls take), and availability of the backend.
     """
-    from .selectors import get_selector, selector_classes
-    from .selectors.params import parse_value
+    from ..selectors import get_selector, selector_classes
+    from ..selectors.params import parse_value
 
     classes = selector_classes()
     out = []
@@ -269,8 +270,8 @@ def _check_memory(need: float, what: str, fix: str) -> None:
 
 def _resolve_data(spec: str, max_groups: int | None) -> tuple[str, dict[str, int], Any]:
     """The spec bench.compare loads, the workload's shape (groups, L, S, E, Ev), and a user trace or None."""
+    from .. import data as data_mod
     from . import bench
-    from . import data as data_mod
 
     if spec.startswith("synthetic"):
         try:
@@ -321,8 +322,8 @@ def _add_run_args(p: argparse.ArgumentParser, thread_users: str, out_what: str) 
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
+    from ..threads import get_num_threads, threads
     from . import bench, report
-    from .threads import get_num_threads, threads
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
     bad = sorted(set(formats) - set(_FORMATS))
@@ -345,7 +346,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     with threads(get_num_threads() if args.threads is None else args.threads), kernel_note(args.quiet), \
             progress_steps(len(specs) + 1, "compare", quiet=args.quiet) as say:
         result = bench.compare(data_spec, specs, k=args.k, is_causal=args.causal, repeats=args.repeats,
-                               max_groups=args.max_groups, progress=say)
+                               max_groups=args.max_groups, progress=say, quality_rows=args.quality_rows)
     result["data"] = args.data
     if trace is not None:
         result["workload"]["description"] = trace.meta["description"]
@@ -354,22 +355,13 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if files:
         for p in report.write_compare(result, args.out, files):
             print(f"wrote {p}")
+    advice = bench.fairness_advice(result.get("fairness"))
+    if advice and not args.quiet:
+        print(advice, file=sys.stderr)
     failed = [r for r in result["results"] if "error" in r]
     for r in failed:
         print(f"sparseattn compare: error: selector {r['selector']}: {r['error']}", file=sys.stderr)
     return 1 if failed else 0
-
-
-def _choice_arg(choices: Sequence[str]) -> Callable[[str], str]:
-    """argparse type: one of ``choices``, with a message listing them."""
-
-    def parse(text: str) -> str:
-        if text not in choices:
-            raise argparse.ArgumentTypeError(f"must be one of {', '.join(choices)}; got {text!r}")
-        return text
-
-    parse.__name__ = "choice"
-    return parse
 
 
 def _check_formats(text: str) -> list[str]:
@@ -381,8 +373,8 @@ def _check_formats(text: str) -> list[str]:
 
 
 def _open_decode_source(spec: str) -> Any:
-    """The key source of ``decode --data`` (:func:`sparseattn.decode_report.open_source`), errors naming --data."""
-    from . import data as data_mod
+    """The key source of ``decode --data`` (:func:`sparseattn.tools.decode_report.open_source`), errors naming --data."""
+    from .. import data as data_mod
     from . import decode_report
 
     if spec.startswith("synthetic"):
@@ -407,8 +399,8 @@ def _cmd_decode(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from . import decode_report
-    from .threads import get_num_threads, threads
+    from ..threads import get_num_threads, threads
+    from . import bench, decode_report
 
     formats = _check_formats(args.format)
     files = [f for f in formats if f != "table"]
@@ -463,6 +455,9 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     if files:
         for p in decode_report.write_decode(result, args.out, files):
             print(f"wrote {p}")
+    advice = bench.fairness_advice(result.get("fairness"))
+    if advice and not args.quiet:
+        print(advice, file=sys.stderr)
     return 0
 
 
@@ -510,28 +505,34 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     """Register ``compare``, ``decode``, ``bench`` and ``trace`` on the ``sparseattn`` parser."""
-    from .data import USER_DATA_HELP
+    from ..data import USER_DATA_HELP
+    from .bench import DEFAULT_DATA, DEFAULT_QUALITY_ROWS, DEFAULT_SELECTORS
     from .suite import SUITES
 
-    positive = _int_arg(1)
     p = sub.add_parser("compare", help="compare selectors against dense attention (accuracy and speed)",
                        description="Run selectors and exact attention side by side on one workload and "
-                                   "report speed and accuracy. Default: the shipped real MiniLM traces. "
+                                   "report speed and accuracy. Default: the shipped store, 4 heads x 2,048 "
+                                   "real MiniLM queries against 16,384 real keys, with the estimation zone "
+                                   "(estimate=-1) and routing by mass (top_p) among the selectors. "
                                    "Your own Q/K/V: --data FILE.npz (" + USER_DATA_HELP + "); every (B, H) "
                                    "pair is one group.")
-    p.add_argument("--data", default="window",
-                   help="window | store | NAME@DIR (a trace written by `sparseattn trace --name NAME --out DIR`) | "
+    p.add_argument("--data", default=DEFAULT_DATA,
+                   help="store | window | NAME@DIR (a trace written by `sparseattn trace --name NAME --out DIR`) | "
                         "synthetic:n=65536,d=64,kind=gaussian|clustered|correlated | your arrays: FILE.npz, a "
-                        "FOLDER with q.npy k.npy v.npy, or q.npy,k.npy,v.npy (default window)")
+                        f"FOLDER with q.npy k.npy v.npy, or q.npy,k.npy,v.npy (default {DEFAULT_DATA}: 16,384 "
+                        "real keys; window: 512-token windows)")
     p.add_argument("--selectors", nargs="+", default=None,
-                   help="selector specs, e.g. topk window:width=64 'window+sinks+faiss-hnsw:M=32' (default: a "
-                        "representative set; see `sparseattn selectors`)")
-    p.add_argument("--k", type=positive, default=64,
+                   help="selector specs, e.g. topk window:width=64 'window+sinks+faiss-hnsw:M=32' (default: "
+                        f"{' '.join(DEFAULT_SELECTORS)}; see `sparseattn selectors`)")
+    p.add_argument("--k", type=positive_int, default=64,
                    help="keys per query for top-k selectors, at most the keys per group (default 64)")
     p.add_argument("--causal", action="store_true", help="causal attention (query i sees keys j <= i)")
-    p.add_argument("--repeats", type=positive, default=3, help="timing repeats; medians are reported (default 3)")
-    p.add_argument("--max-groups", type=positive, default=12,
+    p.add_argument("--repeats", type=positive_int, default=3, help="timing repeats; medians are reported (default 3)")
+    p.add_argument("--max-groups", type=positive_int, default=12,
                    help="evaluate this many evenly spaced (batch, head) groups of multi-group data (default 12)")
+    p.add_argument("--quality-rows", type=positive_int, default=DEFAULT_QUALITY_ROWS,
+                   help="query rows per group whose recall, mass and output error are computed in float64, "
+                        f"evenly spaced (default {DEFAULT_QUALITY_ROWS})")
     _add_run_args(p, "Numba/FAISS/BLAS", "output folder")
     p.set_defaults(func=_cmd_compare)
 
@@ -549,18 +550,18 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                         "(one seeded call per head: seed, seed+1, ...) | your arrays: FILE.npz, a FOLDER with "
                         "q.npy k.npy v.npy, or q.npy,k.npy,v.npy; keys are appended in position order "
                         "(default store)")
-    p.add_argument("--length", type=positive, default=None,
+    p.add_argument("--length", type=positive_int, default=None,
                    help="keys in the cache before the first step (default: the data's keys minus --steps)")
-    p.add_argument("--heads", type=positive, default=None,
+    p.add_argument("--heads", type=positive_int, default=None,
                    help=f"heads (evenly spaced groups of the data; default: the data's, at most "
                         f"{DEFAULT_HEADS}; synthetic: 4)")
     p.add_argument("--selectors", nargs="+", default=[",".join(DEFAULT_SELECTORS)],
                    help=f"comma list of cache selectors (default {','.join(DEFAULT_SELECTORS)}; dense is always "
                         f"measured; others: see help(sparseattn.KVCache))")
-    p.add_argument("--k", type=positive, default=64,
+    p.add_argument("--k", type=positive_int, default=64,
                    help="keys per query of the topk selector, and the k of recall@k (default 64)")
-    p.add_argument("--steps", type=positive, default=64, help="decode steps timed (default 64)")
-    p.add_argument("--dtype", type=_choice_arg(DTYPES), default="float32",
+    p.add_argument("--steps", type=positive_int, default=64, help="decode steps timed (default 64)")
+    p.add_argument("--dtype", type=choice_arg(DTYPES), default="float32",
                    help="storage of the cache: float32, float16 or bfloat16 (default float32)")
     p.add_argument("--no-sdpa", action="store_true", help="do not time torch SDPA")
     _add_run_args(p, "Numba/BLAS/torch", "output folder for decode.json/.md/.html")
@@ -573,40 +574,51 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=os.path.join("benchmarks", "results"), help="output folder")
     p.add_argument("--threads", type=_threads_arg, default=None,
                    help="threads per case, 1 to the CPU count (default: all cores)")
-    p.add_argument("--repeats", type=positive, default=None, help="override the suite's repeats (>= 1)")
+    p.add_argument("--repeats", type=positive_int, default=None, help="override the suite's repeats (>= 1)")
     p.add_argument("--quiet", action="store_true", help="no progress or warm-up notes on stderr")
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("trace", help="capture real Q/K/V traces from MiniLM (needs the 'traces' extra)")
     p.add_argument("kind", choices=["window", "store"])
     p.add_argument("--out", default="data", help="output folder (default ./data)")
-    p.add_argument("--n-windows", type=positive, default=2)
-    p.add_argument("--n-keys", type=positive, default=16384)
-    p.add_argument("--n-queries", type=positive, default=2048)
-    p.add_argument("--layer", type=_int_arg(0), default=3)
+    p.add_argument("--n-windows", type=positive_int, default=2)
+    p.add_argument("--n-keys", type=positive_int, default=16384)
+    p.add_argument("--n-queries", type=positive_int, default=2048)
+    p.add_argument("--layer", type=int_arg(0), default=3)
     p.add_argument("--heads", default=None, help="store: comma list of heads (default all 12)")
     p.add_argument("--name", default=None, help="file stem and manifest name (default: the kind); load it "
                    "with `sparseattn compare --data NAME@OUT`")
-    p.add_argument("--seed", type=_int_arg(0), default=0)
+    p.add_argument("--seed", type=int_arg(0), default=0)
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=_cmd_trace)
 
 
+def plain_text(rest: str) -> str:
+    """reST inline markup as plain text for ``--help``: ````x```` -> ``x``, ``:mod:`a.b``` -> ``a.b``,
+    ``:func:`~a.b``` -> ``b``; line breaks kept."""
+    text = re.sub(r":[a-z]+(?::[a-z]+)?:`~[\w.]*?\.?(\w+)`", r"\1", rest)
+    text = re.sub(r":[a-z]+(?::[a-z]+)?:`([^`]+)`", r"\1", text)
+    return text.replace("``", "")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``sparseattn`` argument parser with every subcommand."""
-    from . import __version__
+    from .. import __version__
 
-    parser = _Parser(prog="sparseattn", description=__doc__,
-                     epilog="Exit status: 0 success, 1 a run failed (a selector or bench case), 2 a usage or "
-                            "input error, 130 interrupted. SPARSEATTN_DEBUG=1 shows tracebacks.")
+    parser = OneLineParser(prog="sparseattn", description=plain_text(__doc__),
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog="Exit status: 0 success, 1 a run failed (a selector or bench case), 2 a usage\n"
+                                  "or input error, 130 interrupted. SPARSEATTN_DEBUG=1 shows tracebacks.\n"
+                                  "Progress goes to stderr: a bar on a terminal, one summary line otherwise\n"
+                                  f"({PROGRESS_ENV}=lines: one line per step); --quiet: none.")
     parser.add_argument("--version", action="version", version=f"sparseattn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("explain", help="print the tutorial's worked example step by step")
     p.add_argument("--scale", type=_scale_arg, default=1.0, help="score scale: a number, or 'default' for "
                    "1/sqrt(d) (default 1, as in the tutorial)")
-    p.add_argument("--query", type=_int_arg(1), default=None, help="only this query (1-based)")
-    p.add_argument("--decimals", type=_int_arg(0, lambda: 17), default=6, help="digits after the point (0-17)")
+    p.add_argument("--query", type=int_arg(1), default=None, help="only this query (1-based)")
+    p.add_argument("--decimals", type=int_arg(0, 17), default=6, help="digits after the point (0-17)")
     p.set_defaults(func=_cmd_explain)
 
     p = sub.add_parser("selectors", help="list selectors, their parameters and availability")

@@ -1,7 +1,7 @@
 """The benchmark suite behind ``sparseattn bench``: grids of workloads x selectors x k x causal.
 
 This module runs suites and makes their table and plots from the JSON; the command-line handler is in
-:mod:`sparseattn.cli`, result rendering of single comparisons in :mod:`sparseattn.report`.
+:mod:`sparseattn.tools.cli`, result rendering of single comparisons in :mod:`sparseattn.tools.report`.
 
 Each case (one workload, k and causal flag; every selector of the grid plus the dense baselines) runs in
 its own subprocess so that its peak RSS is its own and a crash cannot take the sweep down; results are
@@ -63,9 +63,9 @@ SUITES: dict[str, dict[str, Any]] = {
 
 def run_case(case: dict[str, Any], repeats: int, threads: int | None) -> dict[str, Any]:
     """Run one case in this process (used by the subprocess entry point)."""
+    from ..threads import get_num_threads
+    from ..threads import threads as threads_ctx
     from . import bench
-    from .threads import get_num_threads
-    from .threads import threads as threads_ctx
 
     with threads_ctx(get_num_threads() if threads is None else threads):
         res = bench.compare(case["data"], case["selectors"], k=case["k"], is_causal=case["causal"],
@@ -78,12 +78,12 @@ def run_case(case: dict[str, Any], repeats: int, threads: int | None) -> dict[st
 # working directory holds (a clone's ``sparseattn/`` folder in cwd would otherwise shadow it as a
 # namespace package): the bootstrap puts this copy's parent folder first on sys.path and drops cwd.
 _CASE_BOOTSTRAP = ("import os, sys; sys.path[:] = [{root!r}] + [p for p in sys.path if p and "
-                   "os.path.abspath(p) != os.getcwd()]; from sparseattn.suite import _main; sys.exit(_main())")
+                   "os.path.abspath(p) != os.getcwd()]; from sparseattn.tools.suite import _main; sys.exit(_main())")
 
 
 def case_command(case: dict[str, Any], repeats: int, threads: int | None = None) -> list[str]:
     """The command line that runs one suite case in a fresh interpreter (immune to the working directory)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above sparseattn/
     cmd = [sys.executable, "-c", _CASE_BOOTSTRAP.format(root=root), "--case", json.dumps(case),
            "--repeats", str(repeats)]
     if threads is not None:

@@ -1,7 +1,7 @@
 """Reports from benchmark results: tables (terminal, Markdown, HTML), JSON and plots.
 
-Results are produced as plain dicts by :mod:`sparseattn.bench` (and suites by :mod:`sparseattn.suite`);
-everything here only renders them.  The command-line handlers live in :mod:`sparseattn.cli`.
+Results are produced as plain dicts by :mod:`sparseattn.tools.bench` (and suites by :mod:`sparseattn.tools.suite`);
+everything here only renders them.  The command-line handlers live in :mod:`sparseattn.tools.cli`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,10 @@ def _get(row: dict[str, Any], path: str) -> Any:
     return cur
 
 
-def _fmt(value: Any) -> str:
+def format_value(value: Any) -> str:
+    """A table cell: ``-`` for None, ``0`` for 0.0, other floats with no decimals from 100 up, 2 from 1 up,
+    3 below (``1234.5`` -> ``"1234"``, ``2.345`` -> ``"2.35"``, ``0.01234`` -> ``"0.012"``), anything
+    else through ``str``.  Shared by every table of the tools."""
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -66,7 +69,7 @@ def _fmt(value: Any) -> str:
 # --------------------------------------------------------------------------------- selector labels
 def _default_params(name: str) -> dict[str, str]:
     """``{param: value}`` of a selector's default spec string; empty for an unknown or unavailable one."""
-    from .selectors import get_selector, spec_string
+    from ..selectors import get_selector, spec_string
 
     try:
         spec = spec_string(get_selector(name))
@@ -150,7 +153,7 @@ def _keys_reason(r: dict[str, Any], k: int, causal: bool, L: int, S: int) -> str
               f"than k = {k} (mean of min(i + 1, k) over {L} rows: "
               f"{sum(min(i + 1, S, k) for i in range(L)) / max(L, 1):.2f}). ") if causal and kpq < k else ""
     if name == "window":
-        from .pattern import SparsePattern
+        from ..pattern import SparsePattern
 
         w, d = params.get("width") or k, int(params.get("dilation") or 1)
         mean = SparsePattern.window(L, S, w, is_causal=causal, dilation=d).nnz / max(L, 1)
@@ -187,18 +190,18 @@ def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     header = [c[0] for c in COLUMNS]
     rows: list[list[str]] = []
     dense = result["dense"]
-    rows.append(["dense (ours, exact)", "all", "-", "-", "-", _fmt(dense.get("dense_s")), "1.00",
-                 _fmt(dense["sdpa_s"] / dense["dense_s"]) if dense.get("sdpa_s") else "-", "1", "1", "0", "0"])
+    rows.append(["dense (ours, exact)", "all", "-", "-", "-", format_value(dense.get("dense_s")), "1.00",
+                 format_value(dense["sdpa_s"] / dense["dense_s"]) if dense.get("sdpa_s") else "-", "1", "1", "0", "0"])
     if dense.get("sdpa_s"):
-        rows.append(["torch SDPA (exact)", "all", "-", "-", "-", _fmt(dense["sdpa_s"]),
-                     _fmt(dense["dense_s"] / dense["sdpa_s"]), "1.00", "1", "1", "0", "0"])
+        rows.append(["torch SDPA (exact)", "all", "-", "-", "-", format_value(dense["sdpa_s"]),
+                     format_value(dense["dense_s"] / dense["sdpa_s"]), "1.00", "1", "1", "0", "0"])
     labels = _label_map(result)
     notes = keys_per_query_notes(result)
     for r in result["results"]:
         if "error" in r:
             rows.append([labels[r["selector"]], f"error: {r['error']}"] + [""] * (len(COLUMNS) - 2))
             continue
-        cells = [_fmt(_get(r, path)) for _, path in COLUMNS]
+        cells = [format_value(_get(r, path)) for _, path in COLUMNS]
         cells[0] = labels[r["selector"]]
         if r["selector"] in notes:
             cells[1] += "*"
@@ -214,7 +217,7 @@ def _spec_lines(result: dict[str, Any]) -> list[tuple[str, str, str | None]]:
 
 
 def render_text(result: dict[str, Any]) -> str:
-    """A compare result (:func:`sparseattn.bench.compare`) as a fixed-width terminal table.
+    """A compare result (:func:`sparseattn.tools.bench.compare`) as a fixed-width terminal table.
 
     Selectors are shown by short labels; the lines under the table give each label's full spec and why a
     keys/q value marked ``*`` differs from k.
@@ -226,8 +229,8 @@ def render_text(result: dict[str, Any]) -> str:
     out = [_title(result), line(header), line(["-" * w for w in widths])]
     out += [line(r) if not r[1].startswith("error") else f"{r[0]}  {r[1]}" for r in rows]
     out.append(_footnote(result))
-    if _fairness_line(result):
-        out.append(_fairness_line(result))
+    if fairness_line(result):
+        out.append(fairness_line(result))
     specs = _spec_lines(result)
     if any(note for _, _, note in specs):
         out.append("keys/q *: why a selector reads a different number of keys than k per query:")
@@ -246,8 +249,8 @@ def _title(result: dict[str, Any]) -> str:
 
 def _footnote(result: dict[str, Any]) -> str:
     return ("x dense: speed-up of build+select+kernel over our exact dense attention, same run; x SDPA: over "
-            "torch SDPA timed in a fresh process on the same inputs (the in-run time is checked against it: "
-            "see the fairness line); "
+            "torch SDPA on the same inputs, the faster of its time in this run and in a fresh process (see "
+            "the fairness line); "
             "recall@k: share of the exact top-k found (tie-aware); mass: dense softmax mass on the selected "
             "keys; out err: relative Frobenius error of the output; keys/q: mean keys read per query (marked * "
             "where it differs from k, see the notes). Selectors are labelled by their non-default parameters; "
@@ -262,8 +265,8 @@ def render_markdown(result: dict[str, Any], plots: list[str] | None = None) -> s
              "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(esc(c) for c in r) + " |" for r in rows]
     lines += ["", _footnote(result), ""]
-    if _fairness_line(result):
-        lines += [_fairness_line(result), ""]
+    if fairness_line(result):
+        lines += [fairness_line(result), ""]
     specs = _spec_lines(result)
     if any(note for _, _, note in specs):
         lines += ["Keys per query marked *:", ""]
@@ -271,13 +274,13 @@ def render_markdown(result: dict[str, Any], plots: list[str] | None = None) -> s
         lines.append("")
     lines += ["| label | full selector spec |", "|---|---|"]
     lines += [f"| `{label}` | `{spec}` |" for label, spec, _ in specs]
-    lines += ["", f"Machine: {_machine_line(result)}", ""]
+    lines += ["", f"Machine: {machine_line(result)}", ""]
     for p in plots or []:
         lines.append(f"![{os.path.basename(p)}]({os.path.basename(p)})")
     return "\n".join(lines) + "\n"
 
 
-def _fairness_line(result: dict[str, Any]) -> str | None:
+def fairness_line(result: dict[str, Any]) -> str | None:
     """The SDPA baseline check of a result (``result["fairness"]``, when the harness recorded one)."""
     fair = result.get("fairness")
     if not isinstance(fair, dict) or not fair.get("reason"):
@@ -286,13 +289,15 @@ def _fairness_line(result: dict[str, Any]) -> str | None:
     return f"SDPA baseline check: {state} ({fair['reason']})."
 
 
-def _machine_line(result: dict[str, Any]) -> str:
+def machine_line(result: dict[str, Any]) -> str:
+    """One line naming the machine and library versions of a result (``result["machine"]``)."""
     m = result["machine"]
     libs = ", ".join(f"{k} {m[k]}" for k in ("numpy", "numba", "faiss", "datasketch", "scipy", "torch") if m.get(k))
     return f"{m['cpu']}, {m['cores']} cores, {m['threads']} thread(s), Python {m['python']}; {libs}"
 
 
-_CSS = ("body{font-family:sans-serif;margin:1.5em;font-size:14px}"
+# The style sheet of every HTML report of the tools (compare, decode).
+HTML_CSS = ("body{font-family:sans-serif;margin:1.5em;font-size:14px}"
         "table{border-collapse:collapse;margin:0.5em 0}"
         "td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}"
         "th{background:#f4f4f4}td:first-child,th:first-child{text-align:left;white-space:nowrap}"
@@ -328,15 +333,15 @@ def render_html(result: dict[str, Any], plots: list[str] | None = None) -> str:
     notes_html = f"<p>Keys per query marked *:</p><ul>{notes}</ul>" if notes else ""
     spec_rows = "".join(f"<tr><td>{html.escape(label)}</td><td>{html.escape(spec)}</td></tr>"
                         for label, spec, _ in specs)
-    fair = _fairness_line(result)
+    fair = fairness_line(result)
     fair_html = f"<p>{html.escape(fair)}</p>" if fair else ""
     imgs = "".join(f'<p><img src="{html.escape(os.path.basename(p))}"></p>' for p in plots or [])
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>sparseattn compare</title>"
-            f"<style>{_CSS}</style></head><body><h2>{html.escape(_title(result))}</h2>"
+            f"<style>{HTML_CSS}</style></head><body><h2>{html.escape(_title(result))}</h2>"
             f"<table><tr>{th}</tr>{body}</table>"
             f"<p>{html.escape(_footnote(result))}</p>{fair_html}{notes_html}"
             f"<table class='specs'><tr><th>label</th><th>full selector spec</th></tr>{spec_rows}</table>"
-            f"<p>Machine: {html.escape(_machine_line(result))}</p>"
+            f"<p>Machine: {html.escape(machine_line(result))}</p>"
             f"{imgs}</body></html>\n")
 
 
@@ -379,22 +384,31 @@ def plot_title(result: dict[str, Any]) -> str:
             f"causal = {'yes' if result['is_causal'] else 'no'}")
 
 
-def plot_compare(result: dict[str, Any], out_dir: str) -> list[str]:
-    """``compare_pareto.png`` (mass recall vs speed-up) and ``compare_time.png`` (time per selector); paths.
+def compare_figures(result: dict[str, Any]) -> dict[str, Any]:
+    """The plots of a compare result as matplotlib Figures by file name, not saved:
+    ``compare_pareto.png`` (output error vs speed-up) and ``compare_time.png`` (time per selector).
 
-    Every selector has one colour and marker in both plots (:func:`selector_styles`) and its short label
-    (:func:`selector_labels`) in a legend or on the axis, never as text next to a point.
+    Every point and bar shows a number of :func:`table_rows` (same labels): the pareto plot puts each row
+    at (its x SDPA, or x dense without an SDPA time; its out err), the time plot draws each selector's total
+    seconds and marks those of the two dense baselines.  Every selector has one colour and marker in both
+    plots (:func:`selector_styles`) and its short label (:func:`selector_labels`) in a legend or on the
+    axis, never as text next to a point.  Empty when matplotlib is missing or no selector ran.
     """
     plt = pyplot()
     if plt is None:
-        return []
+        return {}
     ok = [r for r in result["results"] if "total_s" in r]
     if not ok:
-        return []
+        return {}
     labels = _label_map(result)
     styles = selector_styles([r["selector"] for r in ok])
-    return [_plot_pareto(plt, result, ok, labels, styles, out_dir),
-            _plot_time(plt, result, ok, labels, styles, out_dir)]
+    return {"compare_pareto.png": _pareto_figure(plt, result, ok, labels, styles),
+            "compare_time.png": _time_figure(plt, result, ok, labels, styles)}
+
+
+def plot_compare(result: dict[str, Any], out_dir: str) -> list[str]:
+    """Write the :func:`compare_figures` of a result into ``out_dir``; return the paths."""
+    return [save_figure(fig, out_dir, name) for name, fig in compare_figures(result).items()]
 
 
 _MARKER_SCALE = {"*": 2.0, "P": 1.3, "X": 1.3, "h": 1.2}  # these look smaller at the same area
@@ -406,34 +420,35 @@ def _rgba(colour: str, alpha: float) -> tuple[float, float, float, float]:
     return to_rgba(colour, alpha)
 
 
-def _plot_pareto(plt: Any, result: dict[str, Any], ok: list[dict[str, Any]], labels: dict[str, str],
-                 styles: dict[str, tuple[str, str]], out_dir: str) -> str:
+def _pareto_figure(plt: Any, result: dict[str, Any], ok: list[dict[str, Any]], labels: dict[str, str],
+                   styles: dict[str, tuple[str, str]]) -> Any:
     dense = result["dense"]
     vs_sdpa = bool(dense.get("sdpa_s"))
     fig, ax = plt.subplots(figsize=(10, 5.2))
     for r in ok:
         x = r.get("speedup_vs_sdpa") if vs_sdpa else r.get("speedup_vs_dense")
-        y = _get(r, "quality.mass_recall_mean")
+        y = _get(r, "quality.rel_error_overall")
         if x is None or y is None or x <= 0:
             continue
         colour, marker = styles[r["selector"]]
         # translucent fill, opaque coloured edge: markers at (nearly) the same point stay visible
         ax.scatter([x], [y], s=80 * _MARKER_SCALE.get(marker, 1.0), marker=marker, facecolors=_rgba(colour, 0.35),
                    edgecolors=colour, linewidths=1.6, label=labels[r["selector"]], zorder=3)
-    base = dense["dense_s"] / dense["sdpa_s"] if vs_sdpa else 1.0
-    ax.scatter([base], [1.0], s=90, color="black", marker="*", label="dense (ours, exact)", zorder=3)
+    base = dense["sdpa_s"] / dense["dense_s"] if vs_sdpa else 1.0  # the dense row's x SDPA in the table
+    ax.scatter([base], [0.0], s=90, color="black", marker="*", label="dense (ours, exact)", zorder=3)
     if vs_sdpa:
-        ax.scatter([1.0], [1.0], s=60, facecolors="white", edgecolors="black", marker="o",
+        ax.scatter([1.0], [0.0], s=60, facecolors="white", edgecolors="black", marker="o",
                    label="torch SDPA (exact)", zorder=3)
     pareto_axes(ax, f"speed-up over {'torch SDPA' if vs_sdpa else 'our dense attention'}, end to end "
-                "(build + select + kernel), log scale", "softmax mass recall (1 = exact)")
+                "(build + select + kernel), log scale", "output relative error vs exact (0 = exact; lower is better)")
+    ax.set_ylim(bottom=-0.02 * max([1.0] + [float(_get(r, "quality.rel_error_overall") or 0.0) for r in ok]))
     ax.set_title(plot_title(result), fontsize=9)
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False, borderaxespad=0.0)
-    return save_figure(fig, out_dir, "compare_pareto.png")
+    return fig
 
 
-def _plot_time(plt: Any, result: dict[str, Any], ok: list[dict[str, Any]], labels: dict[str, str],
-               styles: dict[str, tuple[str, str]], out_dir: str) -> str:
+def _time_figure(plt: Any, result: dict[str, Any], ok: list[dict[str, Any]], labels: dict[str, str],
+                 styles: dict[str, tuple[str, str]]) -> Any:
     dense = result["dense"]
     n = len(ok)
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 0.34 * n + 2.0), sharey=True,
@@ -464,7 +479,7 @@ def _plot_time(plt: Any, result: dict[str, Any], ok: list[dict[str, Any]], label
     ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08 - 0.6 / max(n, 1)), ncol=3,
                frameon=False)
     fig.suptitle(plot_title(result), fontsize=9)
-    return save_figure(fig, out_dir, "compare_time.png")
+    return fig
 
 
 def write_compare(result: dict[str, Any], out_dir: str, formats: list[str]) -> list[str]:
