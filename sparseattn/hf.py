@@ -22,6 +22,10 @@ call with :func:`sparseattn.torch.sparse_attention`; the rest of the model is un
   ``torch.inference_mode()`` with ``model.eval()``; otherwise the call raises ``ValueError`` saying so.
   ``output_attentions`` gives no weights (None), as with SDPA.
 * CPU tensors only; float16 / bfloat16 models compute in float32 and get outputs in their dtype.
+
+For decoding, :class:`SparseCache` (a transformers ``Cache`` over :class:`sparseattn.cache.KVCache`) with the
+attention function of :func:`register_cache` puts the sparse decode cache under ``model.generate()``
+(:mod:`sparseattn.hf_cache` describes it).
 """
 
 from __future__ import annotations
@@ -36,11 +40,19 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(f"sparseattn.hf needs torch and transformers >= 5 ({exc}). Install with: "
                       f"pip install 'sparseattn[hf]'") from exc
 
+from .hf_cache import (
+    CACHE_ATTENTION_NAME,
+    SparseCache,
+    SparseCacheLayer,
+    cache_attention_forward,
+    register_cache,
+)
 from .inputs import check_positive_int
 from .selectors import get_selector, spec_string
 from .torch import sparse_attention
 
-__all__ = ["CONFIG_K", "CONFIG_SELECTOR", "DEFAULT_NAME", "make_attention_function", "register"]
+__all__ = ["CACHE_ATTENTION_NAME", "CONFIG_K", "CONFIG_SELECTOR", "DEFAULT_NAME", "SparseCache", "SparseCacheLayer",
+           "cache_attention_forward", "make_attention_function", "register", "register_cache"]
 
 DEFAULT_NAME = "sparseattn"
 CONFIG_SELECTOR = "sparseattn_selector"  # model.config attribute overriding the registered selector
