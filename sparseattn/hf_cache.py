@@ -32,6 +32,7 @@ How the pieces meet (transformers 5.x decoder models such as Llama, Mistral, Qwe
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -356,6 +357,26 @@ class SparseCache(Cache):
                              f"attn_implementation is {impl!r}. Call "
                              f"model.set_attn_implementation(sparseattn.hf.register_cache()) first.")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def fill(self, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append prompt keys and values computed elsewhere, e.g. the layers of a ``DynamicCache`` after the
+        model's own dense prefill (``[(layer.keys, layer.values) for layer in dynamic.layers]``): the same
+        state a dense prefill through this cache leaves, so several caches can share one prefill.
+
+        Parameters
+        ----------
+        layer_kv : sequence of (keys (1, H_kv, T, E), values (1, H_kv, T, Ev)) torch tensors, one per layer
+            Keys already rotated (RoPE), as the model hands them to ``update``; the same T for every layer.
+        """
+        if len(layer_kv) != len(self.layers):
+            raise ValueError(f"layer_kv must hold one (keys, values) pair per layer ({len(self.layers)}); "
+                             f"got {len(layer_kv)}.")
+        lengths = {int(k.shape[2]) for k, _ in layer_kv}
+        if len(lengths) != 1:
+            raise ValueError(f"layer_kv: every layer must hold the same tokens; got lengths {sorted(lengths)}.")
+        for layer, (k, v) in zip(self.layers, layer_kv, strict=True):
+            layer.update(k, v)
+            layer._new = None  # attended already (by whoever computed them)
 
     def kv_caches(self) -> list[KVCache | None]:
         """The KVCache of each layer (None before its first update)."""

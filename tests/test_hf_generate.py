@@ -186,3 +186,20 @@ def test_gguf_path_of_installed_package():
         return
     path = gguf_path()  # sha256 checked
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size == 98_362_432
+
+
+def test_fill_from_dynamic_cache_then_decode_equals_dense(model, ids):
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        dyn = DynamicCache(config=model.config)
+        model(ids[:, :-1], cache=dyn)
+        kv = [(layer.keys, layer.values) for layer in dyn.layers]
+        ref = model(ids[:, -1:], cache=dyn).logits
+        cache = SparseCache(model, selector="dense")
+        cache.fill(kv)
+        assert cache.get_seq_length() == ids.shape[1] - 1
+        model.set_attn_implementation(register_cache())
+        out = model(ids[:, -1:], cache=cache).logits
+    assert float((out - ref).abs().max()) < ATOL
+    with pytest.raises(ValueError, match=r"one \(keys, values\) pair per layer \(2\); got 1"):
+        SparseCache(model).fill(kv[:1])
