@@ -47,6 +47,7 @@ from .cache import KVCache
 from .inputs import check_positive_int
 
 __all__ = ["CACHE_ATTENTION_NAME", "HANDLE_ATTR", "SparseCache", "SparseCacheLayer", "cache_attention_forward",
+           "capture_decode_trace",
            "register_cache"]
 
 CACHE_ATTENTION_NAME = "sparseattn-cache"
@@ -404,3 +405,70 @@ class SparseCache(Cache):
                 "keys_cached_per_step": cached / steps if steps else 0.0,
                 "read_fraction": read / cached if cached else 0.0,
                 "kv_nbytes": self.kv_nbytes}
+
+
+def capture_decode_trace(model: Any, input_ids: Any, path: str | Any, *, layer: int, heads: Sequence[int] | None = None,
+                         n_queries: int = 256) -> dict[str, np.ndarray]:
+    """Save one layer's rotated keys, values and decode queries over a text, for ``sparseattn decode --data``.
+
+    The model runs once over ``input_ids`` (SDPA, DynamicCache); the attention call of ``layer`` is recorded:
+    its queries and keys after RoPE, and its values.  The queries of the last ``n_queries`` positions are
+    exactly the queries a decode step at those positions computes (the model is causal), so the file is a
+    real decode workload: each query may attend the keys at positions up to its own.
+
+    Parameters
+    ----------
+    model : transformers causal LM (decoder-only, full attention)
+    input_ids : int tensor (1, S)
+    path : path-like
+        ``.npz`` written with ``q`` (h, n_queries, E), ``k`` (h, S, E), ``v`` (h, S, Ev) float32 (the kv head of
+        each chosen query head: ``h // (H / H_kv)``), ``q_pos`` (n_queries,), ``k_pos`` (S,) int64, ``scale``.
+    layer : int
+        Decoder layer (0-based).
+    heads : sequence of int, optional
+        Query heads to keep (default all).
+    n_queries : int, default 256
+        Decode queries saved (the last positions), <= S.
+
+    Returns
+    -------
+    dict of the arrays written.
+    """
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(f"input_ids must have shape (1, S); got {tuple(ids.shape)}.")
+    S = int(ids.shape[1])
+    n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    layer = check_positive_int(layer, "layer", minimum=0, maximum=n_layers - 1)
+    n_queries = check_positive_int(n_queries, "n_queries", maximum=S)
+    seen: dict[str, Any] = {}
+
+    def record(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if getattr(module, "layer_idx", None) == layer:
+            seen.update(q=query[0, :, -n_queries:].detach().float().numpy().copy(),
+                        k=key[0].detach().float().numpy().copy(), v=value[0].detach().float().numpy().copy(),
+                        scale=kwargs.get("scaling") or query.shape[-1] ** -0.5)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    name = "sparseattn-capture"
+    AttentionInterface.register(name, record)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        with torch.no_grad():
+            model(ids, logits_to_keep=1)
+    finally:
+        model.set_attn_implementation(previous)
+    if "q" not in seen:
+        raise ValueError(f"layer {layer} made no attention call through transformers' attention interface.")
+    H, h_kv = seen["q"].shape[0], seen["k"].shape[0]
+    keep = list(range(H)) if heads is None else [check_positive_int(h, "heads", minimum=0, maximum=H - 1)
+                                                 for h in heads]
+    kv_of = [h // (H // h_kv) for h in keep]
+    out = {"q": seen["q"][keep], "k": seen["k"][kv_of], "v": seen["v"][kv_of],
+           "q_pos": np.arange(S - n_queries, S, dtype=np.int64), "k_pos": np.arange(S, dtype=np.int64),
+           "scale": np.float64(seen["scale"])}
+    np.savez(path, **out)
+    return out

@@ -203,3 +203,34 @@ def test_fill_from_dynamic_cache_then_decode_equals_dense(model, ids):
     assert float((out - ref).abs().max()) < ATOL
     with pytest.raises(ValueError, match=r"one \(keys, values\) pair per layer \(2\); got 1"):
         SparseCache(model).fill(kv[:1])
+
+
+def test_capture_decode_trace_saves_rotated_qkv(model, tmp_path):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from sparseattn.data import load_user
+    from sparseattn.hf_cache import capture_decode_trace
+
+    ids = torch.randint(1, VOCAB, (1, 40), generator=torch.Generator().manual_seed(4))
+    model.set_attn_implementation("sdpa")
+    arrs = capture_decode_trace(model, ids, tmp_path / "t.npz", layer=1, heads=[0, 3], n_queries=8)
+    assert model.config._attn_implementation == "sdpa"  # restored
+    # oracle: transformers' own cache holds the rotated keys/values; queries recomputed from layer 1's input
+    with torch.no_grad():
+        dyn = DynamicCache(config=model.config)
+        hs = model(ids, cache=dyn, output_hidden_states=True).hidden_states[1]
+        attn = model.model.layers[1].self_attn
+        x = model.model.layers[1].input_layernorm(hs)
+        q = attn.q_proj(x).view(1, 40, 4, 16).transpose(1, 2)
+        cos, sin = model.model.rotary_emb(x, torch.arange(40)[None])
+        q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    keys, values = dyn.layers[1].keys[0], dyn.layers[1].values[0]
+    # query heads 0 and 3 read kv heads 0 and 1 (4 query heads over 2 kv heads)
+    assert torch.allclose(torch.from_numpy(arrs["k"]), keys[[0, 1]], atol=1e-6)
+    assert torch.allclose(torch.from_numpy(arrs["v"]), values[[0, 1]], atol=1e-6)
+    assert torch.allclose(torch.from_numpy(arrs["q"]), q[0, [0, 3], -8:], atol=1e-5)
+    assert arrs["q_pos"].tolist() == list(range(32, 40)) and float(arrs["scale"]) == 0.25
+    trace = load_user(str(tmp_path / "t.npz"))  # the format `sparseattn decode --data` reads
+    assert trace.q.shape == (2, 8, 16) and trace.k.shape == (2, 40, 16) and trace.scale == 0.25
+    with pytest.raises(ValueError, match=r"n_queries"):
+        capture_decode_trace(model, ids, tmp_path / "u.npz", layer=0, n_queries=41)
