@@ -234,3 +234,14 @@ def test_capture_decode_trace_saves_rotated_qkv(model, tmp_path):
     assert trace.q.shape == (2, 8, 16) and trace.k.shape == (2, 40, 16) and trace.scale == 0.25
     with pytest.raises(ValueError, match=r"n_queries"):
         capture_decode_trace(model, ids, tmp_path / "u.npz", layer=0, n_queries=41)
+
+
+def test_cli_trace_llm_bad_flags_one_line_exit_2(capsys, tmp_path):
+    from sparseattn.cli import main
+
+    assert main(["trace", "llm", "--n-keys", "9000", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--n-keys must be <= 8192" in err and "got --n-keys 9000, --n-queries 256" in err
+    assert main(["trace", "llm", "--n-keys", "512", "--n-queries", "600", "--out", str(tmp_path)]) == 2
+    assert main(["trace", "llm", "--heads", "a", "--out", str(tmp_path)]) == 2
+    assert "--heads must be a comma list" in capsys.readouterr().err
