@@ -245,3 +245,12 @@ def test_cli_trace_llm_bad_flags_one_line_exit_2(capsys, tmp_path):
     assert main(["trace", "llm", "--n-keys", "512", "--n-queries", "600", "--out", str(tmp_path)]) == 2
     assert main(["trace", "llm", "--heads", "a", "--out", str(tmp_path)]) == 2
     assert "--heads must be a comma list" in capsys.readouterr().err
+
+
+def test_past_key_values_keyword_reaches_the_cache(model, ids):
+    # transformers 5.x renamed generate(past_key_values=) to cache=; the old keyword still routes here
+    model.set_attn_implementation(register_cache())
+    cache = SparseCache(model, selector="dense")
+    with pytest.warns(Warning, match="past_key_values"), torch.no_grad():
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, ids.shape[1] + 3) and cache.get_seq_length() == ids.shape[1] + 2
