@@ -19,10 +19,10 @@ Settings (``--settings``):
 
 * ``dense``: the model's own ``DynamicCache`` with torch SDPA attention (the reference);
 * ``cluster``: :class:`sparseattn.hf.SparseCache`, selector ``cluster``, ``segment=--segment`` (default
-  1,024: the KVCache default of 4,096 would leave a 4k context nearly all in the exact tail), ``n_probe=8``
-  clusters of ~64 keys, sinks 4, window 64;
+  1,024: the KVCache default of 4,096 would leave a 4k context nearly all in the exact tail),
+  ``n_probe=--n-probe`` (default 8) clusters of ~64 keys, sinks 4, window 64;
 * ``cluster-top_p``: the same with ``top_p=0.9`` (mass-driven budget) instead of ``n_probe``;
-* ``cluster-estimate``: ``n_probe=8`` plus ``estimate=16`` clusters estimated from their statistics.
+* ``cluster-estimate``: the same ``n_probe`` plus ``estimate=16`` clusters estimated from their statistics.
 
 Every prompt is prefilled once, densely (``DynamicCache`` + SDPA, all prompt tokens but the last); each
 setting then starts from that state (``SparseCache.fill``: what its dense prefill would leave), feeds the
@@ -106,6 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-ppl", action="store_true")
     p.add_argument("--no-aggregation", action="store_true")
     p.add_argument("--segment", type=int, default=1024)
+    p.add_argument("--n-probe", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
@@ -118,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise BenchError(f"--settings must list 'dense' and any of {list(SETTINGS[1:])}; got {a.settings}")
     a.settings = ["dense"] + [s for s in dict.fromkeys(a.settings) if s != "dense"]  # dense first: the reference
     for name, lo, hi in (("prompts", 1, 1000), ("new_tokens", 2, 64), ("ppl_tokens", 16, 4096),
-                         ("segment", 64, 1 << 16), ("threads", 1, 64), ("seed", 0, 2**31 - 1)):
+                         ("segment", 64, 1 << 16), ("n_probe", 1, 4096), ("threads", 1, 64), ("seed", 0, 2**31 - 1)):
         v = getattr(a, name)
         if not lo <= v <= hi:
             raise BenchError(f"--{name.replace('_', '-')} must be in [{lo}, {hi}]; got {v}")
@@ -130,14 +131,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def cache_kwargs(setting: str, segment: int) -> dict:
+def cache_kwargs(setting: str, segment: int, n_probe: int = 8) -> dict:
     base = {"selector": "cluster", "segment": segment, "sinks": 4, "window": 64, "cluster_size": 64}
     if setting == "cluster":
-        return {**base, "n_probe": 8}
+        return {**base, "n_probe": n_probe}
     if setting == "cluster-top_p":
         return {**base, "top_p": 0.9}
     if setting == "cluster-estimate":
-        return {**base, "n_probe": 8, "estimate": 16}
+        return {**base, "n_probe": n_probe, "estimate": 16}
     raise ValueError(setting)
 
 
@@ -245,7 +246,7 @@ class Engine:
             return cache
         self.model.set_attn_implementation(self.cache_name)
         cache = self.sh.SparseCache(self.model, prefill="sparse" if prefill == "sparse" else "dense",
-                                    **cache_kwargs(setting, self.args.segment))
+                                    **cache_kwargs(setting, self.args.segment, self.args.n_probe))
         cache.fill(kv)
         return cache
 
@@ -434,7 +435,9 @@ def write_md(path: Path, data: dict) -> None:
         for name, acc in s["aggregation_accuracy"].items():
             lines.append(f"| {name} | {acc * n:.0f}/{n} |")
     lines += ["", f"Machine: {data['machine']}; threads {a['threads']}; load average at start "
-              f"{data['load_start']}, at end {data['load_end']}. Wall time {data['seconds']:.0f} s.", ""]
+              f"{data['load_start']}, at end {data['load_end']}. Wall time {data['seconds']:.0f} s. The machine "
+              "was shared with other jobs: times are medians but noisy (settings run one after another per "
+              "prompt, so load swings hit them unevenly); compare ratios within this run only.", ""]
     path.write_text("\n".join(lines))
 
 
@@ -461,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
             "gguf_sha256": sh.GGUF_MODELS["smollm2-135m"][3],
             "command": "python benchmarks/bench_llm.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "args": {k: v for k, v in vars(args).items()},
-            "cache_kwargs": {s: cache_kwargs(s, args.segment) for s in args.settings if s != "dense"},
+            "cache_kwargs": {s: cache_kwargs(s, args.segment, args.n_probe) for s in args.settings if s != "dense"},
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
             "load_start": [round(x, 1) for x in load_start], "load_end": [round(x, 1) for x in os.getloadavg()],
             "seconds": time.perf_counter() - t0, "results": res, "summary": summarise(args, res)}
