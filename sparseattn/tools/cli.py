@@ -482,9 +482,51 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_trace_llm(args: argparse.Namespace) -> int:
+    """``trace llm``: one layer of SmolLM2-135M (the llm extra) over a KJV window, as a decode workload."""
+    from pathlib import Path
+
+    args.n_keys = 4096 if args.n_keys is None else args.n_keys
+    args.n_queries = 256 if args.n_queries is None else args.n_queries
+    if args.n_keys > 8192 or args.n_queries > args.n_keys:
+        raise ValueError(f"trace llm: --n-keys must be <= 8192 (the model's context) and --n-queries <= --n-keys; "
+                         f"got --n-keys {args.n_keys}, --n-queries {args.n_queries}.")
+    heads = None
+    if args.heads is not None:
+        try:
+            heads = [int(h) for h in args.heads.split(",")]
+        except ValueError:
+            raise ValueError(f"--heads must be a comma list of integers such as 0,1; got {args.heads!r}.") from None
+    check_out_dir(args.out)
+    import numpy as np
+    import torch
+
+    from . import traces
+    from ..hf import load_gguf_model
+    from ..hf_cache import capture_decode_trace
+
+    model, tok = load_gguf_model("smollm2-135m")
+    verses = traces.kjv_text().split("\n")
+    start = int(np.random.default_rng(args.seed).integers(0, len(verses) // 2))
+    ids: list[int] = []
+    for verse in verses[start:]:
+        ids.extend(tok.encode(verse + " ", add_special_tokens=False))
+        if len(ids) >= args.n_keys:
+            break
+    path = Path(args.out) / f"{args.name or f'llm-L{args.layer}'}.npz"
+    capture_decode_trace(model, torch.tensor([ids[:args.n_keys]]), path, layer=args.layer, heads=heads,
+                         n_queries=args.n_queries)
+    print(f"wrote {path} (sparseattn decode --data {path})")
+    return 0
+
+
 def _cmd_trace(args: argparse.Namespace) -> int:
     from . import traces
 
+    if args.kind == "llm":
+        return _cmd_trace_llm(args)
+    args.n_keys = 16384 if args.n_keys is None else args.n_keys
+    args.n_queries = 2048 if args.n_queries is None else args.n_queries
     check_out_dir(args.out)
     kwargs: dict[str, Any] = {"seed": args.seed}
     if args.kind == "window":
@@ -578,12 +620,15 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress or warm-up notes on stderr")
     p.set_defaults(func=_cmd_bench)
 
-    p = sub.add_parser("trace", help="capture real Q/K/V traces from MiniLM (needs the 'traces' extra)")
-    p.add_argument("kind", choices=["window", "store"])
+    p = sub.add_parser("trace", help="capture real Q/K/V traces from MiniLM (needs the 'traces' extra), or with "
+                       "'llm' one layer of SmolLM2-135M's keys/values/decode queries (the 'llm' extra)")
+    p.add_argument("kind", choices=["window", "store", "llm"])
     p.add_argument("--out", default="data", help="output folder (default ./data)")
     p.add_argument("--n-windows", type=positive_int, default=2)
-    p.add_argument("--n-keys", type=positive_int, default=16384)
-    p.add_argument("--n-queries", type=positive_int, default=2048)
+    p.add_argument("--n-keys", type=positive_int, default=None, help="store: default 16384; llm: tokens of text "
+                   "(<= 8192, default 4096)")
+    p.add_argument("--n-queries", type=positive_int, default=None, help="store: default 2048; llm: decode queries "
+                   "(the last positions, default 256)")
     p.add_argument("--layer", type=int_arg(0), default=3)
     p.add_argument("--heads", default=None, help="store: comma list of heads (default all 12)")
     p.add_argument("--name", default=None, help="file stem and manifest name (default: the kind); load it "

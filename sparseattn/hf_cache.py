@@ -1,0 +1,474 @@
+"""A transformers ``Cache`` whose layers keep keys and values in :class:`sparseattn.cache.KVCache`, and the
+attention function that attends through it: ``model.generate()`` with sparse decode attention.
+
+>>> import sparseattn.hf as sh
+>>> model.set_attn_implementation(sh.register_cache())  # doctest: +SKIP
+>>> cache = sh.SparseCache(model, selector="cluster", segment=1024)  # doctest: +SKIP
+>>> out = model.generate(ids, cache=cache, max_new_tokens=32)  # doctest: +SKIP
+
+How the pieces meet (transformers 5.x decoder models such as Llama, Mistral, Qwen2):
+
+* The model applies RoPE to queries and keys, then calls ``cache.update(keys, values, layer_idx)``:
+  :class:`SparseCacheLayer` appends the rotated keys and the values of the new tokens to its layer's
+  ``KVCache`` (created at the first update, with the model's query / kv head counts and head dim).  The
+  keys and values live there only: ``update`` returns *handles*, tensors of the full (1, H_kv, S, E)
+  shape that are a stride-0 view of one NaN (no memory; any other attention function reading them
+  yields NaN instead of a plausible wrong answer) and carry their layer in the ``sparseattn_layer``
+  attribute.
+* The model then calls its attention function with the handles.  The function :func:`register_cache`
+  installs finds the layer through the handle and attends through its ``KVCache``: a prefill (several
+  new tokens on an empty cache) runs torch SDPA, causal, on the new tokens' own keys and values
+  (``prefill="dense"``, the default: exactly the model's own attention), or the cache's selector
+  (``prefill="sparse"``); every decode step (one new token) and every later multi-token chunk runs
+  ``KVCache.attend`` with the cache's selector (a chunk after the prefill with ``prefill="dense"`` reads
+  every cached key).  Grouped-query attention maps query head h to kv head ``h // (H / H_kv)``, as the
+  model's ``repeat_kv``.  Keys and values that are plain tensors (a ``DynamicCache``, or no cache) get
+  transformers' SDPA attention, so one attention implementation serves both caches.
+* One sequence per cache (batch size 1); no beam search, cropping (assisted decoding) or reordering:
+  each raises ``ValueError`` naming the alternative.  Full-attention layers only (a model with sliding
+  or chunked layers is refused).  Only the causal mask of an unpadded sequence is accepted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .cache import KVCache
+from .inputs import check_positive_int
+
+__all__ = ["CACHE_ATTENTION_NAME", "HANDLE_ATTR", "SparseCache", "SparseCacheLayer", "cache_attention_forward",
+           "capture_decode_trace",
+           "register_cache"]
+
+CACHE_ATTENTION_NAME = "sparseattn-cache"
+HANDLE_ATTR = "sparseattn_layer"  # attribute of the tensors update() returns: the layer they stand for
+_PREFILL = ("dense", "sparse")
+_MODEL_KEYS = ("num_heads", "head_dim", "num_kv_heads", "value_dim")  # set from the model, not by the caller
+
+
+def _check_mask(mask: torch.Tensor, q_len: int, kv_len: int) -> None:
+    """Accept only the causal mask of one unpadded sequence (True / 0 = may attend)."""
+    if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[-2] != q_len or mask.shape[-1] < kv_len:
+        raise ValueError(f"attention_mask of shape {tuple(mask.shape)} does not fit one sequence of {q_len} "
+                         f"queries over {kv_len} keys; SparseCache takes batch size 1 and no padding.")
+    allowed = mask[..., :kv_len] if mask.dtype == torch.bool else mask[..., :kv_len] == 0
+    past = kv_len - q_len
+    rows = torch.arange(q_len).unsqueeze(1) + past
+    causal = torch.arange(kv_len).unsqueeze(0) <= rows
+    if not bool((allowed == causal).all()):
+        raise ValueError("SparseCache attends causally over every cached token of one sequence; the attention "
+                         "mask given is not that (padding or a custom mask). Pass unpadded input_ids and no "
+                         "attention_mask zeros, or use DynamicCache.")
+
+
+class SparseCacheLayer(CacheLayerMixin):
+    """One decoder layer's cache: a :class:`KVCache` plus the attention that reads it.
+
+    Parameters
+    ----------
+    num_heads : int
+        Query heads H of the layer.
+    kv_kwargs : dict
+        Keyword arguments of :class:`KVCache` (selector, segment, n_probe, ...), passed through.
+    prefill : {"dense", "sparse"}
+        How a multi-token update on an empty cache is attended (see the module docstring).
+    k : int
+        ``KVCache.attend(k=...)``: keys per query of the ``"topk"`` and index selectors.
+    """
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, num_heads: int, kv_kwargs: dict[str, Any], prefill: str = "dense", k: int = 64) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.kv_kwargs = dict(kv_kwargs)
+        self.prefill = prefill
+        self.k = k
+        self.kv: KVCache | None = None
+        self.n_tokens = 0
+        self._new: tuple[torch.Tensor, torch.Tensor] | None = None  # the last update's K/V until attended
+        self._nan: torch.Tensor | None = None
+        self.attention_seconds = 0.0  # time in this layer's attention calls (all of them)
+        self.decode_steps = 0  # single-token attention calls
+        self.decode_seconds = 0.0
+        self.decode_keys_read = 0.0  # sum over decode steps of the mean keys read per query row
+        self.decode_keys_cached = 0  # sum over decode steps of the keys attendable
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Create the layer's KVCache for keys (B, H_kv, T, E) and values (B, H_kv, T, Ev)."""
+        h_kv, e, ev = key_states.shape[1], key_states.shape[-1], value_states.shape[-1]
+        self.kv = KVCache(num_heads=self.num_heads, head_dim=e, num_kv_heads=h_kv, value_dim=ev,
+                          **self.kv_kwargs)
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self._nan = torch.full((1,), float("nan"), dtype=key_states.dtype)
+        self.is_initialized = True
+
+    def _handle(self, width: int) -> torch.Tensor:
+        assert self.kv is not None and self._nan is not None
+        t = self._nan.expand(1, self.kv.num_kv_heads, self.n_tokens, width)
+        setattr(t, HANDLE_ATTR, self)
+        return t
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append keys (1, H_kv, T, E) and values (1, H_kv, T, Ev) (keys already rotated by the model);
+        return handles of shape (1, H_kv, S, E) / (1, H_kv, S, Ev) for the S tokens cached (no copy)."""
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"SparseCache.update: {name} must be a 4-D tensor (batch, kv_heads, tokens, "
+                                 f"head_dim); got {type(t).__name__} {tuple(getattr(t, 'shape', ()))}.")
+            if t.shape[0] != 1:
+                raise ValueError(f"SparseCache holds one sequence (batch size 1); {name} has batch size "
+                                 f"{t.shape[0]}. Generate one prompt per cache, with num_beams=1 and "
+                                 f"num_return_sequences=1.")
+        if self._new is not None:
+            raise ValueError("SparseCache: the previous update's keys were never attended through the cache; "
+                             "the model's attention implementation must be sparseattn's cache attention "
+                             "(model.set_attn_implementation(sparseattn.hf.register_cache())).")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        assert self.kv is not None
+        if key_states.shape[2]:
+            k, v = key_states[0].detach(), value_states[0].detach()
+            if k.shape[1] == 1 and k.dtype == torch.float32 and v.dtype == torch.float32:
+                # one decode token: contiguous float32 numpy takes the cache's single-token path
+                self.kv.append(np.ascontiguousarray(k.numpy()), np.ascontiguousarray(v.numpy()))
+            else:
+                self.kv.append(k, v)
+            self.n_tokens += key_states.shape[2]
+            self._new = (key_states, value_states)
+        return self._handle(key_states.shape[-1]), self._handle(value_states.shape[-1])
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, attention_mask: torch.Tensor | None,
+               scaling: float | None) -> torch.Tensor:
+        """Attention of the new tokens' queries (1, H, T, E) over the cache; returns (1, T, H, Ev)."""
+        if self._new is None:
+            raise ValueError("SparseCache: attention called without a preceding update of this layer "
+                             "(or twice for one update).")
+        new_k, new_v = self._new
+        self._new = None
+        assert self.kv is not None
+        b, h, t, e = query.shape
+        if b != 1 or h != self.kv.num_heads or e != self.kv.head_dim or t != new_k.shape[2]:
+            raise ValueError(f"query of shape {tuple(query.shape)} does not match the cache's layer (1, "
+                             f"{self.kv.num_heads} heads, {new_k.shape[2]} new tokens, head_dim "
+                             f"{self.kv.head_dim}).")
+        scale = float(scaling) if scaling is not None else e ** -0.5
+        if abs(scale - self.kv.scale) > 1e-6 * self.kv.scale:
+            raise ValueError(f"the model's attention scale {scale:.6g} differs from the cache's {self.kv.scale:.6g}; "
+                             f"pass scale={scale!r} to SparseCache.")
+        if attention_mask is not None:
+            _check_mask(attention_mask, t, self.n_tokens)
+        t0 = time.perf_counter()
+        if t > 1 and self.n_tokens == t and self.prefill == "dense":
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, new_k, new_v, is_causal=True, scale=scale, enable_gqa=h != new_k.shape[1])
+            out = out.transpose(1, 2)
+        else:
+            selector = "dense" if t > 1 and self.prefill == "dense" else None
+            q = query[0].detach()
+            o = self.kv.attend(q if q.dtype in (torch.float32, torch.float64) else q.float(), k=self.k,
+                               selector=selector)
+            out = o.to(query.dtype).unsqueeze(0).transpose(1, 2)
+        dt = time.perf_counter() - t0
+        self.attention_seconds += dt
+        if t == 1:
+            self.decode_steps += 1
+            self.decode_seconds += dt
+            self.decode_keys_read += self.kv.stats["keys_read_per_query"]
+            self.decode_keys_cached += len(self.kv)
+        return out.contiguous()
+
+    def get_seq_length(self) -> int:
+        """Tokens cached (appended) so far."""
+        return self.n_tokens
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the mask for ``query_length`` new tokens: every cached token plus them."""
+        return self.n_tokens + query_length, 0
+
+    def get_max_length(self) -> int:
+        """-1: no maximum (a ``max_keys`` cap evicts keys but positions go on)."""
+        return -1
+
+    def reset(self) -> None:
+        """Drop every cached token (a new KVCache is made at the next update)."""
+        self.kv, self._new, self._nan = None, None, None
+        self.n_tokens = 0
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Refused: a KVCache cannot drop tokens (assisted / speculative decoding need that)."""
+        raise ValueError("SparseCache cannot crop tokens (assisted or speculative decoding, or generate(...) "
+                         "continuing with a shorter prompt); use DynamicCache for those.")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Refused: one sequence per cache, no beam search."""
+        raise ValueError("SparseCache holds one sequence: no beam search (pass num_beams=1).")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Allowed only for ``repeats == 1`` (one sequence per cache)."""
+        if repeats != 1:
+            raise ValueError(f"SparseCache holds one sequence; cannot repeat it {repeats} times "
+                             f"(num_beams / num_return_sequences must be 1).")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Allowed only for selecting the one sequence (index 0)."""
+        if [int(i) for i in torch.as_tensor(indices).flatten()] != [0]:
+            raise ValueError(f"SparseCache holds one sequence; cannot select batch indices {indices!r}.")
+
+    def offload(self) -> None:  # CPU only: nothing to move
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+
+def cache_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                            scaling: float | None = None, is_causal: bool | None = None, **kwargs: Any
+                            ) -> tuple[torch.Tensor, None]:
+    """transformers attention function: through the :class:`SparseCache` layer when ``key`` is one of its
+    handles, else transformers' SDPA attention.
+
+    Parameters
+    ----------
+    query : torch.Tensor, (1, H, T, E)
+        Rotated queries of the new tokens.
+    key, value : torch.Tensor, (1, H_kv, S, E) / (1, H_kv, S, Ev)
+        Handles returned by ``SparseCache.update`` (or plain tensors: SDPA).
+
+    Returns
+    -------
+    (torch.Tensor (1, T, H, Ev), None)
+    """
+    layer = getattr(key, HANDLE_ATTR, None)
+    if layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if dropout:
+        raise ValueError(f"SparseCache attention has no dropout (got dropout={dropout}, i.e. the module is in "
+                         f"training mode); call model.eval() for inference.")
+    for name in ("softcap", "position_bias", "sinks", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"SparseCache attention does not support {name!r}; use DynamicCache with "
+                             f"attn_implementation='sdpa' for this model.")
+    return layer.attend(module, query, attention_mask, scaling), None
+
+
+cache_attention_forward.sparseattn_cache_aware = True  # type: ignore[attr-defined]
+
+
+def register_cache(name: str = CACHE_ATTENTION_NAME) -> str:
+    """Register :func:`cache_attention_forward` (and transformers' SDPA mask builder) under ``name``.
+
+    Returns
+    -------
+    str
+        ``name``, for ``model.set_attn_implementation(name)`` or ``attn_implementation=name``.
+    """
+    if not isinstance(name, str) or not name or name in ("eager", "sdpa") or name.startswith("flash"):
+        raise ValueError(f"name must be a new attention-implementation name; got {name!r}.")
+    AttentionInterface.register(name, cache_attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+class SparseCache(Cache):
+    """transformers ``Cache`` for decoder-only models whose layers keep keys and values in ``KVCache``.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel or PreTrainedConfig
+        The model (or its config) the cache serves: query heads, kv heads and layer count come from it,
+        and every ``update`` checks that its ``_attn_implementation`` is :func:`register_cache`'s.
+    prefill : {"dense", "sparse"}, default "dense"
+        Attention of the prompt (several tokens on an empty cache): exact SDPA, or the cache's selector.
+    k : int, default 64
+        ``KVCache.attend(k=...)`` (``"topk"`` and index selectors).
+    scale : float, optional
+        Score scale (default ``1 / sqrt(head_dim)``, that of Llama-style models); checked against the
+        model's at every attention call.
+    **kv_kwargs
+        :class:`sparseattn.cache.KVCache` keywords (``selector``, ``segment``, ``n_probe``, ``top_p``,
+        ``estimate``, ``window``, ``sinks``, ``max_keys``, ``dtype``, ...), one KVCache per layer.
+
+    Raises
+    ------
+    TypeError
+        ``model`` is neither a model nor a config; a KVCache keyword that the model fixes.
+    ValueError
+        An encoder-decoder model, a model with sliding / chunked / linear-attention layers, bad keywords.
+    """
+
+    def __init__(self, model: Any, *, prefill: str = "dense", k: int = 64, scale: float | None = None,
+                 **kv_kwargs: Any) -> None:
+        config = getattr(model, "config", model)
+        if not hasattr(config, "get_text_config"):
+            raise TypeError(f"SparseCache(model): expected a transformers model or its config; got "
+                            f"{type(model).__name__}.")
+        if getattr(config, "is_encoder_decoder", False):
+            raise ValueError(f"SparseCache serves decoder-only models; {type(config).__name__} is an "
+                             f"encoder-decoder model. Use its own cache (EncoderDecoderCache).")
+        text = config.get_text_config(decoder=True)
+        n_heads = getattr(text, "num_attention_heads", None)
+        n_layers = getattr(text, "num_hidden_layers", None)
+        if not isinstance(n_heads, int) or not isinstance(n_layers, int):
+            raise ValueError(f"SparseCache: {type(config).__name__} has no num_attention_heads / "
+                             f"num_hidden_layers; it needs a decoder-only causal LM config (Llama, Mistral, ...).")
+        layer_types, _ = get_layer_types_and_kwargs(text)
+        other = sorted({lt for lt in layer_types if lt != "full_attention"})
+        if other:
+            raise ValueError(f"SparseCache supports full-attention layers only; {type(config).__name__} has "
+                             f"layer types {other}. Use DynamicCache for this model.")
+        if prefill not in _PREFILL:
+            raise ValueError(f"prefill must be one of {_PREFILL}; got {prefill!r}.")
+        fixed = sorted(set(kv_kwargs) & set(_MODEL_KEYS))
+        if fixed:
+            raise TypeError(f"SparseCache takes {fixed} from the model; do not pass them.")
+        k = check_positive_int(k, "k")
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // n_heads
+        n_kv = getattr(text, "num_key_value_heads", None) or n_heads
+        if scale is not None:
+            kv_kwargs["scale"] = scale
+        KVCache(num_heads=n_heads, head_dim=head_dim, num_kv_heads=n_kv, **kv_kwargs)  # validates the kwargs now
+        self.config = config
+        self.prefill = prefill
+        super().__init__(layers=[SparseCacheLayer(n_heads, kv_kwargs, prefill, k) for _ in range(n_layers)])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tokens' keys/values of layer ``layer_idx``; returns handles (see the module docs)."""
+        impl = getattr(self.config, "_attn_implementation", None)
+        fn = ALL_ATTENTION_FUNCTIONS[impl] if impl in ALL_ATTENTION_FUNCTIONS else None
+        if not getattr(fn, "sparseattn_cache_aware", False):
+            raise ValueError(f"SparseCache needs the model's attention to read from it; the model's "
+                             f"attn_implementation is {impl!r}. Call "
+                             f"model.set_attn_implementation(sparseattn.hf.register_cache()) first.")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def fill(self, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append prompt keys and values computed elsewhere, e.g. the layers of a ``DynamicCache`` after the
+        model's own dense prefill (``[(layer.keys, layer.values) for layer in dynamic.layers]``): the same
+        state a dense prefill through this cache leaves, so several caches can share one prefill.
+
+        Parameters
+        ----------
+        layer_kv : sequence of (keys (1, H_kv, T, E), values (1, H_kv, T, Ev)) torch tensors, one per layer
+            Keys already rotated (RoPE), as the model hands them to ``update``; the same T for every layer.
+        """
+        if len(layer_kv) != len(self.layers):
+            raise ValueError(f"layer_kv must hold one (keys, values) pair per layer ({len(self.layers)}); "
+                             f"got {len(layer_kv)}.")
+        lengths = {int(k.shape[2]) for k, _ in layer_kv}
+        if len(lengths) != 1:
+            raise ValueError(f"layer_kv: every layer must hold the same tokens; got lengths {sorted(lengths)}.")
+        for layer, (k, v) in zip(self.layers, layer_kv, strict=True):
+            layer.update(k, v)
+            layer._new = None  # attended already (by whoever computed them)
+
+    def kv_caches(self) -> list[KVCache | None]:
+        """The KVCache of each layer (None before its first update)."""
+        return [layer.kv for layer in self.layers]
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes held by the keys and values of every layer's KVCache."""
+        return sum(kv.kv_nbytes for kv in self.kv_caches() if kv is not None)
+
+    def stats(self) -> dict[str, Any]:
+        """Totals over the layers: tokens cached, keys attendable per layer, decode steps, seconds in
+        attention (all calls / decode steps), mean keys read per query row and step and its fraction of the
+        keys attendable, KV bytes."""
+        layers = [la for la in self.layers if la.kv is not None]
+        steps = sum(la.decode_steps for la in layers)
+        read = sum(la.decode_keys_read for la in layers)
+        cached = sum(la.decode_keys_cached for la in layers)
+        return {"tokens": self.get_seq_length(), "layers": len(layers),
+                "keys_per_layer": len(layers[0].kv) if layers else 0,
+                "decode_steps": steps // max(len(layers), 1),
+                "attention_seconds": sum(la.attention_seconds for la in layers),
+                "decode_attention_seconds": sum(la.decode_seconds for la in layers),
+                "keys_read_per_step": read / steps if steps else 0.0,
+                "keys_cached_per_step": cached / steps if steps else 0.0,
+                "read_fraction": read / cached if cached else 0.0,
+                "kv_nbytes": self.kv_nbytes}
+
+
+def capture_decode_trace(model: Any, input_ids: Any, path: str | Any, *, layer: int, heads: Sequence[int] | None = None,
+                         n_queries: int = 256) -> dict[str, np.ndarray]:
+    """Save one layer's rotated keys, values and decode queries over a text, for ``sparseattn decode --data``.
+
+    The model runs once over ``input_ids`` (SDPA, DynamicCache); the attention call of ``layer`` is recorded:
+    its queries and keys after RoPE, and its values.  The queries of the last ``n_queries`` positions are
+    exactly the queries a decode step at those positions computes (the model is causal), so the file is a
+    real decode workload: each query may attend the keys at positions up to its own.
+
+    Parameters
+    ----------
+    model : transformers causal LM (decoder-only, full attention)
+    input_ids : int tensor (1, S)
+    path : path-like
+        ``.npz`` written with ``q`` (h, n_queries, E), ``k`` (h, S, E), ``v`` (h, S, Ev) float32 (the kv head of
+        each chosen query head: ``h // (H / H_kv)``), ``q_pos`` (n_queries,), ``k_pos`` (S,) int64, ``scale``.
+    layer : int
+        Decoder layer (0-based).
+    heads : sequence of int, optional
+        Query heads to keep (default all).
+    n_queries : int, default 256
+        Decode queries saved (the last positions), <= S.
+
+    Returns
+    -------
+    dict of the arrays written.
+    """
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(f"input_ids must have shape (1, S); got {tuple(ids.shape)}.")
+    S = int(ids.shape[1])
+    n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    layer = check_positive_int(layer, "layer", minimum=0, maximum=n_layers - 1)
+    n_queries = check_positive_int(n_queries, "n_queries", maximum=S)
+    seen: dict[str, Any] = {}
+
+    def record(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if getattr(module, "layer_idx", None) == layer:
+            seen.update(q=query[0, :, -n_queries:].detach().float().numpy().copy(),
+                        k=key[0].detach().float().numpy().copy(), v=value[0].detach().float().numpy().copy(),
+                        scale=kwargs.get("scaling") or query.shape[-1] ** -0.5)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    name = "sparseattn-capture"
+    AttentionInterface.register(name, record)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        with torch.no_grad():
+            model(ids, logits_to_keep=1)
+    finally:
+        model.set_attn_implementation(previous)
+    if "q" not in seen:
+        raise ValueError(f"layer {layer} made no attention call through transformers' attention interface.")
+    H, h_kv = seen["q"].shape[0], seen["k"].shape[0]
+    keep = list(range(H)) if heads is None else [check_positive_int(h, "heads", minimum=0, maximum=H - 1)
+                                                 for h in heads]
+    kv_of = [h // (H // h_kv) for h in keep]
+    out = {"q": seen["q"][keep], "k": seen["k"][kv_of], "v": seen["v"][kv_of],
+           "q_pos": np.arange(S - n_queries, S, dtype=np.int64), "k_pos": np.arange(S, dtype=np.int64),
+           "scale": np.float64(seen["scale"])}
+    np.savez(path, **out)
+    return out
