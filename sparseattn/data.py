@@ -911,7 +911,7 @@ class Passkey:
     scale : float
         Score scale used (``q.k * scale`` are the logits).
     margin : float
-        Logit margin of every planted key over the largest background logit of its query.
+        Logit margin of every planted key over the largest logit of any other key for its query.
     """
 
     keys: np.ndarray
@@ -997,7 +997,8 @@ def passkey(n: int, d: int, *, heads: int = 8, n_planted: int = 4, depth: tuple[
     background key's component orthogonal to the query is kept (so the planted key stays inside its
     cluster in every other direction, and a cluster's mean does not reveal it) and its component along the
     query is set so that every planted key has the same logit ``L = scale * q.k``, with ``L`` at least
-    ``margin`` above the largest background logit of the query and large enough that the planted keys
+    ``margin`` above the query's logit of every other key (the other queries' planted keys included: the
+    planted keys are the query's exact top-``n_planted``) and large enough that the planted keys
     together hold at least ``mass`` of the query's softmax over all ``n`` keys (float64).  The planted keys
     of the other queries count as background; the logits are raised until every query meets both
     conditions.  The queries are picked from a larger draw so that no two point the same way (their
@@ -1017,7 +1018,8 @@ def passkey(n: int, d: int, *, heads: int = 8, n_planted: int = 4, depth: tuple[
     mass : float in (0, 1), default 0.5
         Minimum softmax mass the planted keys of a query hold together.
     margin : float >= 0, default 2.0
-        Minimum logit gap between every planted key and the best background key of its query.
+        Minimum logit gap between every planted key and the best other key (background or planted for
+        another query) of its query.
     background : {"clustered", "gaussian"} or float array (n, d) or (heads, n, d), default "clustered"
         ``"clustered"``: :func:`clustered` keys and queries; ``"gaussian"``: :func:`gaussian` with the
         MiniLM norm profile (norm-matched); an array: your own keys (for example real MiniLM keys,
@@ -1107,7 +1109,10 @@ def passkey(n: int, d: int, *, heads: int = 8, n_planted: int = 4, depth: tuple[
             tot = w.sum(axis=0)
             own = np.take_along_axis(w, p.T, axis=0).sum(axis=0)  # (nq,)
             got[h] = own / tot
-            short = gap - (np.take_along_axis(lg, p.T, axis=0).min(axis=0) - lg[~planted].max(axis=0))
+            rest = lg.copy()
+            np.put_along_axis(rest, p.T, -np.inf, axis=0)  # every key but the query's own planted ones
+            short = gap - (np.take_along_axis(lg, p.T, axis=0).min(axis=0) - rest.max(axis=0))
+            del rest
             ok = (got[h] >= frac) & (short <= gap * 1e-6)
             del lg, w
             if ok.all():

@@ -27,16 +27,28 @@ def test_shapes_dtypes_and_planted_mass(background: str, n_planted: int) -> None
     assert w.queries.shape == (3, 5, 32) and w.queries.dtype == np.float32
     assert w.positions.shape == (3, 5, n_planted) and w.positions.dtype == np.int64
     assert w.mass.shape == (3, 5) and w.mass.dtype == np.float64
+    _check(w, n_planted)
+
+
+def test_planted_keys_top_with_many_similar_queries() -> None:
+    # 16 queries of a clustered background in 64 dimensions: some pairs point nearly the same way, so a
+    # key planted for one scores high for another; each query's own planted keys must still be its top
+    w = data.passkey(16384, 64, heads=4, n_planted=4, n_queries=16, seed=0)
+    _check(w, 4)
+
+
+def _check(w: data.Passkey, n_planted: int) -> None:
+    H, nq = w.queries.shape[:2]
     p = _oracle(w.keys, w.queries, w.scale)
-    for h in range(3):
-        assert np.unique(w.positions[h]).size == 5 * n_planted  # distinct within a head
-        for t in range(5):
+    for h in range(H):
+        assert np.unique(w.positions[h]).size == nq * n_planted  # distinct within a head
+        for t in range(nq):
             own = p[h, t, w.positions[h, t]].sum()
             assert own >= 0.5 - 1e-9  # observed 0.50-0.93
             np.testing.assert_allclose(own, w.mass[h, t], rtol=1e-9)
-            # every planted key beats the best non-planted key by the margin
+            # every planted key beats every other key (other queries' planted ones too) by the margin
             lg = w.keys[h].astype(np.float64) @ w.queries[h, t].astype(np.float64) * w.scale
-            bg = np.delete(lg, w.positions[h].ravel())
+            bg = np.delete(lg, w.positions[h, t])
             assert lg[w.positions[h, t]].min() - bg.max() >= w.margin - 1e-6
             # the planted keys are the query's exact top-n_planted
             top = np.argsort(-lg, kind="stable")[:n_planted]
