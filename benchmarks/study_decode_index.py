@@ -25,6 +25,8 @@ Designs:
     re-scored exactly (read: K and V of R keys).
 (f) (a) or the ball bound of (b) picks a fraction 1/F of the clusters, only their keys' 1-bit residual codes
     (d) are scanned, the top R re-scored exactly.
+(g) cascade: (f) with the ball bound, the top R1 of the 1-bit scan re-ranked by their int4 or int8 codes
+    (d) or by their exact float32 keys (no extra index), the top R2 of those read exactly.
 (e) ``fine`` (16-key clusters, flat routing: RetroInfer's layout) and ``2level`` (16-key clusters grouped
     into super-clusters of 16 by k-means of their means; the top S super-clusters by mean score are opened
     and their clusters ranked by mean score).
@@ -233,7 +235,8 @@ def quantize(kc: np.ndarray, bits: int) -> np.ndarray:
     return (np.clip(np.rint(kc / sc), -levels, levels) * sc).astype(np.float32)
 
 
-def run_case(kind: str, n: int, nq: int, seed: int, probes: list[int], cands: list[int]) -> dict:
+def run_case(kind: str, n: int, nq: int, seed: int, probes: list[int], cands: list[int],
+             fine_designs: bool = True) -> dict:
     t0 = time.perf_counter()
     wl = workload(kind, n, nq, seed)
     k, Q, planted = wl["k"], wl["q"], wl["planted"]
@@ -241,7 +244,7 @@ def run_case(kind: str, n: int, nq: int, seed: int, probes: list[int], cands: li
     t0 = time.perf_counter()
     ix = build(k, 64)
     sp = spread_stats(k, ix)
-    fine = build(k, 16)
+    fine = build(k, 16 if fine_designs else SEGMENT)
     log(f"[{kind} n={n}] clusters {ix['nc']} (fine {fine['nc']}) {time.perf_counter() - t0:.1f}s")
     kv_total = n * KV_BYTES
     exact = np.zeros(n, bool)
@@ -357,6 +360,10 @@ def run_case(kind: str, n: int, nq: int, seed: int, probes: list[int], cands: li
                         keys=lim, nbytes=code_bytes + lim * KV_BYTES, index_ratio=code_bytes / kv_total)
             if name == "1bit resid":
                 est_resid = est
+            if name == "int8":
+                est8 = est
+            if name == "int4":
+                est4 = est
         # (f) 1-bit residual codes scanned only in the clusters routing ranks first (a fraction F of them),
         # then the top R re-scored exactly
         for route, score, rb in (("mean", ms, MEAN_BYTES), ("ball", b1, MEAN_BYTES + 4)):
@@ -379,6 +386,29 @@ def run_case(kind: str, n: int, nq: int, seed: int, probes: list[int], cands: li
                     acc.add(f"f {route} top 1/{F} clusters, 1bit resid + rescore", str(R), planted=pr,
                             recall=rec, mass=float(cm[lim - 1]), keys=lim, nbytes=nbytes,
                             index_ratio=(nc * rb + n * (D / 8 + 2)) / kv_total)
+                if route != "ball" or F == 16:
+                    continue
+                # (g) cascade: the top R1 of the 1-bit scan re-ranked by a finer code (int4 or int8 of every
+                # key) or by their exact float32 keys, the top R2 of those read exactly
+                for stage, e2, per_key, extra in (("int4", est4, D // 2, D // 2), ("int8", est8, D, D),
+                                                  ("K fp32", None, KV_BYTES // 2, 0)):
+                    for R1 in (4096, 16384):
+                        c1 = order[:min(ne + R1, n_scan)]
+                        sc2 = (k[c1] @ Q[t]).astype(np.float64) if e2 is None else e2[c1]
+                        for R2 in (256, 1024):
+                            take = c1[np.argsort(-sc2, kind="stable")[:ne + R2]]
+                            got = np.zeros(n, bool)
+                            got[take] = True
+                            # K fp32: the R2 keys' K were read in stage 2, only their V now
+                            last = take.size * (KV_BYTES // 2 if e2 is None else KV_BYTES)
+                            nbytes = nc * rb + n_scan * (D / 8 + 2) + c1.size * per_key + last
+                            acc.add(f"g ball top 1/{F}, 1bit -> R1 {stage} -> R2 exact", f"{R1}/{R2}",
+                                    planted=None if pl is None else float(np.mean(got[pl])),
+                                    recall=float(np.mean(got[top])), mass=float(w[got].sum()),
+                                    keys=int(take.size), nbytes=nbytes,
+                                    index_ratio=(nc * rb + n * (D / 8 + 2 + extra)) / kv_total)
+        if not fine_designs:
+            continue
         # (e) fine clusters flat, and two-level
         fms = fine["means"] @ q
         rkf = np.empty(fine["nc"], np.int64)
@@ -406,7 +436,8 @@ def run_case(kind: str, n: int, nq: int, seed: int, probes: list[int], cands: li
 # ------------------------------------------------------------------------------------------ speed floor
 def read_floor() -> dict:
     """GB/s of a pure read (Numba sum of float32s on all of Numba's threads): contiguous, and 512-byte rows
-    gathered at random."""
+    gathered at random; and the time of a 1-bit code scan (8 byte lookups a key, d 64) over 131,072 and
+    1,048,576 keys of one head."""
     import numba
 
     @numba.njit(cache=False, fastmath=True, parallel=True)
@@ -431,7 +462,30 @@ def read_floor() -> dict:
             s += t
         return s
 
+    @numba.njit(cache=False, fastmath=True, parallel=True)
+    def lut_scan(codes, fac, base, lut, est):  # pragma: no cover - jitted
+        # 1-bit codes, 8 bytes a key (d 64): q'.b from 8 byte-indexed tables of partial sums
+        for i in numba.prange(codes.shape[0]):
+            t = np.float32(0.0)
+            for j in range(codes.shape[1]):
+                t += lut[j, codes[i, j]]
+            est[i] = base[i] + fac[i] * t
+
     out = {}
+    m = 1 << 20
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 256, (m, D // 8), dtype=np.uint8)
+    fac, base, est = (rng.random(m, dtype=np.float32) for _ in range(3))
+    lut = rng.standard_normal((D // 8, 256)).astype(np.float32)
+    lut_scan(codes[:16], fac[:16], base[:16], lut, est[:16])
+    for mk in (131072, m):
+        ts = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            lut_scan(codes[:mk], fac[:mk], base[:mk], lut, est[:mk])
+            ts.append(time.perf_counter() - t0)
+        out[f"lut_scan_1bit_{mk}keys_ms"] = 1e3 * float(np.median(ts))
+    del codes, fac, base, est
     big = np.random.default_rng(0).standard_normal(64 * 2 ** 20, dtype=np.float32)  # 256 MB
     sum_all(big[:16])
     for mb in (1, 4, 16, 64, 256):
@@ -476,7 +530,8 @@ def write_md(path: Path, res: dict) -> None:
     fl = res["floor"]
     bw = fl["contiguous_256MB_GBps"]
     L = ["# Decode index study: recall per byte read (one head, d 64)", "",
-         f"Generated by `benchmarks/study_decode_index.py` ({res['date']}); {res['queries']} decode queries "
+         f"Generated by `benchmarks/study_decode_index.py` ({res['date']}; read rates and SDPA step "
+         f"{res.get('floor_date', res['date'])}); {res['queries']} decode queries "
          "per case. Bytes: per step per head, index scan + K and V of every key read exactly (float32, "
          "512 B a key); sinks + window (68 keys) included, the cache's exact tail (about open_step / 2 + "
          "window keys on average) not. `floor 8h ms`: those bytes for 8 heads at the measured contiguous "
@@ -486,7 +541,8 @@ def write_md(path: Path, res: dict) -> None:
          "bandwidth-bound dense step if the step ran at the same read rate (SDPA's decode step is "
          "bandwidth bound, ~18 GB/s on this machine class when not shared). Timing on a shared 2-core "
          "machine: indicative.", "",
-         "Read rates (GB/s): " + ", ".join(f"{k} {v:.1f}" for k, v in fl.items()), ""]
+         "Read rates (GB/s) and 1-bit scan times (ms, one head, all threads): "
+         + ", ".join(f"{k} {v:.2f}" for k, v in fl.items()), ""]
     for case in res["cases"]:
         n = case["n"]
         sdpa = res["sdpa_ms"].get(str(n), {1048576: SDPA_MS_1M, 131072: SDPA_MS_131K}.get(n, float("nan")))
@@ -537,8 +593,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probes", default="16,32,64,128,256,512,1024,2048")
     ap.add_argument("--candidates", default="64,128,256,512,1024,2048,4096")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the SDPA step measurement at 131,072")
+    ap.add_argument("--no-fine", action="store_true", help="skip designs (e) (their k-means is the slow part)")
     ap.add_argument("--out", default=str(HERE / "results" / "decode-index-study.json"))
+    ap.add_argument("--floor-only", action="store_true",
+                    help="re-measure the read rates and SDPA's step only, and rewrite the report of --out")
     a = ap.parse_args(argv)
+    if a.floor_only:
+        out = Path(a.out)
+        if not out.is_file():
+            print(f"error: --floor-only needs an existing --out results file; {a.out!r} does not exist",
+                  file=sys.stderr)
+            return 2
+        res = json.loads(out.read_text(encoding="utf-8"))
+        res["floor"] = read_floor()
+        res["sdpa_ms"] = {} if a.no_sdpa else {"131072": sdpa_step_ms(131072)}
+        res["floor_date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        log("read floor", res["floor"], "sdpa", res["sdpa_ms"])
+        res["best"] = best_rows(res)
+        out.write_text(json.dumps(res, indent=1), encoding="utf-8")
+        write_md(out.with_suffix(".md"), res)
+        return 0
     lengths = _positive_list(a.lengths, "--lengths")
     if min(lengths) < SEGMENT + SINKS + WINDOW:
         print(f"error: --lengths must each be >= {SEGMENT + SINKS + WINDOW}; got {a.lengths!r}", file=sys.stderr)
@@ -559,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
     log("sdpa", res["sdpa_ms"])
     for n in lengths:
         for kind in kinds:
-            res["cases"].append(run_case(kind, n, nq, seed=0, probes=probes, cands=cands))
+            res["cases"].append(run_case(kind, n, nq, seed=0, probes=probes, cands=cands,
+                                         fine_designs=not a.no_fine))
             res["best"] = best_rows(res)
             out = Path(a.out)
             out.write_text(json.dumps(res, indent=1), encoding="utf-8")
