@@ -44,6 +44,8 @@ from .inputs import check_positive_int
 __all__ = [
     "FIXTURES",
     "SYNTHETIC_KINDS",
+    "PASSKEY_BACKGROUNDS",
+    "Passkey",
     "Trace",
     "clustered",
     "correlated",
@@ -54,6 +56,7 @@ __all__ = [
     "load_user",
     "manifest",
     "norm_profile",
+    "passkey",
     "synthetic",
     "synthetic_sizes",
 ]
@@ -886,3 +889,243 @@ def _parse_synthetic(spec: str) -> tuple[Callable[..., tuple[np.ndarray, np.ndar
     if unknown:
         raise ValueError(f"unknown parameter(s) {unknown} for kind={kind!r} in spec {spec!r}; allowed: {allowed}.")
     return fn, params
+
+
+# --------------------------------------------------------------------------------------------------------
+# passkey / needle workloads for decode recall
+# --------------------------------------------------------------------------------------------------------
+PASSKEY_BACKGROUNDS = ("clustered", "gaussian")
+
+
+@dataclass(frozen=True)
+class Passkey:
+    """A decode workload with planted keys that carry a known share of each query's softmax mass.
+
+    Attributes
+    ----------
+    keys : numpy.ndarray, float32, shape (H, n, d)
+        Background keys with the planted ones written in place.
+    values : numpy.ndarray, float32, shape (H, n, dv)
+        Standard-normal values (independent of the keys).
+    queries : numpy.ndarray, float32, shape (H, n_queries, d)
+        One decode query per row; query ``(h, t)`` sees every key of head ``h``.
+    positions : numpy.ndarray, int64, shape (H, n_queries, n_planted)
+        Positions of the keys planted for query ``(h, t)``, sorted per row, distinct within a head.
+    mass : numpy.ndarray, float64, shape (H, n_queries)
+        Softmax mass the planted keys of query ``(h, t)`` hold among all ``n`` keys of its head, computed in
+        float64 from the float32 arrays returned.
+    scale : float
+        Score scale used (``q.k * scale`` are the logits).
+    margin : float
+        Logit margin of every planted key over the largest logit of any other key for its query.
+    """
+
+    keys: np.ndarray
+    values: np.ndarray
+    queries: np.ndarray
+    positions: np.ndarray
+    mass: np.ndarray
+    scale: float
+    margin: float
+
+
+_QUERY_POOL = 8  # candidate queries drawn per query kept
+
+
+def _spread_queries(pool: np.ndarray, nq: int) -> np.ndarray:
+    """``nq`` rows of ``pool`` chosen greedily so that the largest cosine between two kept rows is small
+    (a key planted for one query then scores well below its own query's logit on the others)."""
+    u = pool.astype(np.float64)
+    u /= np.maximum(np.linalg.norm(u, axis=1, keepdims=True), 1e-30)
+    keep = [0]
+    worst = u @ u[0]
+    for _ in range(1, nq):
+        worst[keep] = np.inf
+        j = int(np.argmin(worst))
+        keep.append(j)
+        worst = np.maximum(worst, u @ u[j])
+    return np.ascontiguousarray(pool[keep])
+
+
+def _passkey_background(background: object, n: int, d: int, heads: int, nq: int, dv: int,
+                        seeds: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    if isinstance(background, str):
+        if background not in PASSKEY_BACKGROUNDS:
+            raise ValueError(f"background must be one of {PASSKEY_BACKGROUNDS} or a float array of keys "
+                             f"(n, d) or (heads, n, d); got {background!r}.")
+        K = np.empty((heads, n, d), np.float32)
+        V = np.empty((heads, n, dv), np.float32)
+        Q = np.empty((heads, nq, d), np.float32)
+        for h in range(heads):
+            pool = _QUERY_POOL * nq
+            if background == "clustered":
+                q, k, v = clustered(n, d, n_queries=pool, dv=dv, seed=seeds[h])
+            else:
+                q, k, v = gaussian(n, d, n_queries=pool, dv=dv, norm_profile="minilm", seed=seeds[h])
+            K[h], V[h], Q[h] = k, v, _spread_queries(q, nq)
+            del q, k, v
+        return K, V, Q
+    if isinstance(background, (list, tuple)) or not hasattr(background, "shape"):
+        raise TypeError(f"background must be one of {PASSKEY_BACKGROUNDS} or a numpy array of keys; got "
+                        f"{type(background).__name__}.")
+    arr = np.asarray(background)
+    if arr.dtype.kind != "f":
+        raise TypeError(f"background keys must be a float array; got dtype {arr.dtype}.")
+    if arr.ndim == 2:
+        arr = np.broadcast_to(arr, (heads, *arr.shape))
+    if arr.shape != (heads, n, d):
+        raise ValueError(f"background keys must have shape (n, d) = ({n}, {d}) or (heads, n, d) = "
+                         f"({heads}, {n}, {d}); got {tuple(np.shape(background))}. Pass n and d of the array "
+                         f"(e.g. n=k.shape[-2], d=k.shape[-1]).")
+    if not np.isfinite(arr).all():
+        raise ValueError("background keys contain NaN or Inf; clean the array.")
+    K = np.array(arr, dtype=np.float32, order="C")
+    V = np.empty((heads, n, dv), np.float32)
+    Q = np.empty((heads, nq, d), np.float32)
+    for h in range(heads):
+        rng = np.random.default_rng(seeds[h])
+        V[h] = rng.standard_normal((n, dv), dtype=np.float32)
+        # queries: random directions with the keys' median norm (out of the keys' distribution, as real
+        # decode queries are)
+        u = rng.standard_normal((_QUERY_POOL * nq, d))
+        u /= np.linalg.norm(u, axis=1, keepdims=True)
+        Q[h] = _spread_queries((u * float(np.median(np.linalg.norm(K[h], axis=1)))).astype(np.float32), nq)
+    return K, V, Q
+
+
+def passkey(n: int, d: int, *, heads: int = 8, n_planted: int = 4, depth: tuple[float, float] = (0.0, 1.0),
+            mass: float = 0.5, margin: float = 2.0, background: object = "clustered", n_queries: int = 16,
+            dv: int | None = None, scale: float | None = None, seed: int = 0) -> Passkey:
+    """Passkey (needle) decode workload: per query a few planted keys far back that hold most of its mass.
+
+    For every head ``h`` and decode query ``t`` the generator picks ``n_planted`` distinct positions in the
+    ``depth`` band of the cache and replaces the background key there by one that points at the query: the
+    background key's component orthogonal to the query is kept (so the planted key stays inside its
+    cluster in every other direction, and a cluster's mean does not reveal it) and its component along the
+    query is set so that every planted key has the same logit ``L = scale * q.k``, with ``L`` at least
+    ``margin`` above the query's logit of every other key (the other queries' planted keys included: the
+    planted keys are the query's exact top-``n_planted``) and large enough that the planted keys
+    together hold at least ``mass`` of the query's softmax over all ``n`` keys (float64).  The planted keys
+    of the other queries count as background; the logits are raised until every query meets both
+    conditions.  The queries are picked from a larger draw so that no two point the same way (their
+    largest cosine is kept small), else a key planted for one would be a planted key of another.
+
+    Parameters
+    ----------
+    n, d : int
+        Keys per head and head dimension.
+    heads : int, default 8
+        Heads H (each with its own background, queries and planted keys).
+    n_planted : int, default 4
+        Planted keys per query (1-16 in the benchmarks); ``n_queries * n_planted <= `` the band's length.
+    depth : (float, float), default (0.0, 1.0)
+        Band of positions, as fractions of ``n`` (``0`` the oldest key, ``1`` the newest), where the planted
+        keys go; ``depth=(0.1, 0.1)`` plants them all at position ``int(0.1 n)`` onwards.
+    mass : float in (0, 1), default 0.5
+        Minimum softmax mass the planted keys of a query hold together.
+    margin : float >= 0, default 2.0
+        Minimum logit gap between every planted key and the best other key (background or planted for
+        another query) of its query.
+    background : {"clustered", "gaussian"} or float array (n, d) or (heads, n, d), default "clustered"
+        ``"clustered"``: :func:`clustered` keys and queries; ``"gaussian"``: :func:`gaussian` with the
+        MiniLM norm profile (norm-matched); an array: your own keys (for example real MiniLM keys,
+        ``load("store", head=0, dtype="float32").k``), with random-direction queries of the keys' median
+        norm.
+    n_queries : int, default 16
+        Decode queries per head.
+    dv : int, optional
+        Value dimension (default ``d``).
+    scale : float, optional
+        Logit scale (default ``1/sqrt(d)``).
+    seed : int, default 0
+
+    Returns
+    -------
+    Passkey
+        ``keys`` float32 (H, n, d), ``values`` float32 (H, n, dv), ``queries`` float32 (H, n_queries, d),
+        ``positions`` int64 (H, n_queries, n_planted), ``mass`` float64 (H, n_queries), ``scale``,
+        ``margin``.
+
+    Examples
+    --------
+    >>> from sparseattn import data
+    >>> w = data.passkey(4096, 32, heads=2, n_planted=2, n_queries=3, seed=0)
+    >>> w.keys.shape, w.queries.shape, w.positions.shape, bool((w.mass >= 0.5).all())
+    ((2, 4096, 32), (2, 3, 32), (2, 3, 2), True)
+    """
+    n_ = check_positive_int(n, "n")
+    d_ = check_positive_int(d, "d")
+    H = check_positive_int(heads, "heads")
+    npl = check_positive_int(n_planted, "n_planted")
+    nq = check_positive_int(n_queries, "n_queries")
+    dv_ = d_ if dv is None else check_positive_int(dv, "dv")
+    frac = _check_real(mass, "mass", low=0.0, high=1.0)
+    if not 0.0 < frac < 1.0:
+        raise ValueError(f"mass must be in (0, 1) (the planted keys' minimum softmax share); got {frac}.")
+    gap = _check_real(margin, "margin", low=0.0)
+    if scale is None:
+        sc = 1.0 / np.sqrt(d_)
+    else:
+        sc = _check_real(scale, "scale", low=0.0)
+        if sc <= 0:
+            raise ValueError(f"scale must be > 0 (or None: 1/sqrt(d)); got {sc}.")
+    if not isinstance(depth, (tuple, list)) or len(depth) != 2:
+        raise TypeError(f"depth must be a pair (low, high) of fractions in [0, 1]; got {depth!r}.")
+    lo = _check_real(depth[0], "depth[0]", low=0.0, high=1.0)
+    hi = _check_real(depth[1], "depth[1]", low=0.0, high=1.0)
+    if lo > hi:
+        raise ValueError(f"depth must be (low, high) with low <= high; got {tuple(depth)}.")
+    need = nq * npl
+    a = min(int(lo * n_), n_ - need) if need <= n_ else 0
+    b = max(int(np.ceil(hi * n_)), a + need)
+    if need > n_ or b > n_:
+        raise ValueError(f"n_queries * n_planted = {nq} * {npl} = {need} planted keys do not fit in the "
+                         f"depth band {tuple(depth)} of n={n_} keys; lower n_planted or n_queries, or "
+                         f"widen depth.")
+    ss = np.random.SeedSequence(_rng(seed).integers(0, 2**63))
+    seeds = [int(x) for x in ss.generate_state(2 * H, dtype=np.uint64)]
+    K, V, Q = _passkey_background(background, n_, d_, H, nq, dv_, seeds[:H])
+    pos = np.empty((H, nq, npl), np.int64)
+    got = np.empty((H, nq), np.float64)
+    for h in range(H):
+        rng = np.random.default_rng(seeds[H + h])
+        p = (a + rng.choice(b - a, size=need, replace=False)).reshape(nq, npl)
+        p.sort(axis=1)
+        pos[h] = p
+        q64 = Q[h].astype(np.float64)
+        qn = np.linalg.norm(q64, axis=1)
+        if not (qn > 0).all():
+            raise ValueError(f"a query of head {h} is zero; planted keys need a direction to point at.")
+        qhat = q64 / qn[:, None]
+        planted = np.zeros(n_, bool)
+        planted[p.ravel()] = True
+        base = K[h][p].astype(np.float64)  # (nq, npl, d): keep the orthogonal part
+        base -= np.einsum("tpd,td->tp", base, qhat)[:, :, None] * qhat[:, None, :]
+        bg = K[h][~planted].astype(np.float64) @ q64.T * sc  # (n - need, nq) background logits
+        m = bg.max(axis=0)
+        z = np.exp(bg - m).sum(axis=0)  # background sum relative to its max
+        del bg
+        # logit L with npl*e^L >= frac/(1-frac) * Z_bg and L >= max_bg + margin
+        L = np.maximum(m + np.log(frac / (1 - frac) * z / npl), m + gap)
+        for _ in range(50):
+            K[h][p] = (base + (L / (sc * qn))[:, None, None] * qhat[:, None, :]).astype(np.float32)
+            lg = K[h].astype(np.float64) @ q64.T * sc  # (n, nq)
+            mx = lg.max(axis=0)
+            w = np.exp(lg - mx)
+            tot = w.sum(axis=0)
+            own = np.take_along_axis(w, p.T, axis=0).sum(axis=0)  # (nq,)
+            got[h] = own / tot
+            rest = lg.copy()
+            np.put_along_axis(rest, p.T, -np.inf, axis=0)  # every key but the query's own planted ones
+            short = gap - (np.take_along_axis(lg, p.T, axis=0).min(axis=0) - rest.max(axis=0))
+            del rest
+            ok = (got[h] >= frac) & (short <= gap * 1e-6)
+            del lg, w
+            if ok.all():
+                break
+            # raise the failing queries' logits by the mass deficit or the missing gap (at least a little)
+            deficit = np.maximum(np.log(frac / (1 - frac) * (tot - own) / np.maximum(own, 1e-300)), short)
+            L = np.where(ok, L, L + np.maximum(deficit, 0.05))
+        else:  # pragma: no cover - the logits grow geometrically; 50 rounds always suffice in float32 range
+            raise RuntimeError(f"passkey: could not reach mass {frac} for head {h}; lower mass or n_planted.")
+    return Passkey(keys=K, values=V, queries=Q, positions=pos, mass=got, scale=float(sc), margin=gap)
