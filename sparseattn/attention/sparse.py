@@ -386,9 +386,10 @@ def _run_kernel(inp: AttentionInputs, patterns: list[SparsePattern], bias_args: 
     else:
         kernel = fused.fused_parallel_nobias if use_parallel else fused.fused_serial_nobias
     # float32: the vectorised polynomial exp (rel. error <= 2.5e-7); float64 keeps np.exp's precision.
-    # Read-only views: the kernel only reads q, k and v, and one array type whatever the caller's writable
-    # flags means one compiled variant per dtype instead of one per combination of flags (8 per dtype).
+    # Read-only views: the kernel only reads q, k, v and the bias arrays, and one array type whatever the
+    # caller's writable flags means one compiled variant per dtype instead of one per combination of flags.
     q3, k3, v3 = (_read_only(a) for a in (inp.q3, inp.k3, inp.v3))
+    bias_args = tuple(_read_only(a) if isinstance(a, np.ndarray) else a for a in bias_args)
     kernel(q3, k3, v3, inp.q_map, inp.kv_map, indptr, indices, shared, cdt.type(inp.scale), max_nnz,
            CHUNK_ROWS, *bias_args, out, lse, cdt == np.float32)
     return out, lse
