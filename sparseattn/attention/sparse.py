@@ -375,6 +375,13 @@ def _bias_args(bias: Any, inp: AttentionInputs, query_positions: Any, key_positi
     return (BIAS_DENSE, np.zeros((1, 1)), np.zeros(3, np.int64), qpos, kpos, dense, bmap, 1)
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a`` (same memory, no copy)."""
+    view = a.view()
+    view.flags.writeable = False
+    return view
+
+
 def _run_kernel(inp: AttentionInputs, patterns: list[SparsePattern], bias_args: tuple, *, with_bias: bool
                 ) -> tuple[np.ndarray, np.ndarray]:
     """The fused kernel over all groups: (G, L, Ev) output and (G, L) lse in the computation dtype."""
@@ -398,6 +405,10 @@ def _run_kernel(inp: AttentionInputs, patterns: list[SparsePattern], bias_args: 
     else:
         kernel = fused.fused_parallel_nobias if use_parallel else fused.fused_serial_nobias
     # float32: the vectorised polynomial exp (rel. error <= 2.5e-7); float64 keeps np.exp's precision.
-    kernel(inp.q3, inp.k3, inp.v3, inp.q_map, inp.kv_map, indptr, indices, shared, cdt.type(inp.scale), max_nnz,
+    # Read-only views: the kernel only reads q, k, v and the bias arrays, and one array type whatever the
+    # caller's writable flags means one compiled variant per dtype instead of one per combination of flags.
+    q3, k3, v3 = (_read_only(a) for a in (inp.q3, inp.k3, inp.v3))
+    bias_args = tuple(_read_only(a) if isinstance(a, np.ndarray) else a for a in bias_args)
+    kernel(q3, k3, v3, inp.q_map, inp.kv_map, indptr, indices, shared, cdt.type(inp.scale), max_nnz,
            CHUNK_ROWS, *bias_args, out, lse, cdt == np.float32)
     return out, lse

@@ -207,6 +207,7 @@ def warm_up() -> None:
 
     for dt in (np.float32, np.float64):
         w = np.ones((1, 64, 8), dt)
+        w.flags.writeable = False  # sparse_attention hands the kernel read-only q, k, v: the same variant
         p = SparsePattern.window(64, 64, 4)
         m = np.zeros(1, np.int64)
         for kern in (fused.fused_serial, fused.fused_parallel):
