@@ -501,9 +501,9 @@ def _cmd_trace_llm(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from . import traces
     from ..hf import load_gguf_model
     from ..hf_cache import capture_decode_trace
+    from . import traces
 
     model, tok = load_gguf_model("smollm2-135m")
     verses = traces.kjv_text().split("\n")
