@@ -10,7 +10,8 @@ revision is checked out into a temporary git worktree; every case runs in fresh 
 worker warming up once (Numba compile/cache load) and then timing ``--repeats`` calls.  Inputs are made
 once by this process and shared as ``.npy`` files, so both sides read the same bytes.  Only public
 calls that both revisions accept are timed: ``sparse_attention(q, k, v, pattern_or_spec, k=64,
-is_causal=...)`` and ``scaled_dot_product_attention(q, k, v, is_causal=...)``.
+is_causal=...)``, ``scaled_dot_product_attention(q, k, v, is_causal=...)`` and one decode step
+``KVCache(num_heads=8, head_dim=64, selector=..., ...).attend(q)`` over a cache filled by ``append``.
 
 Reported per case: the median of all timings per side, the spread (min-max of the per-worker medians)
 and head / base.  Results: ``results/side-by-side-<base>.json`` and ``.md``.
@@ -56,6 +57,16 @@ elif op == "sparse-window":
     pat = sa.SparsePattern.window(q.shape[0], k.shape[0], 64, is_causal=True)
     def run():
         return sa.sparse_attention(q, k, v, pat)
+elif op == "decode":
+    # one decode step of a KVCache holding the keys of every head (head h: the keys rolled by h * 997)
+    H = 8
+    K = np.stack([np.roll(k, h * 997, axis=0) for h in range(H)])
+    V = np.stack([np.roll(v, h * 997, axis=0) for h in range(H)])
+    cache = sa.KVCache(num_heads=H, head_dim=k.shape[1], **case["cache"])
+    cache.append(K, V)
+    qs = np.stack([q[-1 - h] for h in range(H)])[:, None, :].astype(np.float32)
+    def run():
+        return cache.attend(qs)
 elif op == "dense":
     def run():
         return sa.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -94,8 +105,21 @@ def _cases(quick: bool) -> list[dict]:
         {"name": "dense reference causal 4,096", "data": syn.format(n=4096, kind="gaussian"),
          "op": "dense", "causal": True},
     ]
+    dec = syn.format(n=16384, kind="clustered")
+    out += [
+        {"name": "decode step 8x16,384 cluster f32", "data": dec, "op": "decode", "causal": False,
+         "cache": {"selector": "cluster"}},
+        {"name": "decode step 8x16,384 cluster top_p=0.9", "data": dec, "op": "decode", "causal": False,
+         "cache": {"selector": "cluster", "top_p": 0.9}},
+        {"name": "decode step 8x16,384 cluster float16", "data": dec, "op": "decode", "causal": False,
+         "cache": {"selector": "cluster", "dtype": "float16"}},
+        {"name": "decode step 8x16,384 cluster bfloat16", "data": dec, "op": "decode", "causal": False,
+         "cache": {"selector": "cluster", "dtype": "bfloat16"}},
+    ]
     if not quick:
         out += [
+            {"name": "decode step 8x131,072 cluster f32", "data": syn.format(n=131072, kind="clustered"),
+             "op": "decode", "causal": False, "cache": {"selector": "cluster"}},
             {"name": "cluster block 65,536 clustered", "data": syn.format(n=65536, kind="clustered"),
              "op": "sparse-spec", "spec": block, "causal": False},
             {"name": "cluster block 65,536 clustered causal", "data": syn.format(n=65536, kind="clustered"),
