@@ -145,9 +145,9 @@ class SlotStore:
         self.pos = np.zeros((hk, 0), np.int32)
         self._names = ["K", "V", "pos"]
 
-    def add_slot_array(self, name: str, dtype: Any) -> None:
-        """Register a per-slot array ``name`` of shape (H_kv, cap) (moved with the keys)."""
-        setattr(self, name, np.zeros((self.num_kv_heads, self.cap), dtype))
+    def add_slot_array(self, name: str, dtype: Any, shape: tuple[int, ...] = ()) -> None:
+        """Register a per-slot array ``name`` of shape (H_kv, cap, *shape) (moved with the keys)."""
+        setattr(self, name, np.zeros((self.num_kv_heads, self.cap) + tuple(shape), dtype))
         self._names.append(name)
 
     @property

@@ -102,6 +102,7 @@ __all__ = ["CHUNK", "EVICTED", "MODE_CLUSTER", "MODE_LIST", "MODE_MASS", "MODE_N
            "widen_f16"]
 
 CHUNK = 128  # keys scored before one softmax update (scratch per row: CHUNK floats)
+LIST_AHEAD = 8  # MODE_LIST: the listed slot this many ahead is prefetched while one is scored
 BF16 = False  # compile-time constant: True in the bfloat16 variants below
 
 
@@ -156,27 +157,36 @@ def _prefetch_range(rr, mode, g, hb, n_sel, cptr, n_sinks, ex_lo, page_size):
 
 
 # ------------------------------------------------------------------------------------------ scoring
-def _score_range(Kg, Vg, pg, qi, a, b, lim, qp, scale, pf_a, pf_b, sc, acc, m_run, l_run):
+def _score_range(Kg, Vg, pg, qi, a, b, lim, qp, scale, pf_a, pf_b, sc, acc, m_run, l_run, idx):
     """Online softmax over slots [a, b) visible to the row (``pos <= qp`` and ``pos < lim``), in chunks of
-    ``CHUNK``; one row of the next range [pf_a, pf_b) is prefetched per row scored.  Returns (maximum,
-    sum, keys read, overflow)."""
+    ``CHUNK``; one row of the next range [pf_a, pf_b) is prefetched per row scored.  With a non-empty
+    ``idx`` (int64) the slots are ``idx[a:b]`` instead (a list, each row prefetched ``LIST_AHEAD`` ahead).
+    Returns (maximum, sum, keys read, overflow)."""
     E = qi.shape[0]
     Ev = acc.shape[0] if Vg.shape[1] > 0 else 0
     kbytes = Kg.shape[1] * Kg.itemsize  # bytes of one key row / value row
     vbytes = Vg.shape[1] * Vg.itemsize
     n_read = 0
+    listed = idx.shape[0] > 0
     start = a
     while start < b:
         stop = min(start + CHUNK, b)
         n = stop - start
         # scores of the whole chunk (a plain loop that vectorises), then the position masks
         for j in range(start, stop):
-            if pf_a + (j - a) < pf_b:
+            if listed:
+                if j + LIST_AHEAD < b:
+                    nxt = idx[j + LIST_AHEAD]
+                    for off in range(0, kbytes, 64):
+                        prefetch_l2(Kg, nxt, off)
+                    for off in range(0, vbytes, 64):
+                        prefetch_l2(Vg, nxt, off)
+            elif pf_a + (j - a) < pf_b:
                 for off in range(0, kbytes, 64):
                     prefetch_l2(Kg, pf_a + (j - a), off)
                 for off in range(0, vbytes, 64):
                     prefetch_l2(Vg, pf_a + (j - a), off)
-            kj = Kg[j]
+            kj = Kg[idx[j] if listed else j]
             s = np.float32(0.0)
             for e in range(E):
                 s += qi[e] * (widen_bf16(kj[e]) if BF16 else widen_f16(kj[e]))
@@ -184,7 +194,7 @@ def _score_range(Kg, Vg, pg, qi, a, b, lim, qp, scale, pf_a, pf_b, sc, acc, m_ru
         cmax = np.float32(-np.inf)
         cnt = 0
         for u in range(n):
-            p = pg[start + u]
+            p = pg[idx[start + u] if listed else start + u]
             if p > qp or p >= lim:
                 sc[u] = -np.inf
             else:
@@ -206,7 +216,7 @@ def _score_range(Kg, Vg, pg, qi, a, b, lim, qp, scale, pf_a, pf_b, sc, acc, m_ru
         for u in range(n):
             w = sc[u]
             l_run += w
-            vj = Vg[first + u]
+            vj = Vg[idx[first + u] if listed else first + u]
             for e in range(Ev):
                 acc[e] += w * (widen_bf16(vj[e]) if BF16 else widen_f16(vj[e]))
     return m_run, l_run, n_read, False
@@ -311,7 +321,13 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
     m_run = np.float32(-np.inf)
     l_run = np.float32(0.0)
     nk = walk = rr = n_read = n_recorded = 0
+    no_list = np.empty(0, dtype=np.int64)
     while not overflow:
+        if mode == MODE_LIST and rr == 2 and not record:  # every listed slot in one sweep
+            m_run, l_run, n, overflow = SCORE_RANGE(Kg, Vg, pg, qi, 0, n_sel, hi_pos, qp, scale, 0, 0, sc, acc,
+                                                    m_run, l_run, sel[r])
+            n_read += n
+            break
         if mode == MODE_MASS and rr >= 2:
             if rr == 2:  # the exact part is done: its true mass opens the walk
                 order, mshift, cum, goal = mass_open(la, nc, m_run, l_run, top_p)
@@ -335,7 +351,7 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
             rec[r, n_recorded, 2] = lim
             n_recorded += 1
         m_run, l_run, n, overflow = SCORE_RANGE(Kg, Vg, pg, qi, a, b, lim, qp, scale, pf_a, pf_b, sc, acc,
-                                                m_run, l_run)
+                                                m_run, l_run, no_list)
         n_read += n
     n_used = 0
     if not overflow and mode == MODE_CLUSTER and n_zone > 0:

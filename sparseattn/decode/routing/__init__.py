@@ -1,7 +1,7 @@
 """Routing strategies of the decode cache behind one interface (:class:`Routing`).
 
 Built in (by ``selector=`` name, in this order): ``cluster`` (segments of k-means clusters),
-``pages`` (Quest page bounds), ``window``, ``topk`` and ``dense``; any other selector spec names an
+``pages`` (Quest page bounds), ``sketch`` (1-bit residual codes of every clustered key), ``window``, ``topk`` and ``dense``; any other selector spec names an
 index selector (:class:`IndexRouting`).
 """
 
@@ -14,8 +14,9 @@ from .cluster import ClusterRouting
 from .exact import DenseRouting, TopKRouting, WindowRouting
 from .index import IndexRouting, index_selector_names, parse_index_selector
 from .pages import PagesRouting
+from .sketch import SketchRouting, parse_sketch
 
-__all__ = ["ClusterRouting", "DenseRouting", "IndexRouting", "PagesRouting", "Routing", "TopKRouting",
+__all__ = ["ClusterRouting", "DenseRouting", "IndexRouting", "PagesRouting", "Routing", "SketchRouting", "TopKRouting",
            "WindowRouting", "index_selector_names", "parse_index_selector", "register_routing",
            "routing_class", "routing_classes"]
 
@@ -25,5 +26,7 @@ def routing_class(selector: Any) -> type[Routing]:
     own = routing_classes()
     if isinstance(selector, str) and selector in own:
         return own[selector]
+    if parse_sketch(selector) is not None:  # "sketch:<options>" (ValueError naming a bad option)
+        return SketchRouting
     parse_index_selector(selector)  # ValueError naming the accepted selectors
     return IndexRouting

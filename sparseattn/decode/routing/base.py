@@ -34,7 +34,7 @@ from ..store import EVICTED, SlotStore
 __all__ = ["Routing", "register_routing", "routing_classes"]
 
 _REGISTRY: dict[str, type[Routing]] = {}
-_ORDER = ("cluster", "pages", "window", "topk", "dense")  # as error messages list them
+_ORDER = ("cluster", "sketch", "pages", "window", "topk", "dense")  # as error messages list them
 
 
 def register_routing(cls: type[Routing]) -> type[Routing]:

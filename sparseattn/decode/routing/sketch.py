@@ -1,0 +1,171 @@
+"""Sketch routing: every clustered key keeps a 1-bit code of its residual from its cluster's routing vector;
+a step estimates every routed key's score from the codes (clusters whose ball bound cannot reach the
+best estimates found are skipped) and reads the ``candidates`` keys of largest estimate exactly, with the
+sinks and the not-yet-clustered tail (see :mod:`sparseattn.kernels.sketch` for the estimator).
+
+Unlike ``cluster`` routing, which reads whole clusters ranked by their mean key and misses a key that
+points at the query when the rest of its cluster does not, the sketch ranks keys one by one, so its
+recall of the keys that carry a step's softmax mass does not fall as the cache grows.  The price is a
+scan of ``E / 8 + 4`` bytes per routed key per step (the codes and factors; 2.3 % of float32 K and V at
+E = 64) besides the exact reads.
+
+Options come with the selector: ``"sketch"`` or ``"sketch:candidates=N"`` (keys read exactly per query
+from the routed part; default ``max(1024, 3 % of the routed keys)``) or ``"sketch:fraction=F"`` (F of the
+routed keys, at least 1024).  The layout (segments, k-means clusters of about ``cluster_size`` keys) is
+the ``cluster`` strategy's; ``estimate`` and ``top_p`` are not supported.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ...kernels import decode as kd
+from ...kernels import sketch as ks
+from ..plan import PARALLEL_MIN_KEYS, StepPlan
+from ..store import EVICTED
+from .base import register_routing
+from .cluster import ClusterRouting
+
+__all__ = ["SketchRouting", "parse_sketch"]
+
+MIN_CANDIDATES = 1024
+DEFAULT_FRACTION = 0.03
+
+
+def parse_sketch(selector: object) -> dict[str, float] | None:
+    """Options of a ``"sketch[:name=value,...]"`` selector spec; None when ``selector`` is not one.
+    ValueError naming the option for an unknown name or a bad value."""
+    if not isinstance(selector, str) or not (selector == "sketch" or selector.startswith("sketch:")):
+        return None
+    out: dict[str, float] = {}
+    body = selector[len("sketch:"):] if ":" in selector else ""
+    for part in filter(None, body.split(",")):
+        name, eq, val = part.partition("=")
+        name = name.strip()
+        if not eq or name not in ("candidates", "fraction"):
+            raise ValueError(f"selector {selector!r}: unknown option {part!r}; 'sketch' takes candidates=<int >= 1> "
+                             f"or fraction=<float in (0, 1]>, e.g. 'sketch:candidates=4096'.")
+        try:
+            x = int(val) if name == "candidates" else float(val)
+        except ValueError:
+            raise ValueError(f"selector {selector!r}: {name} must be a number; got {val!r}.") from None
+        if name == "candidates" and not 1 <= x <= 2**31 - 2:
+            raise ValueError(f"selector {selector!r}: candidates must be an int >= 1; got {val!r}.")
+        if name == "fraction" and not 0 < x <= 1:
+            raise ValueError(f"selector {selector!r}: fraction must be in (0, 1]; got {val!r}.")
+        out[name] = x
+    if len(out) > 1:
+        raise ValueError(f"selector {selector!r}: pass candidates or fraction, not both.")
+    return out
+
+
+@register_routing
+class SketchRouting(ClusterRouting):
+    """Routing by 1-bit residual sketches over the ``cluster`` layout (see the module docstring)."""
+
+    name = "sketch"
+    supports = frozenset()
+    default_probe = 0
+    rotation_seed: ClassVar[int] = 12
+
+    def __init__(self, cfg: Any, store: Any) -> None:
+        super().__init__(cfg, store)
+        self.options = parse_sketch(cfg.selector) or {}
+        E = cfg.head_dim
+        q, rr = np.linalg.qr(np.random.default_rng(self.rotation_seed).standard_normal((E, E)))
+        self.rot = np.ascontiguousarray(q * np.sign(np.diag(rr)))  # (E, E) float64 orthogonal
+        store.add_slot_array("sketch_codes", np.uint8, (ks.code_bytes(E),))
+        store.add_slot_array("sketch_fac", np.float32)
+        self.rad = np.zeros((cfg.num_kv_heads, 0), np.float64)  # per cluster: largest live residual norm
+        self.scanned = 0
+        self.steps = 0
+
+    # ---------------------------------------------------------------------------------- hooks
+    def committed(self, a: int, b: int) -> None:
+        first = self.layout.closed_cent.copy()  # clusters from here on may be (re)built below
+        before = self.layout.segments_clustered, self.layout.open_end
+        super().committed(a, b)
+        if (self.layout.segments_clustered, self.layout.open_end) != before:
+            self.encode(first)
+
+    def compacted(self) -> None:
+        super().compacted()
+        self.encode(np.zeros(self.store.num_kv_heads, np.int64))
+
+    def encode(self, first: np.ndarray) -> None:
+        """Codes, factors and cluster radii of clusters ``[first[g], n_cent[g])`` of every kv head."""
+        st, lay = self.store, self.layout
+        if self.rad.shape[1] < lay.cent.shape[1]:
+            rad = np.zeros((st.num_kv_heads, lay.cent.shape[1]), np.float64)
+            rad[:, :self.rad.shape[1]] = self.rad
+            self.rad = rad
+        for g in range(st.num_kv_heads):
+            c0, c1 = int(first[g]), int(lay.n_cent[g])
+            if c1 <= c0:
+                continue
+            a, b = int(lay.cptr[g, c0]), int(lay.cptr[g, c1])
+            sizes = np.diff(lay.cptr[g, c0:c1 + 1])
+            mu = lay.routing(g, c1)[c0:].astype(np.float64)
+            res = st.keys(g, slice(a, b)).astype(np.float64) - np.repeat(mu, sizes, axis=0)
+            codes, fac, norm = ks.encode_residuals(res, self.rot)
+            st.sketch_codes[g, a:b] = codes
+            st.sketch_fac[g, a:b] = fac
+            live = st.pos[g, a:b] != EVICTED
+            norm = np.where(live, norm, 0.0)
+            self.rad[g, c0:c1] = np.maximum.reduceat(norm, np.cumsum(sizes) - sizes) if norm.size else 0.0
+            self.rad[g, c0:c1][sizes == 0] = 0.0
+
+    # ---------------------------------------------------------------------------------- a step
+    def candidates(self) -> int:
+        """Keys read exactly per query from the routed part."""
+        routed = max(self.layout.open_end - self.store.s0, 0)
+        if "candidates" in self.options:
+            return int(self.options["candidates"])
+        frac = self.options.get("fraction", DEFAULT_FRACTION)
+        return max(MIN_CANDIDATES, math.ceil(frac * routed))
+
+    def _scan(self, q: np.ndarray, qpos: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray]:
+        st, lay, cfg = self.store, self.layout, self.cfg
+        rows = np.empty((q.shape[0] * q.shape[1], R), np.int64)
+        scanned = np.empty(q.shape[0] * q.shape[1], np.int64)
+        work = (lay.open_end - st.s0) * q.shape[0] * q.shape[1] // 16  # a code is ~1/16 of a key's reads
+        par = cfg.parallel if cfg.parallel is not None else work >= PARALLEL_MIN_KEYS
+        fn = ks.scan_parallel if par else ks.scan_serial
+        fn(q, qpos, cfg.rep, self.rot, lay.cent, lay.cscale, lay.cptr, lay.n_cent, self.rad, st.sketch_codes,
+           st.sketch_fac, st.pos, R, rows, scanned)
+        return rows, scanned
+
+    def plan(self, q: np.ndarray, qpos: np.ndarray, k: int) -> StepPlan:
+        st, lay = self.store, self.layout
+        R_rows = q.shape[0] * q.shape[1]
+        if int(lay.n_cent.max(initial=0)) == 0:
+            return StepPlan(kd.MODE_NONE, st.s0, st.s0, st.slots, work=st.slots * R_rows)
+        R = self.candidates()
+        rows, scanned = self._scan(q, qpos, R)
+        self.scanned += int(scanned.sum())
+        self.steps += R_rows
+        work = (st.s0 + st.slots - lay.open_end + R) * R_rows
+        return StepPlan(kd.MODE_LIST, st.s0, lay.open_end, st.slots, work=work, n_ranges=2 + R, rows_sel=rows)
+
+    def selected(self, q: np.ndarray, g: int, k: int) -> list[np.ndarray]:
+        st, lay, cfg = self.store, self.layout, self.cfg
+        if int(lay.n_cent.max(initial=0)) == 0:
+            return [np.arange(st.slots)]
+        qq = np.zeros((cfg.num_heads, 1, cfg.head_dim), np.float32)
+        qq[g * cfg.rep] = q
+        rows, _ = self._scan(qq, np.array([st.n - 1], np.int64), self.candidates())
+        row = rows[g * cfg.rep]
+        return [np.arange(st.s0), np.arange(lay.open_end, st.slots), row[row >= 0]]
+
+    # ---------------------------------------------------------------------------------- report
+    def index_nbytes(self) -> int:
+        st = self.store
+        per_slot = st.sketch_codes.shape[2] + 4
+        return super().index_nbytes() + st.num_kv_heads * st.slots * per_slot + int(self.rad.size) * 8
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "sketch_candidates": self.candidates(),
+                "sketch_keys_scanned_per_query": self.scanned / max(self.steps, 1)}

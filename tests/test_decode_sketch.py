@@ -1,0 +1,181 @@
+"""KVCache(selector="sketch"): the 1-bit residual estimator against hand-worked numbers, candidate selection
+against brute force (planted keys at every depth, across segment boundaries, after evictions), the step
+against float64 attention over the slots it reads, and its options refused by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparseattn import KVCache
+from sparseattn.kernels import sketch as ks
+
+E = 16
+KW = {"segment": 256, "cluster_size": 16, "window": 8, "sinks": 2}
+
+
+def _attend64(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """float64 softmax(q k^T scale) v of one query over the given keys."""
+    s = k.astype(np.float64) @ q.astype(np.float64) * scale
+    w = np.exp(s - s.max())
+    return (w / w.sum()) @ v.astype(np.float64)
+
+
+def _cache(n: int, *, hk: int = 2, h: int = 2, seed: int = 0, selector: str = "sketch", **kw):
+    rng = np.random.default_rng(seed)
+    K = rng.standard_normal((hk, n, E)).astype(np.float32)
+    V = rng.standard_normal((hk, n, E)).astype(np.float32)
+    c = KVCache(h, E, num_kv_heads=hk, selector=selector, **{**KW, **kw})
+    for a in range(0, n, 300):  # uneven appends cross segment boundaries
+        c.append(K[:, a:a + 300], V[:, a:a + 300])
+    return c, K, V
+
+
+def test_estimator_hand_worked() -> None:
+    # a residual along its own sign vector (after the rotation) is estimated exactly: with P = I,
+    # r = (2, -2, 2, -2) has signs (+, -, +, -), |r|^2 / |r|_1 = 16 / 8 = 2, and q . r = 2 * (q . s)
+    r = np.array([[2.0, -2.0, 2.0, -2.0]])
+    codes, fac, norm = ks.encode_residuals(r, np.eye(4))
+    assert codes.tolist() == [[0b0101]] and fac.tolist() == [2.0] and norm.tolist() == [4.0]
+    # a residual off its sign vector: r = (3, 1), signs (+, +), factor 10 / 4 = 2.5, q = (1, 0):
+    # estimate 2.5 * 1 = 2.5 against the true 3
+    codes, fac, _ = ks.encode_residuals(np.array([[3.0, 1.0]]), np.eye(2))
+    assert codes.tolist() == [[0b11]] and fac[0] == pytest.approx(2.5)
+    # magnitudes at float64's ends do not overflow the norms; factors saturate at float32's range
+    codes, fac, norm = ks.encode_residuals(np.array([[1e300, -1e300], [1e-300, 0.0], [1e-30, 0.0]]), np.eye(2))
+    assert np.isfinite(norm).all() and norm[0] == pytest.approx(np.sqrt(2) * 1e300)
+    assert fac[0] == np.finfo(np.float32).max and fac[2] == pytest.approx(1e-30)
+
+
+def test_every_candidate_equals_dense_float64() -> None:
+    # candidates >= every routed key: the step reads every key, so it is exact attention (GQA, causal)
+    c, K, V = _cache(2000, hk=2, h=4, selector="sketch:candidates=5000")
+    q = np.random.default_rng(3).standard_normal((4, 5, E)).astype(np.float32)
+    out = c.attend(q)
+    for h in range(4):
+        for t in range(5):
+            n_vis = 2000 - 5 + t + 1
+            ref = _attend64(q[h, t], K[h // 2, :n_vis], V[h // 2, :n_vis], c.scale)
+            np.testing.assert_allclose(out[h, t], ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.1, 0.5, 0.9])
+def test_planted_keys_found_at_every_depth(depth: float) -> None:
+    n = 3000
+    c, K, V = _cache(n, hk=1, h=1, seed=int(depth * 10))
+    q = np.random.default_rng(7).standard_normal(E).astype(np.float32)
+    q *= 6 / np.linalg.norm(q)
+    # rebuild with a key pointing at the query at the given depth (the rest is background)
+    K2 = K.copy()
+    j = int(depth * (n - 100)) + 3
+    K2[0, j] = q * 1.2
+    c2 = KVCache(1, E, selector="sketch", **KW)
+    c2.append(K2, V)
+    sel = c2.selected_slots(q, 0)
+    top = c2.selected_slots(q, 0, k=16, selector="topk")
+    slot_of = {int(p): s for s, p in enumerate(c2.store.pos[0, :c2.store.slots])}
+    assert slot_of[j] in set(sel.tolist())
+    assert np.isin(top, sel).mean() >= 0.9
+    # the step equals float64 attention over the slots it reads
+    out = c2.attend(q[None, None])[0, 0]
+    ks_, vs_ = c2.store.keys(0, sel), c2.store.values(0, sel)
+    np.testing.assert_allclose(out, _attend64(q, ks_, vs_, c2.scale), rtol=1e-5, atol=1e-5)
+
+
+def test_selection_is_the_top_estimates_brute_force() -> None:
+    # the candidates are the routed keys of largest estimate (recomputed here in numpy from the codes),
+    # plus the sinks and the tail
+    c, K, V = _cache(1500, hk=1, h=1, selector="sketch:candidates=40")
+    r = c._routing  # noqa: SLF001 - white-box check of the scan against its definition
+    lay, st_ = r.layout, c.store
+    q = np.random.default_rng(5).standard_normal(E).astype(np.float32)
+    nc = int(lay.n_cent[0])
+    mu = lay.routing(0, nc).astype(np.float64)
+    qr = r.rot @ q.astype(np.float64)
+    signs = np.unpackbits(st_.sketch_codes[0], axis=1, bitorder="little")[:, :E] * 2.0 - 1.0
+    est = np.full(st_.slots, -np.inf)
+    for ci in range(nc):
+        a, b = lay.cptr[0, ci], lay.cptr[0, ci + 1]
+        est[a:b] = mu[ci] @ q + st_.sketch_fac[0, a:b] * (signs[a:b] @ qr)
+    order = np.argsort(-est)[:40]
+    sel = set(c.selected_slots(q, 0).tolist())
+    assert set(order.tolist()) <= sel
+    routed = set(range(lay.cptr[0, 0], lay.cptr[0, nc])) & sel
+    assert len(routed) == 40
+
+
+def test_evictions_and_compaction_keep_codes_in_step() -> None:
+    c, K, V = _cache(4000, hk=1, h=1, selector="sketch:candidates=100000", max_keys=1500)
+    assert c.stats["compactions"] > 0
+    q = np.random.default_rng(9).standard_normal(E).astype(np.float32)
+    out = c.attend(q[None, None])[0, 0]
+    live = c.positions(0)
+    ref = _attend64(q, K[0, live], V[0, live], c.scale)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+    # after compaction every code is the code of the key now in its slot
+    r = c._routing  # noqa: SLF001 - white-box: codes follow their keys
+    lay, st_ = r.layout, c.store
+    nc = int(lay.n_cent[0])
+    a, b = int(lay.cptr[0, 0]), int(lay.cptr[0, nc])
+    mu = np.repeat(lay.routing(0, nc).astype(np.float64), np.diff(lay.cptr[0, :nc + 1]), axis=0)
+    codes, _, _ = ks.encode_residuals(st_.keys(0, slice(a, b)).astype(np.float64) - mu, r.rot)
+    np.testing.assert_array_equal(codes, st_.sketch_codes[0, a:b])
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+def test_reduced_precision_storage(dtype: object) -> None:
+    c, K, V = _cache(1200, hk=1, h=1, selector="sketch:candidates=100000", dtype=dtype)
+    q = np.random.default_rng(2).standard_normal(E).astype(np.float32)
+    out = c.attend(q[None, None])[0, 0]
+    ks_, vs_ = c.store.keys(0), c.store.values(0)
+    ref = _attend64(q, ks_[:c.store.slots], vs_[:c.store.slots], c.scale)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(1, 700), t=st.integers(1, 4), mag=st.sampled_from([1e-30, 1e-3, 1.0, 1e3, 1e15]),
+       seed=st.integers(0, 2**16))
+def test_full_candidates_match_dense_any_shape(n: int, t: int, mag: float, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    K = (rng.standard_normal((1, n, E)) * mag).astype(np.float32)
+    V = rng.standard_normal((1, n, E)).astype(np.float32)
+    c = KVCache(1, E, selector="sketch:candidates=100000", scale=1.0 / mag**2 if mag > 1 else None, **KW)
+    c.append(K, V)
+    t = min(t, n)
+    q = (rng.standard_normal((1, t, E)) * mag).astype(np.float32)
+    out = c.attend(q)
+    for i in range(t):
+        nv = n - t + i + 1
+        ref = _attend64(q[0, i], K[0, :nv], V[0, :nv], c.scale)
+        np.testing.assert_allclose(out[0, i], ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("spec, word", [("sketch:candidates=0", "candidates"), ("sketch:fraction=2", "fraction"),
+                                        ("sketch:fraction=abc", "fraction"), ("sketch:probes=3", "unknown option"),
+                                        ("sketch:candidates=5,fraction=0.1", "not both")])
+def test_bad_options_are_named(spec: str, word: str) -> None:
+    with pytest.raises(ValueError, match=word):
+        KVCache(1, E, selector=spec)
+
+
+def test_estimate_and_top_p_refused() -> None:
+    with pytest.raises(ValueError, match="estimate"):
+        KVCache(1, E, selector="sketch", estimate=4)
+    with pytest.raises(ValueError, match="top_p"):
+        KVCache(1, E, selector="sketch", top_p=0.9)
+
+
+def test_stats_and_index_size() -> None:
+    c, _, _ = _cache(2000, hk=1, h=1)
+    c.attend(np.ones((1, 1, E), np.float32))
+    s = c.stats
+    assert s["sketch_candidates"] == 1024
+    assert 0 < s["sketch_keys_scanned_per_query"] <= 2000
+    # codes (E / 8 bytes) + factor (4 bytes) per slot and a radius (8 bytes) per cluster, beside the layout
+    # of the cluster selector (the same clusters): at E = 64 that is 12 of a key's 512 bytes of K and V
+    plain, _, _ = _cache(2000, hk=1, h=1, selector="cluster")
+    clusters = int(c._routing.rad.size)  # noqa: SLF001 - the radius array's allocated size
+    extra = 2000 * (E // 8 + 4) + 8 * clusters
+    assert s["index_nbytes"] == plain.stats["index_nbytes"] + extra
