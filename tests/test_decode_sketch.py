@@ -179,3 +179,26 @@ def test_stats_and_index_size() -> None:
     clusters = int(c._routing.rad.size)  # noqa: SLF001 - the radius array's allocated size
     extra = 2000 * (E // 8 + 4) + 8 * clusters
     assert s["index_nbytes"] == plain.stats["index_nbytes"] + extra
+
+
+def test_long_multi_token_attend_runs_in_blocks() -> None:
+    # 100,000 candidates per row: a plan holds at most 41 tokens of one head, so 120 query tokens run in
+    # three blocks; the result is still exact causal attention, and the h2o weights and tail recording
+    # (which read the recorded ranges of every block) work across blocks
+    n, T = 600, 120
+    rng = np.random.default_rng(4)
+    K = rng.standard_normal((1, n, E)).astype(np.float32)
+    V = rng.standard_normal((1, n, E)).astype(np.float32)
+    c = KVCache(1, E, selector="sketch:candidates=100000", policy="h2o", **KW)
+    assert c._routing.max_tokens(1) == 41  # noqa: SLF001 - the block size this test is about
+    c.append(K, V)
+    q = rng.standard_normal((1, T, E)).astype(np.float32)
+    out, lse = c.attend(q, return_lse=True)
+    for t in (0, 40, 41, 82, 119):
+        nv = n - T + t + 1
+        ref = _attend64(q[0, t], K[0, :nv], V[0, :nv], c.scale)
+        np.testing.assert_allclose(out[0, t], ref, rtol=2e-5, atol=2e-5)
+    assert out.shape == (1, T, E) and lse.shape == (1, T) and np.isfinite(lse).all()
+    assert c.stats["keys_read_per_query"] == pytest.approx(np.mean(n - T + 1 + np.arange(T)))
+    out2 = c.attend(q, tail=8)
+    assert out2.shape == (1, T, E) and np.isfinite(out2).all()

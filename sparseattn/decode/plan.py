@@ -19,7 +19,7 @@ import numpy as np
 from ..kernels import decode as kd
 from .store import SlotStore
 
-__all__ = ["PARALLEL_MIN_KEYS", "StepPlan", "StepResult", "run_plan"]
+__all__ = ["PARALLEL_MIN_KEYS", "StepPlan", "StepResult", "concat_results", "run_plan"]
 
 # Work per call (keys scored, plus routing vectors weighted by their bytes against a key's key + value)
 # below which the kernel runs on one thread.  Measured on 2 cores, 8 heads, E = 64, median of 40 steps:
@@ -153,6 +153,27 @@ def run_plan(store: SlotStore, plan: StepPlan, q: np.ndarray, qpos: np.ndarray, 
             acc = kd.accumulate_parallel if par else kd.accumulate_serial
         acc(q, qpos, H // hk, K, store.pos, rec, n_rec, lse, np.float32(scale), weights)
     return StepResult(out, lse, nread, nest, rec, n_rec, time.perf_counter() - t1)
+
+
+def concat_results(parts: list[StepResult]) -> StepResult:
+    """One :class:`StepResult` of consecutive token blocks of the same heads (rows are h * T + t)."""
+    H = parts[0].out.shape[0]
+    T = sum(p.out.shape[1] for p in parts)
+
+    def rows(name: str) -> np.ndarray:
+        return np.concatenate([getattr(p, name).reshape(H, -1) for p in parts], axis=1).reshape(H * T)
+
+    width = max(p.rec.shape[1] for p in parts)
+    recs = []
+    for p in parts:
+        r = np.zeros((H, p.out.shape[1], width, 3), np.int64)
+        if p.rec.shape[0]:
+            r[:, :, :p.rec.shape[1]] = p.rec.reshape(H, p.out.shape[1], p.rec.shape[1], 3)
+        recs.append(r)
+    rec = np.concatenate(recs, axis=1).reshape(H * T, width, 3) if parts[0].rec.shape[0] else parts[0].rec
+    n_rec = rows("n_rec") if parts[0].n_rec.shape[0] else parts[0].n_rec
+    return StepResult(np.concatenate([p.out for p in parts], axis=1), np.concatenate([p.lse for p in parts], axis=1),
+                      rows("nread"), rows("nest"), rec, n_rec, sum(p.seconds for p in parts))
 
 
 def describe(plan: StepPlan) -> dict[str, Any]:

@@ -84,9 +84,10 @@ def _tables(qr, nb):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _scan_row(qi, qr, qnorm, qp, g, cent, cscale, cptr, nc, rad, codes, fac, pos, R, out):
+def _scan_row(qi, qr, qnorm, qp, g, cent, cscale, cptr, nc, rad, codes, fac, pos, R, out, est, ids):
     """One row: writes the ``R`` slots of largest estimate (ascending, -1 padded) to ``out``; returns the
-    keys whose codes were scanned."""
+    keys whose codes were scanned.  ``est`` / ``ids``: scratch of at least the routed keys (reused across
+    rows: fresh pages cost more than the scan)."""
     E = qi.shape[0]
     nb = codes.shape[2]
     lut = _tables(qr, nb)
@@ -99,12 +100,9 @@ def _scan_row(qi, qr, qnorm, qp, g, cent, cscale, cptr, nc, rad, codes, fac, pos
         base[c] = s * np.float64(cscale[g, c])
         ub[c] = base[c] + qnorm * rad[g, c]
     order = np.argsort(-ub)
-    n_all = cptr[g, nc] - cptr[g, 0]
     cg = codes[g]
     fg = fac[g]
     pg = pos[g]
-    est = np.empty(n_all, np.float64)
-    ids = np.empty(n_all, np.int64)
     m = 0  # keys estimated
     theta = -np.inf  # R-th best estimate of the clusters scanned first (a lower bound of the final one)
     fixed = False
@@ -198,19 +196,22 @@ def _top(est, ids, m, R, out):
         w += 1
 
 
-def _scan(q, qpos, rep, rot, cent, cscale, cptr, n_cent, rad, codes, fac, pos, R, out, scanned):
+def _scan(q, qpos, rep, rot, cent, cscale, cptr, n_cent, rad, codes, fac, pos, R, out, scanned, est, ids):
     """Rows r = h * T + t of queries ``q`` (H, T, E) float32 at ``qpos`` (T,): ``out[r]`` (R slots) and
-    ``scanned[r]`` (keys estimated)."""
+    ``scanned[r]`` (keys estimated).  ``est`` (P, n) float64 and ``ids`` (P, n) int64: scratch of P workers
+    (rows p, p + P, ...; every row costs the same), n >= the routed keys of a kv head."""
     H, T = q.shape[0], q.shape[1]
-    for r in prange(H * T):
-        h = r // T
-        t = r - h * T
-        g = h // rep
-        qi = q[h, t]
-        qr = (rot @ qi.astype(np.float64)).astype(np.float32)
-        qn = np.sqrt(np.sum(qi.astype(np.float64) ** 2))
-        scanned[r] = _scan_row(qi, qr, qn, qpos[t], g, cent, cscale, cptr, n_cent[g], rad, codes, fac, pos, R,
-                               out[r])
+    P = est.shape[0]
+    for p in prange(P):
+        for r in range(p, H * T, P):
+            h = r // T
+            t = r - h * T
+            g = h // rep
+            qi = q[h, t]
+            qr = (rot @ qi.astype(np.float64)).astype(np.float32)
+            qn = np.sqrt(np.sum(qi.astype(np.float64) ** 2))
+            scanned[r] = _scan_row(qi, qr, qn, qpos[t], g, cent, cscale, cptr, n_cent[g], rad, codes, fac, pos,
+                                   R, out[r], est[p], ids[p])
 
 
 scan_serial, scan_parallel = serial_and_parallel(_scan)

@@ -115,6 +115,10 @@ class Routing:
         strategies that honour ``"k"``."""
         raise NotImplementedError
 
+    def max_tokens(self, num_heads: int) -> int | None:
+        """Query tokens one plan may hold (None: any number); the cache runs longer calls in blocks."""
+        return None
+
     def selected(self, q: np.ndarray, g: int, k: int) -> list[np.ndarray]:
         """Slots (unsorted parts, may repeat or hold evicted slots) the step of one query ``q`` (E,) float32
         of kv head ``g`` at the newest position reads."""

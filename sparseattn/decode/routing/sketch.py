@@ -18,12 +18,14 @@ the ``cluster`` strategy's; ``estimate`` and ``top_p`` are not supported.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any, ClassVar
 
 import numpy as np
 
 from ...kernels import decode as kd
 from ...kernels import sketch as ks
+from ...threads import get_num_threads
 from ..plan import PARALLEL_MIN_KEYS, StepPlan
 from ..store import EVICTED
 from .base import register_routing
@@ -33,6 +35,7 @@ __all__ = ["SketchRouting", "parse_sketch"]
 
 MIN_CANDIDATES = 1024
 DEFAULT_FRACTION = 0.03
+PLAN_BYTES = 32 << 20  # candidate lists of one plan (a long prefill runs in token blocks)
 
 
 def parse_sketch(selector: object) -> dict[str, float] | None:
@@ -82,6 +85,9 @@ class SketchRouting(ClusterRouting):
         self.rad = np.zeros((cfg.num_kv_heads, 0), np.float64)  # per cluster: largest live residual norm
         self.scanned = 0
         self.steps = 0
+        self._est = np.empty((0, 0), np.float64)  # scan scratch per worker (reused: fresh pages cost more)
+        self._ids = np.empty((0, 0), np.int64)
+        self._scratch_lock = threading.Lock()
 
     # ---------------------------------------------------------------------------------- hooks
     def committed(self, a: int, b: int) -> None:
@@ -134,8 +140,15 @@ class SketchRouting(ClusterRouting):
         work = (lay.open_end - st.s0) * q.shape[0] * q.shape[1] // 16  # a code is ~1/16 of a key's reads
         par = cfg.parallel if cfg.parallel is not None else work >= PARALLEL_MIN_KEYS
         fn = ks.scan_parallel if par else ks.scan_serial
-        fn(q, qpos, cfg.rep, self.rot, lay.cent, lay.cscale, lay.cptr, lay.n_cent, self.rad, st.sketch_codes,
-           st.sketch_fac, st.pos, R, rows, scanned)
+        P = min(get_num_threads(), rows.shape[0]) if par else 1
+        hk = np.arange(st.num_kv_heads)
+        need = int((lay.cptr[hk, lay.n_cent] - lay.cptr[:, 0]).max(initial=0))
+        with self._scratch_lock:
+            if self._est.shape[0] < P or self._est.shape[1] < need:
+                shape = (max(P, self._est.shape[0]), max(need, self._est.shape[1]))
+                self._est, self._ids = np.empty(shape, np.float64), np.empty(shape, np.int64)
+            fn(q, qpos, cfg.rep, self.rot, lay.cent, lay.cscale, lay.cptr, lay.n_cent, self.rad, st.sketch_codes,
+               st.sketch_fac, st.pos, R, rows, scanned, self._est[:P], self._ids[:P])
         return rows, scanned
 
     def plan(self, q: np.ndarray, qpos: np.ndarray, k: int) -> StepPlan:
@@ -149,6 +162,10 @@ class SketchRouting(ClusterRouting):
         self.steps += R_rows
         work = (st.s0 + st.slots - lay.open_end + R) * R_rows
         return StepPlan(kd.MODE_LIST, st.s0, lay.open_end, st.slots, work=work, n_ranges=2 + R, rows_sel=rows)
+
+    def max_tokens(self, num_heads: int) -> int | None:
+        # a plan lists R candidate slots per row (int64): at most PLAN_BYTES of them per block of tokens
+        return max(1, PLAN_BYTES // (8 * num_heads * self.candidates()))
 
     def selected(self, q: np.ndarray, g: int, k: int) -> list[np.ndarray]:
         st, lay, cfg = self.store, self.layout, self.cfg
