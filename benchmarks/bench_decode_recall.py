@@ -29,11 +29,13 @@ Accuracy, per query and head (the oracle: :func:`oracle`, float64 attention over
   (float64) and their ratio;
 * keys read per step (``stats["keys_read_per_query"]``), index bytes / KV bytes, append us per token.
 
-Settings: ``default`` (``KVCache(num_heads, head_dim)``), ``top_p`` (``top_p=0.9``), ``estimate``
-(``estimate=32``), ``n_probe`` (``n_probe=128``), ``hnsw`` (``selector="faiss-hnsw:M=16"``, lengths up to
-``--hnsw-max``, default 65,536: its build took ~1 ms per key and head on the shared machine), ``topk`` (``selector="topk"``: exact top-64, reads every key), ``sketch`` (``selector="sketch"``: 1-bit residual
-codes of every clustered key scanned, the best 3 % (at least 1,024) read exactly) and ``sketch-1pct``
-(``selector="sketch:fraction=0.01"``).
+Settings: ``default`` (``KVCache(num_heads, head_dim)``: the ``sketch`` selector, 1-bit residual codes of
+every clustered key scanned, the best 3 % (at least 1,024) read exactly), ``sketch-1pct``
+(``selector="sketch:fraction=0.01"``), ``cluster`` (``selector="cluster"``: whole clusters by their mean key,
+32 probes), ``top_p`` / ``estimate`` / ``n_probe`` (``cluster`` with ``top_p=0.9``, ``estimate=32``,
+``n_probe=128``), ``hnsw`` (``selector="faiss-hnsw:M=16"``, lengths up to ``--hnsw-max``, default 65,536: its
+build took ~1 ms per key and head on the shared machine), ``topk`` (``selector="topk"``: exact top-64, reads
+every key).
 
 1,048,576 keys (when listed) runs with ``--heads-1m`` heads (default 1): 8 heads of float32 K and V are
 4 GB before the cache's own copy.  Timing is indicative: the machine is shared; ratios are of medians taken
@@ -55,17 +57,17 @@ HERE = Path(__file__).resolve().parent
 WORKLOADS = ("passkey-clustered", "passkey-gaussian", "passkey-real", "clustered")
 SETTINGS = {
     "default": {},
-    "top_p": {"top_p": 0.9},
-    "estimate": {"estimate": 32},
-    "n_probe": {"n_probe": 128},
+    "sketch-1pct": {"selector": "sketch:fraction=0.01"},
+    "cluster": {"selector": "cluster"},
+    "top_p": {"selector": "cluster", "top_p": 0.9},
+    "estimate": {"selector": "cluster", "estimate": 32},
+    "n_probe": {"selector": "cluster", "n_probe": 128},
     "hnsw": {"selector": "faiss-hnsw:M=16"},
     "topk": {"selector": "topk"},
-    "sketch": {"selector": "sketch"},
-    "sketch-1pct": {"selector": "sketch:fraction=0.01"},
 }
-LABELS = {"default": "default", "top_p": "top_p=0.9", "estimate": "estimate=32", "n_probe": "n_probe=128",
-          "hnsw": "faiss-hnsw:M=16", "topk": "topk (exact top-64)",
-          "sketch": "sketch", "sketch-1pct": "sketch:fraction=0.01"}
+LABELS = {"default": "default (sketch)", "sketch-1pct": "sketch:fraction=0.01", "cluster": "cluster",
+          "top_p": "cluster, top_p=0.9", "estimate": "cluster, estimate=32", "n_probe": "cluster, n_probe=128",
+          "hnsw": "faiss-hnsw:M=16", "topk": "topk (exact top-64)"}
 REAL_N = 16384
 
 

@@ -79,7 +79,7 @@ def test_full_selection_matches_float64_dense(name: str, n: int) -> None:
 def test_cluster_segments_clustered_and_exact_part() -> None:
     n = 5 * SEG + 100
     k, v = _kv(n)
-    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=2, window=16)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=2, window=16, selector="cluster")
     cache.append(k, v)
     st_ = cache.stats
     assert st_["segments"] == (n - 4 - 16) // SEG  # the tail keeps >= window keys unclustered
@@ -301,7 +301,7 @@ def test_float16_range_overflow_on_append() -> None:
 def test_torch_tensors_in_and_out() -> None:
     torch = pytest.importorskip("torch")
     k, v = _kv(120)
-    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=10_000)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=10_000, selector="cluster")
     cache.append(torch.from_numpy(k), torch.from_numpy(v).to(torch.bfloat16))
     q = _q(1)
     out, lse = cache.attend(torch.from_numpy(q), return_lse=True)
@@ -353,7 +353,7 @@ def test_parallel_and_serial_kernels_agree(storage: object) -> None:
     outs = []
     for parallel in (False, True):
         cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3,
-                        dtype=storage, parallel=parallel)
+                        dtype=storage, parallel=parallel, selector="cluster")
         cache.append(k, v)
         outs.append(cache.attend(q, return_lse=True))
     np.testing.assert_array_equal(outs[0][0], outs[1][0])

@@ -165,7 +165,7 @@ def test_h2o_with_cluster_full_probe_equals_dense_over_survivors() -> None:
     k, v = _kv(n, seed=9)
     qs = np.random.default_rng(10).standard_normal((H, n, E)).astype(np.float32)
     c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=10_000,
-                sinks=4, window=16, max_keys=150, policy="h2o")
+                sinks=4, window=16, max_keys=150, policy="h2o", selector="cluster")
     c.append(k[:, :n0], v[:, :n0])
     for i in range(n0, n):
         c.append(k[:, i:i + 1], v[:, i:i + 1])
@@ -205,7 +205,7 @@ def test_compaction_recomputes_cluster_statistics(policy: str) -> None:
     k, v = _kv(n, seed=26)
     qs = np.random.default_rng(27).standard_normal((H, n, E)).astype(np.float32)
     c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3, estimate=1000,
-                sinks=4, window=16, max_keys=120, policy=policy)
+                sinks=4, window=16, max_keys=120, policy=policy, selector="cluster")
     c.append(k[:, :n0], v[:, :n0])
     seen = 0
     for i in range(n0, n):
@@ -328,7 +328,7 @@ def test_top_p_one_without_cap_equals_exact() -> None:
     k, v = _kv(n, seed=21)
     q = _q(3, seed=22)
     c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, top_p=1.0,
-                top_p_max_keys=10**9)
+                top_p_max_keys=10**9, selector="cluster")
     c.append(k, v)
     np.testing.assert_allclose(c.attend(q), oracle(q, k, v, n), atol=2e-5)
     assert c.stats["keys_read_max"] == n
@@ -351,7 +351,7 @@ def test_top_p_reads_few_keys_on_a_peaky_query_and_follows_p() -> None:
     flat = (0.05 * np.random.default_rng(24).standard_normal((1, 1, 32))).astype(np.float32)
     reads, errs = {}, {}
     for p in (0.5, 0.9, 0.99, 1.0):
-        c = KVCache(1, 32, top_p=p, top_p_max_keys=10**9, **kw)
+        c = KVCache(1, 32, top_p=p, top_p_max_keys=10**9, **kw, selector="cluster")
         c.append(k, v)
         for name, q in (("peaky", peaky), ("flat", flat)):
             out = c.attend(q)
@@ -369,7 +369,7 @@ def test_top_p_floor_and_cap_in_routed_keys() -> None:
     n = 8192
     k, v, centres = _clustered(n, seed=25)
     q = (3.0 * centres[:, 7:8]).astype(np.float32)
-    kw = dict(value_dim=8, segment=4096, cluster_size=64, window=16, top_p=0.5)
+    kw = dict(value_dim=8, segment=4096, cluster_size=64, window=16, top_p=0.5, selector="cluster")
     base = KVCache(1, 32, **kw)
     base.append(k, v)
     base.attend(q)
@@ -379,7 +379,7 @@ def test_top_p_floor_and_cap_in_routed_keys() -> None:
     floor.attend(q)
     assert floor.stats["keys_read_per_query"] >= exact_part + 2000
     cap = KVCache(1, 32, top_p=1.0, value_dim=8, segment=4096, cluster_size=64, window=16,
-                  top_p_max_keys=300)
+                  top_p_max_keys=300, selector="cluster")
     cap.append(k, v)
     cap.attend(q)
     assert exact_part < cap.stats["keys_read_per_query"] <= exact_part + 300
@@ -405,7 +405,7 @@ def test_top_p_floor_and_cap_in_routed_keys() -> None:
 ])
 def test_bad_arguments_are_named(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        KVCache(H, E, **kwargs)
+        KVCache(H, E, **{"selector": "cluster", **kwargs})
 
 
 def test_heavy_hitter_weights_need_h2o() -> None:
@@ -418,8 +418,8 @@ def test_reserve_avoids_reallocation_and_changes_nothing() -> None:
     n0, n = 100, 260
     k, v = _kv(n, seed=40)
     qs = _q(1, seed=41)
-    a = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3)
-    b = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3)
+    a = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3, selector="cluster")
+    b = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3, selector="cluster")
     for c in (a, b):
         c.append(k[:, :n0], v[:, :n0])
     b.reserve(n - n0)
@@ -448,8 +448,8 @@ def test_one_token_append_same_as_general_path(dtype: object) -> None:
     path (float64 input rounded to the storage dtype), same errors."""
     n = 150
     k, v = _kv(n, seed=42)
-    a = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3, dtype=dtype)
-    b = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3, dtype=dtype)
+    a = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3, dtype=dtype, selector="cluster")
+    b = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3, dtype=dtype, selector="cluster")
     sd = a.store.sdtype
     for i in range(n):
         ki, vi = k[:, i:i + 1], v[:, i:i + 1]
@@ -492,7 +492,7 @@ def test_one_token_append_finds_one_bad_element_in_a_strided_view(bad: float, wh
 
 def test_tail_and_estimation_zone_are_refused_together() -> None:
     k, v = _kv(300, seed=44)
-    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=2, estimate=4)
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=2, estimate=4, selector="cluster")
     c.append(k, v)
     with pytest.raises(ValueError, match="tail= and estimate=4"):
         c.attend(_q(1), tail=16)
@@ -520,7 +520,7 @@ def test_concurrent_attends_on_one_cache_equal_serial() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     k, v = _kv(2000, seed=45)
-    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=256, cluster_size=16, n_probe=4)
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=256, cluster_size=16, n_probe=4, selector="cluster")
     c.append(k, v)
     qs = [_q(1, seed=100 + i) for i in range(16)]
     serial = [c.attend(q) for q in qs]
@@ -699,7 +699,7 @@ def test_cache_pickles_with_its_own_lock() -> None:
 ])
 def test_constructor_refuses_out_of_range_values_naming_them(kw: dict, exc: type, text: str) -> None:
     with pytest.raises(exc, match=text):
-        KVCache(H, E, num_kv_heads=HKV, **kw)
+        KVCache(H, E, num_kv_heads=HKV, selector="cluster", **kw)
 
 
 def test_budgets_beyond_the_cache_read_everything_without_allocating_them() -> None:
@@ -707,7 +707,7 @@ def test_budgets_beyond_the_cache_read_everything_without_allocating_them() -> N
     the dense step) instead of sizing per-row heaps by the request."""
     k, v = _kv(300)
     cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=2**30,
-                    estimate=2**30)
+                    estimate=2**30, selector="cluster")
     cache.append(k, v)
     q = _q(2)
     dense = cache.attend(q, selector="dense")
@@ -761,7 +761,7 @@ def test_prefill_rows_route_only_to_clusters_they_can_see() -> None:
     k = rng.standard_normal((1, 1024, 8)).astype(np.float32)
     k[0, 512:] += 4 * d
     v = rng.standard_normal((1, 1024, 8)).astype(np.float32)
-    cache = KVCache(1, 8, segment=64, cluster_size=8, sinks=0, window=1, n_probe=4)
+    cache = KVCache(1, 8, segment=64, cluster_size=8, sinks=0, window=1, n_probe=4, selector="cluster")
     cache.append(k, v)
     out, lse = cache.attend(np.tile(3 * d, (1, 512, 1)), return_lse=True)
     assert np.isfinite(lse).all()

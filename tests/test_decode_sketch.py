@@ -202,3 +202,26 @@ def test_long_multi_token_attend_runs_in_blocks() -> None:
     assert c.stats["keys_read_per_query"] == pytest.approx(np.mean(n - T + 1 + np.arange(T)))
     out2 = c.attend(q, tail=8)
     assert out2.shape == (1, T, E) and np.isfinite(out2).all()
+
+
+def test_audit_against_brute_force() -> None:
+    c, K, V = _cache(2500, hk=1, h=2)
+    q = np.random.default_rng(8).standard_normal((2, E)).astype(np.float32) * 3
+    rep = c.audit(q, k=32)
+    for h in range(2):
+        s = K[0].astype(np.float64) @ q[h].astype(np.float64) * c.scale
+        w = np.exp(s - s.max())
+        w /= w.sum()
+        top = np.argsort(-s)[:32]
+        slots = c.selected_slots(q[h], h)
+        read_pos = c.store.pos[0, slots]
+        assert rep["keys_read"][h] == slots.size
+        assert rep["recall"][h] == pytest.approx(np.isin(top, read_pos).mean())
+        assert rep["mass"][h] == pytest.approx(w[read_pos].sum(), rel=1e-9)
+    dense = KVCache(2, E, num_kv_heads=1, selector="dense", **KW)
+    dense.append(K, V)
+    full = dense.audit(q[:, None, :])
+    assert (full["keys_read"] == 2500).all() and (full["recall"] == 1).all()
+    np.testing.assert_allclose(full["mass"], 1.0, rtol=1e-12)
+    with pytest.raises(ValueError, match="queries must have shape"):
+        c.audit(np.zeros((3, E)))

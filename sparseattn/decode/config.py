@@ -58,7 +58,11 @@ class CacheConfig:
         self.estimate = check_positive_int(estimate, "estimate", minimum=0, maximum=big)
         if self.estimate and "estimate" not in routing_cls.supports:
             raise ValueError(f"estimate applies to selector='cluster' only; got selector={selector!r} with "
-                             f"estimate={self.estimate}. Pass estimate=0.")
+                             f"estimate={self.estimate}. Pass estimate=0, or selector='cluster'.")
+        if n_probe is not None and "n_probe" not in routing_cls.supports and not routing_cls.any_cache:
+            raise ValueError(f"n_probe applies to selector='cluster' (clusters) and 'pages' (pages) only; got "
+                             f"selector={selector!r} with n_probe={n_probe!r}. Drop n_probe (the sketch selector's "
+                             f"budget is 'sketch:candidates=N'), or pass selector='cluster'.")
         self.n_probe = routing_cls.default_probe if n_probe is None else check_positive_int(
             n_probe, "n_probe", maximum=big)
         self.top_p = None

@@ -49,11 +49,16 @@ class KVCache(CacheReport):
         reads kv head ``h // (H // H_kv)``).
     value_dim : int, optional
         Value dimension Ev (default E).
-    selector : str, default "cluster"
+    selector : str, default "sketch"
         How each step picks keys beyond the exact sinks + window (see the module docstring): one of
-        ``"cluster"``, ``"pages"``, ``"window"``, ``"topk"``, ``"dense"``, or the spec string of an index
-        selector that supports ``add()`` (``"faiss-flat"``, ``"faiss-hnsw:M=16"``, ``"faiss-ivf"``,
-        ``"faiss-ivfpq"``), whose per-query budget is ``attend(k=...)``.
+        ``"sketch"`` (the default: every clustered key's 1-bit residual code is scanned and the 3 % of
+        keys with the largest estimated score, at least 1,024, are read exactly; ``"sketch:candidates=N"``
+        or ``"sketch:fraction=F"`` set that budget), ``"cluster"`` (whole clusters ranked by their mean
+        key: faster, but it misses keys that point at the query from clusters that do not, more so as
+        the cache grows; the only one with ``estimate`` and ``top_p``), ``"pages"``, ``"window"``,
+        ``"topk"``, ``"dense"``, or the spec string of an index selector that supports ``add()``
+        (``"faiss-flat"``, ``"faiss-hnsw:M=16"``, ``"faiss-ivf"``, ``"faiss-ivfpq"``), whose per-query
+        budget is ``attend(k=...)``.
     dtype : numpy.float32, numpy.float16 or "bfloat16", default float32
         Storage of keys and values (bfloat16 is held as uint16 bit patterns); scores and sums are
         float32 in every case.  Appended inputs are rounded to it.
@@ -78,7 +83,8 @@ class KVCache(CacheReport):
         runs a k-means over the whole open segment, so a small ``open_step`` multiplies the append cost
         (up to ``segment / open_step`` k-means runs per segment instead of about two).
     n_probe : int, optional
-        Clusters (``"cluster"``, default 32) or pages (``"pages"``, default 128) attended per query.
+        Clusters (``"cluster"``, default 32) or pages (``"pages"``, default 128) attended per query; other
+        selectors refuse it.
     estimate : int, default 0
         ``"cluster"`` only: clusters per query estimated from their statistics after the routed ones
         (see the module docstring); 0 = off.
@@ -112,7 +118,7 @@ class KVCache(CacheReport):
     >>> import numpy as np
     >>> from sparseattn.cache import KVCache
     >>> rng = np.random.default_rng(0)
-    >>> cache = KVCache(num_heads=4, head_dim=16, segment=256, cluster_size=16, n_probe=4)
+    >>> cache = KVCache(num_heads=4, head_dim=16, segment=256, cluster_size=16)
     >>> cache.append(rng.standard_normal((4, 1000, 16)), rng.standard_normal((4, 1000, 16)))
     >>> out = cache.attend(rng.standard_normal((4, 1, 16)).astype(np.float32))
     >>> len(cache), out.shape, out.dtype
@@ -120,7 +126,7 @@ class KVCache(CacheReport):
     """
 
     def __init__(self, num_heads: int, head_dim: int, *, num_kv_heads: int | None = None,
-                 value_dim: int | None = None, selector: str = "cluster", dtype: object = np.float32,
+                 value_dim: int | None = None, selector: str = "sketch", dtype: object = np.float32,
                  sinks: int = 4, window: int = 64, max_keys: int | None = None, policy: str = "streaming",
                  segment: int = 4096, open_step: int | None = None, n_probe: int | None = None,
                  estimate: int = 0, top_p: float | None = None, top_p_min_keys: int = 0,

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ..inputs import check_positive_int
 from .checks import check_kv_head
 from .store import EVICTED
 
@@ -127,3 +128,44 @@ class CacheReport:
         with self._lock:
             res = self._run(queries, qpos, k, self._strategy(selector), record=record)
         return res.out, res.lse, res.nread, res.nest, res.rec, res.n_rec
+
+    def audit(self, queries: object, k: int = 64) -> dict[str, np.ndarray]:
+        """Recall report of one decode step: which keys the cache's selector reads for ``queries`` at the
+        newest position, against an exact scan of every live key (float64).  Opt-in: it scores every key.
+
+        Parameters
+        ----------
+        queries : (H, E) or (H, 1, E) float array
+            One query token per head (the step being audited; the cache is not changed).
+        k : int, default 64
+            Size of the exact top-k whose recall is reported.
+
+        Returns
+        -------
+        dict of (H,) arrays: ``keys_read`` (int64, keys the step reads), ``recall`` (float64, share of the
+        exact top-``k`` keys among them), ``mass`` (float64, share of the exact softmax mass they hold).
+        """
+        q = np.asarray(queries, dtype=np.float64) if not hasattr(queries, "detach") else \
+            queries.detach().double().numpy()
+        H, E = self._cfg.num_heads, self._cfg.head_dim
+        if q.shape not in ((H, E), (H, 1, E)):
+            raise ValueError(f"queries must have shape ({H}, {E}) or ({H}, 1, {E}) (one token per head); "
+                             f"got {q.shape}.")
+        q = q.reshape(H, E)
+        k = check_positive_int(k, "k")
+        out = {"keys_read": np.zeros(H, np.int64), "recall": np.zeros(H), "mass": np.zeros(H)}
+        with self._lock:
+            st = self._store
+            rep = H // self._cfg.num_kv_heads
+            for h in range(H):
+                sel = self.selected_slots(q[h], h)
+                top = self.selected_slots(q[h], h, k=k, selector="topk")
+                g = h // rep
+                live = np.flatnonzero(st.pos[g, :st.slots] != EVICTED)
+                s = st.keys(g, live).astype(np.float64) @ q[h] * self._cfg.scale
+                w = np.exp(s - s.max()) if s.size else s
+                w = w / w.sum() if s.size else w
+                out["keys_read"][h] = sel.size
+                out["recall"][h] = float(np.isin(top, sel).mean()) if top.size else 1.0
+                out["mass"][h] = float(w[np.isin(live, sel)].sum()) if s.size else 1.0
+        return out

@@ -89,6 +89,16 @@ class SketchRouting(ClusterRouting):
         self._ids = np.empty((0, 0), np.int64)
         self._scratch_lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_scratch_lock", None)  # a lock does not pickle; the scratch is rebuilt on demand
+        state["_est"], state["_ids"] = np.empty((0, 0), np.float64), np.empty((0, 0), np.int64)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._scratch_lock = threading.Lock()
+
     # ---------------------------------------------------------------------------------- hooks
     def committed(self, a: int, b: int) -> None:
         first = self.layout.closed_cent.copy()  # clusters from here on may be (re)built below
