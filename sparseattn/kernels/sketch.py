@@ -22,9 +22,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ._intrinsics import prefetch_l2
 from ._options import FASTMATH, serial_and_parallel
 
 __all__ = ["code_bytes", "encode_residuals", "scan_parallel", "scan_serial"]
+
+AHEAD = 2  # clusters prefetched ahead of the one scanned
 
 
 def code_bytes(E: int) -> int:
@@ -86,10 +89,13 @@ def _tables(qr, nb):
 @njit(cache=True, fastmath=FASTMATH)
 def _scan_row(qi, qr, qnorm, qp, g, cent, cscale, cptr, nc, rad, codes, fac, pos, R, out, est, ids):
     """One row: writes the ``R`` slots of largest estimate (ascending, -1 padded) to ``out``; returns the
-    keys whose codes were scanned.  ``est`` / ``ids``: scratch of at least the routed keys (reused across
-    rows: fresh pages cost more than the scan)."""
+    keys whose codes were scanned.  ``est`` / ``ids``: a buffer of B >= 2 R + the largest cluster entries
+    (reused across rows) holding the keys whose estimate beats ``theta``, the R-th best estimate kept so
+    far; before a cluster that might not fit it is cut back to its best R and ``theta`` rises, so most
+    keys are written to a small, cache-resident buffer and passed over."""
     E = qi.shape[0]
     nb = codes.shape[2]
+    B = est.shape[0]
     lut = _tables(qr, nb)
     base = np.empty(nc, np.float64)
     ub = np.empty(nc, np.float64)
@@ -103,17 +109,35 @@ def _scan_row(qi, qr, qnorm, qp, g, cent, cscale, cptr, nc, rad, codes, fac, pos
     cg = codes[g]
     fg = fac[g]
     pg = pos[g]
-    m = 0  # keys estimated
-    theta = -np.inf  # R-th best estimate of the clusters scanned first (a lower bound of the final one)
-    fixed = False
+    big = 0
+    for c in range(nc):
+        big = max(big, cptr[g, c + 1] - cptr[g, c])
+    tmp = np.empty(big, np.float64)
+    m = 0  # keys kept in the buffer
+    scanned = 0
+    theta = -np.inf  # the R-th best estimate kept (a lower bound of the final R-th best)
     for oi in range(nc):
         c = order[oi]
-        if fixed and ub[c] < theta:
+        if ub[c] < theta:
             break  # bounds are sorted: no later cluster holds a key above theta
         b0 = base[c]
         a = cptr[g, c]
-        cnt = cptr[g, c + 1] - a
-        for j in range(a, a + cnt):
+        b = cptr[g, c + 1]
+        scanned += b - a
+        if m + (b - a) > B or (m >= 2 * R and theta == -np.inf):
+            m, theta = _shrink(est, ids, m, R)
+        if oi + AHEAD < nc:  # clusters come in bound order, not slot order: fetch one AHEAD clusters on
+            c2 = order[oi + AHEAD]
+            a2 = cptr[g, c2]
+            n2 = cptr[g, c2 + 1] - a2
+            for off in range(0, n2 * nb, 64):
+                prefetch_l2(cg, a2, off)
+            for off in range(0, n2 * 4, 64):
+                prefetch_l2(fac, g, 4 * a2 + off)
+                prefetch_l2(pos, g, 4 * a2 + off)
+        # estimates first (independent iterations that pipeline), then the filter: folding the filter into
+        # the same loop chains each key's lookups into the next key's write position (~2.5x slower)
+        for j in range(a, b):
             t = np.float32(0.0)
             if nb == 8:  # E = 64: a fixed trip count the compiler unrolls (~1.6x)
                 for k in range(8):
@@ -121,12 +145,13 @@ def _scan_row(qi, qr, qnorm, qp, g, cent, cscale, cptr, nc, rad, codes, fac, pos
             else:
                 for k in range(nb):
                     t += lut[k, cg[j, k]]
-            est[m] = b0 + np.float64(fg[j]) * np.float64(t)
-            ids[m] = j
-            m += pg[j] <= qp  # kept unless a future key or evicted (its position is the largest int32)
-        if not fixed and m >= 2 * R:
-            theta = np.partition(est[:m], m - R)[m - R]
-            fixed = True
+            tmp[j - a] = b0 + np.float64(fg[j]) * np.float64(t)
+        for j in range(a, b):
+            x = tmp[j - a]
+            if x > theta and pg[j] <= qp:  # not a future key, nor evicted (its position is the largest int32)
+                est[m] = x
+                ids[m] = j
+                m += 1
     if m <= R:
         for i in range(m):
             out[i] = ids[i]
@@ -135,7 +160,28 @@ def _scan_row(qi, qr, qnorm, qp, g, cent, cscale, cptr, nc, rad, codes, fac, pos
     else:
         _top(est, ids, m, R, out)
     out[:min(m, R)].sort()
-    return m
+    return scanned
+
+
+@njit(cache=True)
+def _shrink(est, ids, m, R):
+    """Keep the R largest of ``est[:m]`` (m > R; ties in any order) at the front; returns (R, the R-th
+    largest)."""
+    thr = np.partition(est[:m], m - R)[m - R]
+    w = 0
+    for i in range(m):
+        if est[i] > thr:
+            est[w] = est[i]
+            ids[w] = ids[i]
+            w += 1
+    for i in range(m):
+        if w >= R:
+            break
+        if est[i] == thr:
+            est[w] = est[i]
+            ids[w] = ids[i]
+            w += 1
+    return w, thr
 
 
 @njit(cache=True)
@@ -198,8 +244,8 @@ def _top(est, ids, m, R, out):
 
 def _scan(q, qpos, rep, rot, cent, cscale, cptr, n_cent, rad, codes, fac, pos, R, out, scanned, est, ids):
     """Rows r = h * T + t of queries ``q`` (H, T, E) float32 at ``qpos`` (T,): ``out[r]`` (R slots) and
-    ``scanned[r]`` (keys estimated).  ``est`` (P, n) float64 and ``ids`` (P, n) int64: scratch of P workers
-    (rows p, p + P, ...; every row costs the same), n >= the routed keys of a kv head."""
+    ``scanned[r]`` (keys estimated).  ``est`` (P, B) float64 and ``ids`` (P, B) int64: scratch of P workers
+    (rows p, p + P, ...; every row costs the same), B >= 2 R + the largest cluster."""
     H, T = q.shape[0], q.shape[1]
     P = est.shape[0]
     for p in prange(P):

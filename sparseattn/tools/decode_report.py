@@ -52,7 +52,7 @@ __all__ = ["DEFAULT_SELECTORS", "DTYPES", "DecodeWorkload", "KeySource", "check_
 
 SCHEMA = "sparseattn.decode/1"
 #: Cache selectors measured by default (``dense`` is always measured, as the exact baseline).
-DEFAULT_SELECTORS = ("cluster", "pages", "window", "topk")
+DEFAULT_SELECTORS = ("sketch", "cluster", "pages", "window", "topk")
 #: Storage dtypes of the cache.
 DTYPES = ("float32", "float16", "bfloat16")
 #: Heads taken from a trace by default (evenly spaced when it has more); synthetic data: 4.

@@ -151,8 +151,7 @@ class SketchRouting(ClusterRouting):
         par = cfg.parallel if cfg.parallel is not None else work >= PARALLEL_MIN_KEYS
         fn = ks.scan_parallel if par else ks.scan_serial
         P = min(get_num_threads(), rows.shape[0]) if par else 1
-        hk = np.arange(st.num_kv_heads)
-        need = int((lay.cptr[hk, lay.n_cent] - lay.cptr[:, 0]).max(initial=0))
+        need = 4 * R + cfg.segment  # the scan's buffer of candidates (cut back to R when a cluster may not fit)
         with self._scratch_lock:
             if self._est.shape[0] < P or self._est.shape[1] < need:
                 shape = (max(P, self._est.shape[0]), max(need, self._est.shape[1]))
