@@ -22,7 +22,10 @@ Settings (``--settings``):
   1,024: the KVCache default of 4,096 would leave a 4k context nearly all in the exact tail),
   ``n_probe=--n-probe`` (default 8) clusters of ~64 keys, sinks 4, window 64;
 * ``cluster-top_p``: the same with ``top_p=0.9`` (mass-driven budget) instead of ``n_probe``;
-* ``cluster-estimate``: the same ``n_probe`` plus ``estimate=16`` clusters estimated from their statistics.
+* ``cluster-estimate``: the same ``n_probe`` plus ``estimate=16`` clusters estimated from their statistics;
+* ``sketch``: the KVCache default selector (1-bit residual codes of every clustered key scanned, the best
+  3 % and at least 1,024 read exactly), same segment, sinks and window;
+* ``sketch-512``: ``sketch:candidates=512``, the routed budget of ``cluster`` (8 probes of ~64 keys).
 
 Every prompt is prefilled once, densely (``DynamicCache`` + SDPA, all prompt tokens but the last); each
 setting then starts from that state (``SparseCache.fill``: what its dense prefill would leave), feeds the
@@ -64,7 +67,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-SETTINGS = ("dense", "cluster", "cluster-top_p", "cluster-estimate")
+SETTINGS = ("dense", "cluster", "cluster-top_p", "cluster-estimate", "sketch", "sketch-512")
 WORDS = ("apple", "lantern", "violin", "pepper", "marble", "harbor", "candle", "meadow")
 MAX_CONTEXT = 8192  # SmolLM2-135M's trained context
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -139,6 +142,10 @@ def cache_kwargs(setting: str, segment: int, n_probe: int = 8) -> dict:
         return {**base, "top_p": 0.9}
     if setting == "cluster-estimate":
         return {**base, "n_probe": n_probe, "estimate": 16}
+    if setting == "sketch":
+        return {**base, "selector": "sketch"}
+    if setting == "sketch-512":
+        return {**base, "selector": "sketch:candidates=512"}
     raise ValueError(setting)
 
 

@@ -152,43 +152,21 @@ def _scan_row(qi, qr, qnorm, qp, g, cent, cscale, cptr, nc, rad, codes, fac, pos
                 est[m] = x
                 ids[m] = j
                 m += 1
-    if m <= R:
-        for i in range(m):
-            out[i] = ids[i]
-        for i in range(m, R):
-            out[i] = -1
-    else:
-        _top(est, ids, m, R, out)
-    out[:min(m, R)].sort()
+    if m > R:
+        m, theta = _shrink(est, ids, m, R)
+    for i in range(m):
+        out[i] = ids[i]
+    for i in range(m, R):
+        out[i] = -1
+    out[:m].sort()
     return scanned
 
 
 @njit(cache=True)
 def _shrink(est, ids, m, R):
-    """Keep the R largest of ``est[:m]`` (m > R; ties in any order) at the front; returns (R, the R-th
-    largest)."""
-    thr = np.partition(est[:m], m - R)[m - R]
-    w = 0
-    for i in range(m):
-        if est[i] > thr:
-            est[w] = est[i]
-            ids[w] = ids[i]
-            w += 1
-    for i in range(m):
-        if w >= R:
-            break
-        if est[i] == thr:
-            est[w] = est[i]
-            ids[w] = ids[i]
-            w += 1
-    return w, thr
-
-
-@njit(cache=True)
-def _top(est, ids, m, R, out):
-    """``out[:R]`` = the ids of the R largest of ``est[:m]`` (m > R; ties in any order): a histogram of the
-    estimates finds the bin holding the R-th largest, and only that bin's members are partitioned (numpy's
-    partition over all m costs ~10 ns an element)."""
+    """Move the R largest of ``est[:m]`` (m > R; ties in any order) with their ids to the front; returns
+    (R, the smallest of them).  A histogram of the estimates finds the bin holding the R-th largest and
+    only that bin's members are sorted (numpy's partition costs ~10 ns an element)."""
     lo, hi = np.inf, -np.inf
     for i in range(m):
         lo = min(lo, est[i])
@@ -198,15 +176,17 @@ def _top(est, ids, m, R, out):
         w = 0
         for i in range(m):
             if est[i] > thr:
-                out[w] = ids[i]
+                est[w] = est[i]
+                ids[w] = ids[i]
                 w += 1
         for i in range(m):
             if w >= R:
                 break
             if est[i] == thr:
-                out[w] = ids[i]
+                est[w] = est[i]
+                ids[w] = ids[i]
                 w += 1
-        return
+        return w, thr
     nbins = 4096
     inv = nbins / (hi - lo)
     counts = np.zeros(nbins, np.int64)
@@ -218,28 +198,26 @@ def _top(est, ids, m, R, out):
         above += counts[b]
         b -= 1
     need = R - above
-    w = 0
     cand = np.empty(counts[b], np.float64)
     cid = np.empty(counts[b], np.int64)
     nc = 0
-    for i in range(m):
+    w = 0
+    for i in range(m):  # in place: w <= i
         k = min(int((est[i] - lo) * inv), nbins - 1)
         if k > b:
-            out[w] = ids[i]
+            est[w] = est[i]
+            ids[w] = ids[i]
             w += 1
         elif k == b:
             cand[nc] = est[i]
             cid[nc] = ids[i]
             nc += 1
-    if need >= nc:
-        for i in range(nc):
-            out[w] = cid[i]
-            w += 1
-        return
     sel = np.argsort(-cand)[:need]
     for i in range(need):
-        out[w] = cid[sel[i]]
+        est[w] = cand[sel[i]]
+        ids[w] = cid[sel[i]]
         w += 1
+    return w, cand[sel[need - 1]]
 
 
 def _scan(q, qpos, rep, rot, cent, cscale, cptr, n_cent, rad, codes, fac, pos, R, out, scanned, est, ids):
