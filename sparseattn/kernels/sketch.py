@@ -113,6 +113,7 @@ def _scan_row(qi, qr, qnorm, qp, g, cent, cscale, cptr, nc, rad, codes, fac, pos
     for c in range(nc):
         big = max(big, cptr[g, c + 1] - cptr[g, c])
     tmp = np.empty(big, np.float64)
+    early = cptr[g, nc] - cptr[g, 0] > 8 * R  # worth a threshold early (to skip clusters) only on long caches
     m = 0  # keys kept in the buffer
     scanned = 0
     theta = -np.inf  # the R-th best estimate kept (a lower bound of the final R-th best)
@@ -124,7 +125,7 @@ def _scan_row(qi, qr, qnorm, qp, g, cent, cscale, cptr, nc, rad, codes, fac, pos
         a = cptr[g, c]
         b = cptr[g, c + 1]
         scanned += b - a
-        if m + (b - a) > B or (m >= 2 * R and theta == -np.inf):
+        if m + (b - a) > B or (early and m >= 2 * R and theta == -np.inf):
             m, theta = _shrink(est, ids, m, R)
         if oi + AHEAD < nc:  # clusters come in bound order, not slot order: fetch one AHEAD clusters on
             c2 = order[oi + AHEAD]
@@ -187,7 +188,7 @@ def _shrink(est, ids, m, R):
                 ids[w] = ids[i]
                 w += 1
         return w, thr
-    nbins = 4096
+    nbins = min(4096, max(64, m // 4))
     inv = nbins / (hi - lo)
     counts = np.zeros(nbins, np.int64)
     for i in range(m):
