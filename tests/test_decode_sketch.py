@@ -153,6 +153,9 @@ def test_full_candidates_match_dense_any_shape(n: int, t: int, mag: float, seed:
 
 
 @pytest.mark.parametrize("spec, word", [("sketch:candidates=0", "candidates"), ("sketch:fraction=2", "fraction"),
+                                        ("sketch:candidates=1.5", "candidates must be an integer"),
+                                        ("sketch:candidates=99999999999", "candidates must be an int in"),
+                                        ("sketch:fraction=nan", "fraction must be in"),
                                         ("sketch:fraction=abc", "fraction"), ("sketch:probes=3", "unknown option"),
                                         ("sketch:candidates=5,fraction=0.1", "not both")])
 def test_bad_options_are_named(spec: str, word: str) -> None:

@@ -54,9 +54,10 @@ def parse_sketch(selector: object) -> dict[str, float] | None:
         try:
             x = int(val) if name == "candidates" else float(val)
         except ValueError:
-            raise ValueError(f"selector {selector!r}: {name} must be a number; got {val!r}.") from None
+            what = "an integer" if name == "candidates" else "a number"
+            raise ValueError(f"selector {selector!r}: {name} must be {what}; got {val!r}.") from None
         if name == "candidates" and not 1 <= x <= 2**31 - 2:
-            raise ValueError(f"selector {selector!r}: candidates must be an int >= 1; got {val!r}.")
+            raise ValueError(f"selector {selector!r}: candidates must be an int in [1, {2**31 - 2}]; got {val!r}.")
         if name == "fraction" and not 0 < x <= 1:
             raise ValueError(f"selector {selector!r}: fraction must be in (0, 1]; got {val!r}.")
         out[name] = x
