@@ -103,6 +103,7 @@ __all__ = ["CHUNK", "EVICTED", "MODE_CLUSTER", "MODE_LIST", "MODE_MASS", "MODE_N
 
 CHUNK = 128  # keys scored before one softmax update (scratch per row: CHUNK floats)
 LIST_AHEAD = 8  # MODE_LIST: the listed slot this many ahead is prefetched while one is scored
+LISTED = False  # compile-time constant: True in the list variants of the scoring loop
 BF16 = False  # compile-time constant: True in the bfloat16 variants below
 
 
@@ -159,22 +160,21 @@ def _prefetch_range(rr, mode, g, hb, n_sel, cptr, n_sinks, ex_lo, page_size):
 # ------------------------------------------------------------------------------------------ scoring
 def _score_range(Kg, Vg, pg, qi, a, b, lim, qp, scale, pf_a, pf_b, sc, acc, m_run, l_run, idx):
     """Online softmax over slots [a, b) visible to the row (``pos <= qp`` and ``pos < lim``), in chunks of
-    ``CHUNK``; one row of the next range [pf_a, pf_b) is prefetched per row scored.  With a non-empty
-    ``idx`` (int64) the slots are ``idx[a:b]`` instead (a list, each row prefetched ``LIST_AHEAD`` ahead).
+    ``CHUNK``; one row of the next range [pf_a, pf_b) is prefetched per row scored.  In the ``LISTED``
+    variants the slots are ``idx[a:b]`` instead (int64; each row prefetched ``LIST_AHEAD`` ahead).
     Returns (maximum, sum, keys read, overflow)."""
     E = qi.shape[0]
     Ev = acc.shape[0] if Vg.shape[1] > 0 else 0
     kbytes = Kg.shape[1] * Kg.itemsize  # bytes of one key row / value row
     vbytes = Vg.shape[1] * Vg.itemsize
     n_read = 0
-    listed = idx.shape[0] > 0
     start = a
     while start < b:
         stop = min(start + CHUNK, b)
         n = stop - start
         # scores of the whole chunk (a plain loop that vectorises), then the position masks
         for j in range(start, stop):
-            if listed:
+            if LISTED:
                 if j + LIST_AHEAD < b:
                     nxt = idx[j + LIST_AHEAD]
                     for off in range(0, kbytes, 64):
@@ -186,7 +186,7 @@ def _score_range(Kg, Vg, pg, qi, a, b, lim, qp, scale, pf_a, pf_b, sc, acc, m_ru
                     prefetch_l2(Kg, pf_a + (j - a), off)
                 for off in range(0, vbytes, 64):
                     prefetch_l2(Vg, pf_a + (j - a), off)
-            kj = Kg[idx[j] if listed else j]
+            kj = Kg[idx[j] if LISTED else j]
             s = np.float32(0.0)
             for e in range(E):
                 s += qi[e] * (widen_bf16(kj[e]) if BF16 else widen_f16(kj[e]))
@@ -194,7 +194,7 @@ def _score_range(Kg, Vg, pg, qi, a, b, lim, qp, scale, pf_a, pf_b, sc, acc, m_ru
         cmax = np.float32(-np.inf)
         cnt = 0
         for u in range(n):
-            p = pg[idx[start + u] if listed else start + u]
+            p = pg[idx[start + u] if LISTED else start + u]
             if p > qp or p >= lim:
                 sc[u] = -np.inf
             else:
@@ -216,7 +216,7 @@ def _score_range(Kg, Vg, pg, qi, a, b, lim, qp, scale, pf_a, pf_b, sc, acc, m_ru
         for u in range(n):
             w = sc[u]
             l_run += w
-            vj = Vg[idx[first + u] if listed else first + u]
+            vj = Vg[idx[first + u] if LISTED else first + u]
             for e in range(Ev):
                 acc[e] += w * (widen_bf16(vj[e]) if BF16 else widen_f16(vj[e]))
     return m_run, l_run, n_read, False
@@ -267,9 +267,15 @@ def _finish(out, lse, h, t, acc, m_run, l_run, overflow):
         lse[h, t] = m_run + np.log(l_run)
 
 
+# one variant per storage and per slot source (a range or a list): compile-time constants, so the range
+# variant's loop has no branch of the list's
 _score_range_f32 = njit(cache=True, fastmath=FASTMATH)(clone_with(_score_range, "_std", {"BF16": False}))
 _score_range_bf16 = njit(cache=True, fastmath=FASTMATH)(clone_with(_score_range, "_bf16", {"BF16": True}))
-ROUTE_PAGES, ROUTE_TOPK, SCORE_RANGE = route_pages_f32, route_topk_f32, _score_range_f32
+_score_list_f32 = njit(cache=True, fastmath=FASTMATH)(clone_with(_score_range, "_list", {"BF16": False,
+                                                                                          "LISTED": True}))
+_score_list_bf16 = njit(cache=True, fastmath=FASTMATH)(clone_with(_score_range, "_list_bf16", {"BF16": True,
+                                                                                                "LISTED": True}))
+ROUTE_PAGES, ROUTE_TOPK, SCORE_RANGE, SCORE_LIST = route_pages_f32, route_topk_f32, _score_range_f32, _score_list_f32
 
 
 # ---------------------------------------------------------------------------------------------- a row
@@ -324,8 +330,8 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
     no_list = np.empty(0, dtype=np.int64)
     while not overflow:
         if mode == MODE_LIST and rr == 2 and not record:  # every listed slot in one sweep
-            m_run, l_run, n, overflow = SCORE_RANGE(Kg, Vg, pg, qi, 0, n_sel, hi_pos, qp, scale, 0, 0, sc, acc,
-                                                    m_run, l_run, sel[r])
+            m_run, l_run, n, overflow = SCORE_LIST(Kg, Vg, pg, qi, 0, n_sel, hi_pos, qp, scale, 0, 0, sc, acc,
+                                                   m_run, l_run, sel[r])
             n_read += n
             break
         if mode == MODE_MASS and rr >= 2:
@@ -373,7 +379,8 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
 # The row body is its own compiled function: a prange loop over a large body compiled ~10x slower.
 _row_f32 = njit(cache=True, fastmath=FASTMATH)(clone_with(_row, "_std", {"BF16": False}))
 _row_bf16 = njit(cache=True, fastmath=FASTMATH)(clone_with(_row, "_bf16", {
-    "BF16": True, "ROUTE_PAGES": route_pages_bf16, "ROUTE_TOPK": route_topk_bf16, "SCORE_RANGE": _score_range_bf16}))
+    "BF16": True, "ROUTE_PAGES": route_pages_bf16, "ROUTE_TOPK": route_topk_bf16, "SCORE_RANGE": _score_range_bf16,
+    "SCORE_LIST": _score_list_bf16}))
 ROW = _row_f32
 
 
