@@ -346,7 +346,7 @@ def _shifted_exp_rows(s, m, clamp, masked, qpos, kpos, rowsum):
     each streamed the tile through memory again; here each row is read and written once, with a
     float32 exp that vectorises (numpy's exp inside Numba is a scalar libm call).  Measured on a
     1024 x 256 tile: 81 us against 208 us for numpy maximum + exp + sum.  The clamp keeps every allowed
-    weight >= exp(clamp) > 0, a normal float (subnormals make the next GEMM slow; see ``_CLAMP`` in
+    weight >= exp(clamp) > 0, a normal float (subnormals make the next GEMM slow; see ``CLAMP`` in
     :mod:`sparseattn.attention.routed`), so a zero row sum still means "no allowed key".  Relative error of a float32 weight:
     the rounding of ``s - m`` and ``(s - m) log2(e)``, about ``(|s| + |m| + 2 |s - m|) * 6e-8``: the
     order of the rounding already in a float32 score s.
