@@ -334,6 +334,17 @@ def _mark_routed(skip, route_r, C, flag):
             skip[route_r[t]] = flag
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _finish_row(r, tot, M, tw2, s, m, ws2, all_rest, skip, route_r, C):
+    """Write row r's sum, shift and variance term (s, m, ws2) and, for ``all_rest``, clear the row's routed
+    marks from ``skip`` (set by :func:`_mark_routed` at the row's start)."""
+    s[r] = tot
+    m[r] = M
+    ws2[r] = tw2
+    if all_rest:
+        _mark_routed(skip, route_r, C, False)
+
+
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def estimate_rows(A, route, est, all_rest, vbar, sig2, ell, rmu, q2, o, s, m, ws2):
     """One estimated partial per row from whole-cluster statistics (non-causal).
@@ -379,11 +390,7 @@ def estimate_rows(A, route, est, all_rest, vbar, sig2, ell, rmu, q2, o, s, m, ws
                 vb = vbar[c]
                 for e in range(Ev):
                     orow[e] += w * vb[e]
-        s[r] = tot
-        m[r] = M
-        ws2[r] = tw2
-        if all_rest:
-            _mark_routed(skip, route[r], C, False)
+        _finish_row(r, tot, M, tw2, s, m, ws2, all_rest, skip, route[r], C)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
@@ -437,11 +444,7 @@ def estimate_rows_causal(q, qpos, route, est, all_rest, kptr, kpos_cs, Gk, Gk2, 
             tw2 += w * var
             for e in range(Ev):
                 orow[e] += inv * (Gv[base + nv, e] - Gv[base, e])
-        s[r] = tot
-        m[r] = M
-        ws2[r] = tw2
-        if all_rest:
-            _mark_routed(skip, route[r], C, False)
+        _finish_row(r, tot, M, tw2, s, m, ws2, all_rest, skip, route[r], C)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
