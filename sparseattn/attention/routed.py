@@ -273,7 +273,7 @@ def _attend_routed(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refined
     keys_read = np.zeros(L, dtype=np.int64)
     if L == 0:
         return out, lse, keys_read
-    route, route_scores = index._route_rows(q, n_threads)
+    route, route_scores = index.route_rows(q, n_threads)
     if want_keys:
         kpos_cs = positions_in_clusters(index, kpos)[1] if is_causal else np.zeros(1, dtype=np.int64)
         ek.routed_visible(route, qpos, index.cluster_ptr_, kpos_cs, is_causal, keys_read)
@@ -611,7 +611,7 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
                     est_cpu[0] += time.thread_time() - t0
             return used
 
-        index._row_chunks(R, work, n_threads)
+        index.row_chunks(R, work, n_threads)
         if top_p is not None:  # drop the padding columns no row of the block uses
             P_blk = max(1, int(n_used.max()))
             route, rscore = np.ascontiguousarray(route[:, :P_blk]), np.ascontiguousarray(rscore[:, :P_blk])

@@ -75,7 +75,7 @@ def segmented_attention(index: SegmentedClusterIndex, queries: np.ndarray, value
     v = np.ascontiguousarray(v_in, dtype=dtype)
     L, Ev = q.shape[0], v.shape[1]
     qpos = positions(query_positions, L, "query_positions")
-    n = index._template.threads_ if n_threads is None else int(n_threads)
+    n = index.threads_ if n_threads is None else int(n_threads)
     visible, exact_from, segs = index.cover(qpos, exact_prefix)
     check_budget(index.prefix_budget_, estimate, top_p, min_keys, max_keys)  # once, even with no segment
 

@@ -206,7 +206,7 @@ def mass_routes(index: ClusterIndex, queries: np.ndarray, *, top_p: float, min_k
     of estimated mass, ``-1`` padded (P: the most any query routed, at least 1), and ``keys_read`` (L,)
     int64.  (``exact_prefix`` rows are not special-cased here: these are the routed clusters.)
     """
-    q = index._queries(queries, check_finite)
+    q = index.validated_queries(queries, check_finite)
     budget = check_budget(index.prefix_budget(), 0, top_p, min_keys, max_keys)
     if budget is None:
         raise ValueError("top_p must be given (a float in (0, 1]) to compute mass routes.")
@@ -226,7 +226,7 @@ def mass_routes(index: ClusterIndex, queries: np.ndarray, *, top_p: float, min_k
             used[a] = plan.plan(q[a:b], qpos[a:b], route[a:b], np.zeros((b - a, plan.P), dtype=q.dtype),
                                 np.zeros((b - a, 0), dtype=np.int32), keys[a:b])[2]
 
-        index._row_chunks(L, work, n)
+        index.row_chunks(L, work, n)
     route = route[:, :max(1, int(used.max()) if L else 1)]
     return np.where(route < plan.C, route, -1).astype(np.int32), keys
 

@@ -34,8 +34,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._intrinsics import _LOG2E, pow2_f32
-from ._options import FASTMATH, serial_and_parallel
+from .intrinsics import LOG2E, pow2_f32
+from .options import FASTMATH, serial_and_parallel
 from .pattern_ops import emit, two_pass_csr
 
 _LOG2E_F64 = 1.0 / math.log(2.0)
@@ -300,12 +300,12 @@ def cluster_means(kp, kptr, fallback):
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
 def _exp_row_f32(row, n, mr, clamp, masked, lim, kpos):
-    """One pass over a float32 row: clamp, vectorised exp (see ``_intrinsics.exp_shifted_f32``), mask, sum."""
+    """One pass over a float32 row: clamp, vectorised exp (see ``intrinsics.exp_shifted_f32``), mask, sum."""
     shift = np.float32(mr)
     cl = np.float32(clamp * _LOG2E_F64)
     tot = np.float32(0.0)
     for j in range(n):
-        x = (row[j] - shift) * _LOG2E
+        x = (row[j] - shift) * LOG2E
         x = x if x > cl else cl
         # s <= m by construction (m bounds the scores); the cap only keeps the exponent bits valid if
         # rounding ever broke that by > 88: a huge finite weight instead of a wrapped, negative one

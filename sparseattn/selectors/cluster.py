@@ -381,10 +381,10 @@ class ClusterSelector(Selector):
         (L, n_probe_) int32 cluster ids, best centroid score ``q . c`` first.
         """
         self._require_built("route")
-        q = self.index_._queries(queries, check_finite)
+        q = self.index_.validated_queries(queries, check_finite)
         n = self.n_threads
         with worker_threads(n):
-            return self.index_._route_rows(q, n)[0]
+            return self.index_.route_rows(q, n)[0]
 
     def _query(self, q: np.ndarray, k: int, is_causal: bool, qpos: np.ndarray, kpos: np.ndarray
                ) -> SparsePattern:
@@ -414,9 +414,9 @@ class ClusterSelector(Selector):
                 indptr, indices = ck.routed_pattern(route, kptr, index.perm_, bool(is_causal), qpos, kpos)
                 pattern = SparsePattern(indptr, indices, index.keys_.shape[0], validate=False)
             elif prm["mode"] == "block":
-                pattern = index.routed_keys(index._route_rows(q, n)[0], is_causal, qpos, kpos)
+                pattern = index.routed_keys(index.route_rows(q, n)[0], is_causal, qpos, kpos)
             else:
-                return index._search(q, index._route_rows(q, n)[0], min(k, index.keys_.shape[0]), is_causal,
+                return index.search_routed(q, index.route_rows(q, n)[0], min(k, index.keys_.shape[0]), is_causal,
                                      qpos, kpos, n)
             if is_causal and prm["exact_prefix"]:
                 # the rows attend() computes exactly over every visible key
