@@ -5,7 +5,7 @@ processes of this machine:
 
 * latency of one ``store.attend`` over a batch of 256 and 1024 queries (wall clock, client side), the
   throughput that gives, and the payload bytes moved per query (queries out, ``(output, lse)`` back);
-* the same work in one clean process: the same shard code (``_Shard``: selector built once, the selected
+* the same work in one clean process: the same shard code (``Shard``: selector built once, the selected
   keys gathered and attended) over all keys, no Dask, all cores.  Both run *interleaved*, one repeat of
   the baseline then one of the distributed path, so drifting load on a shared machine hits both; the
   overhead is the median over repeats of ``t_distributed / t_single - 1``;
@@ -71,10 +71,10 @@ def rss() -> int:
 # ------------------------------------------------------------------------------------ single process
 def baseline_server(n: int, selector: str, k: int, threads: int, chunk: int) -> None:
     """Clean process: build one shard over every key, then answer "attend B" lines with timings (JSON)."""
-    from sparseattn.distributed import _Shard
+    from sparseattn.distributed import Shard
 
     t0 = time.perf_counter()
-    shard = _Shard(selector, n, 0, threads)
+    shard = Shard(selector, n, 0, threads)
     shard.load(make_block, CHUNK)
     shard.finalize()
     build = time.perf_counter() - t0
@@ -227,7 +227,7 @@ def rlimit_probe(n: int, limit: int, selector: str) -> None:
     import resource
 
     import sparseattn  # noqa: F401  (count the library's imports in the baseline, not in the allowance)
-    from sparseattn.distributed import _Shard
+    from sparseattn.distributed import Shard
 
     def vm() -> int:
         with open("/proc/self/status") as f:
@@ -240,7 +240,7 @@ def rlimit_probe(n: int, limit: int, selector: str) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (base + limit, base + limit))
     res: dict[str, Any] = {"n_keys": n, "vm_after_imports": base, "allowance": limit}
     try:
-        shard = _Shard(selector, n, 0, 1)
+        shard = Shard(selector, n, 0, 1)
         shard.load(make_block, CHUNK)
         shard.finalize()
         shard.attend(make_queries(32), 64, False, np.arange(32), 1 / 8)

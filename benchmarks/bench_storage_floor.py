@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit, prange
 
-from sparseattn.kernels._intrinsics import prefetch_l2
+from sparseattn.kernels.intrinsics import prefetch_l2
 from sparseattn.tools.args import OneLineParser, int_arg, positive_int
 from sparseattn.tools.bench import decode_inputs, log
 

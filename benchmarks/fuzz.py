@@ -241,12 +241,12 @@ def _random_bool(rng, shape, *, empty_rows=True):
     return m
 
 
-def _causal(L, S):
+def causal_mask(L, S):
     return np.arange(S)[None, :] <= np.arange(L)[:, None]
 
 
 # ----------------------------------------------------------------------------------------- checking
-def _check_close(name, got, lse_got, ref, lse_ref, tol_out, tol_lse, allowed):
+def check_close(name, got, lse_got, ref, lse_ref, tol_out, tol_lse, allowed):
     G, L, Ev = ref.shape
     got = np.asarray(got, dtype=np.float64).reshape(G, L, Ev)
     lse_got = np.asarray(lse_got, dtype=np.float64).reshape(G, L)
@@ -299,7 +299,7 @@ def _compare(c, allowed, add, dense_res, sparse_res):
             continue
         out, lse = res
         _check_meta(name, out, c)
-        _check_close(name, out, lse, ref, lse_ref, tol_out, tol_lse, allowed)
+        check_close(name, out, lse, ref, lse_ref, tol_out, tol_lse, allowed)
 
 
 def _dense(c, rng, **kw):
@@ -334,7 +334,7 @@ def case_full(rng, max_n):
         mask = _random_bool(rng, lead + (L, S))
         allowed2 = None
     causal = c["is_causal"]
-    cm = _causal(L, S) if causal else np.ones((L, S), bool)
+    cm = causal_mask(L, S) if causal else np.ones((L, S), bool)
     if allowed2 is not None:
         allowed2 = allowed2 & cm
         allowed = np.broadcast_to(allowed2, (G, L, S))
@@ -440,7 +440,7 @@ def case_selector(rng, max_n):
             raise CaseFailure(f"selector {spec}: pattern shape {p.shape} != {(L, S)}")
         p.validate()
     masks = np.stack([p.to_mask() for p in patterns]) if L else np.zeros((G, 0, S), bool)
-    visible = _causal(L, S) if qpos is None else np.arange(S)[None, :] <= qpos[:, None]
+    visible = causal_mask(L, S) if qpos is None else np.arange(S)[None, :] <= qpos[:, None]
     if causal and (masks & ~visible).any():
         raise CaseFailure(f"selector {spec}: a future key was selected (is_causal=True)")
     if spec.startswith(("topk", "faiss-flat", "kdtree")) and spec != "kdtree:eps=0.5,leafsize=2":

@@ -12,6 +12,7 @@ Data path (one folder or module per stage)::
                           dense.py   scaled_dot_product_attention, the exact reference
                           routed.py  attention over the clusters each query is routed to
                           segmented.py  strictly causal routed attention over position segments
+                          cluster.py  the cluster selector's block attention (routed or segmented)
                           merge.py   partial results combined by log-sum-exp
       -> metrics.py     recall@k, softmax mass and output error against the dense reference
 
@@ -20,6 +21,8 @@ the ``cluster`` selector turns its routing into a pattern, and ``attention/route
 routed clusters directly (no pattern), merging per-cluster partial results with ``attention/merge.py``.
 Causal queries use ``index/segments.py`` instead (the keys in position order cut into dyadic segments,
 each clustered on its own keys) and ``attention/segmented.py``, so no row depends on a later key.
+``index/routing.py`` routes by estimated mass (``top_p``) from key statistics alone.  The layers import
+downwards: ``selectors/`` and ``index/`` never import ``attention/`` or ``tools/``.
 
 Around the path: ``inputs`` (validation shared by every stage), ``positional`` (RoPE, ALiBi, T5 biases),
 ``threads`` (Numba, FAISS and BLAS thread counts: ``with sparseattn.threads(n):``), ``data`` (real and

@@ -7,7 +7,7 @@ Numba caches stay where they were.
 
 Why a directory of our own, named after a digest of every ``kernels/*.py``: Numba keys a cache entry on
 the source file that defines the function only, but our kernels inline helpers from sibling modules
-(``_intrinsics``, ``bias``); without the digest, editing a helper (or upgrading sparseattn) would keep a
+(``intrinsics``, ``bias``); without the digest, editing a helper (or upgrading sparseattn) would keep a
 stale compiled kernel in use.
 
 Where: ``kernels/__pycache__/numba-<digest>`` inside the package when it is writable; else

@@ -393,18 +393,24 @@ def is_user_data(spec: object, base_dir: str | os.PathLike[str] | None = None) -
     return p.is_file()
 
 
+def _file_head(path: Path, if_missing: str, if_folder: str) -> bytes:
+    """The first 6 bytes of a file (enough for the .npy / .npz magic), with one-line errors: a missing
+    path -> FileNotFoundError "{path} does not exist; {if_missing}.", a folder -> ValueError
+    "{path} {if_folder}."."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(6)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist; {if_missing}.") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path} {if_folder}.") from None
+
+
 def _open_npz(path: Path) -> dict[str, Callable[[], np.ndarray]]:
     """Lazy loaders of the arrays of an .npz, with one-line errors for files that are not one."""
     fix = "save your arrays with numpy.savez(FILE, q=q, k=k, v=v)"
-    try:
-        with open(path, "rb") as f:
-            head = f.read(6)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path} does not exist; give an .npz file, a folder with q.npy, k.npy, "
-                                f"v.npy, or 'q.npy,k.npy,v.npy'.") from None
-    except IsADirectoryError:
-        raise ValueError(f"{path} is a folder without q.npy (or query.npy); put q.npy, k.npy, v.npy "
-                         f"in it or {fix}.") from None
+    head = _file_head(path, "give an .npz file, a folder with q.npy, k.npy, v.npy, or 'q.npy,k.npy,v.npy'",
+                      f"is a folder without q.npy (or query.npy); put q.npy, k.npy, v.npy in it or {fix}")
     if head.startswith(_NPY_MAGIC):
         raise ValueError(f"{path} is a single .npy array; give three files 'q.npy,k.npy,v.npy' or {fix}.")
     if not head.startswith(_NPZ_MAGIC):
@@ -420,14 +426,8 @@ def _open_npz(path: Path) -> dict[str, Callable[[], np.ndarray]]:
 
 def _open_npy(path: Path) -> np.ndarray:
     fix = "save each array with numpy.save(FILE, array)"
-    try:
-        with open(path, "rb") as f:
-            head = f.read(6)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path} does not exist; give three existing .npy files "
-                                f"'q.npy,k.npy,v.npy'.") from None
-    except IsADirectoryError:
-        raise ValueError(f"{path} is a folder; give three .npy files 'q.npy,k.npy,v.npy'.") from None
+    head = _file_head(path, "give three existing .npy files 'q.npy,k.npy,v.npy'",
+                      "is a folder; give three .npy files 'q.npy,k.npy,v.npy'")
     if not head.startswith(_NPY_MAGIC):
         raise ValueError(f"{path} is not an .npy file (it starts with {head!r}); {fix}.")
     try:

@@ -69,7 +69,7 @@ except ImportError as _exc:  # pragma: no cover - exercised in a subprocess by t
 
 from . import SparsePattern, get_selector, merge_attention, sparse_attention, threads
 
-__all__ = ["ClientClosedError", "ShardError", "ShardInfo", "ShardedKeyStore"]
+__all__ = ["ClientClosedError", "Shard", "ShardError", "ShardInfo", "ShardedKeyStore"]
 
 #: Rows per message when keys are sent from the client to a shard (bounds each message to ~32 MiB at
 #: E = Ev = 64, float32).
@@ -131,10 +131,12 @@ class ShardInfo:
 
 
 # ----------------------------------------------------------------------------------------- worker side
-class _Shard:
+class Shard:
     """Worker-resident state of one shard: keys, values, positions and the built selector.
 
-    Created as a Dask actor pinned to one worker; every method runs in that worker process.
+    Created as a Dask actor pinned to one worker; every method runs in that worker process.  It needs no
+    Dask itself: ``benchmarks/bench_distributed.py`` drives one in a single process (``load``, ``finalize``,
+    ``attend``) to time the same shard code without the cluster.
     """
 
     def __init__(self, spec: str, n_rows: int, start: int, n_threads: int) -> None:
@@ -522,7 +524,7 @@ class ShardedKeyStore:
         for i in range(n_shards):
             start, stop = self._bounds[i], self._bounds[i + 1]
             ws = [addrs[(i + r) % len(addrs)] for r in range(self.replicas)]
-            futs = [self.client.submit(_Shard, selector, stop - start, start, nthreads[w], actor=True,
+            futs = [self.client.submit(Shard, selector, stop - start, start, nthreads[w], actor=True,
                                        workers=[w], allow_other_workers=False, pure=False) for w in ws]
             self._futures.append(futs)
             self._workers.append(ws)

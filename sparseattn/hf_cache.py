@@ -151,6 +151,12 @@ class SparseCacheLayer(CacheLayerMixin):
             self._new = (key_states, value_states)
         return self._handle(key_states.shape[-1]), self._handle(value_states.shape[-1])
 
+    def append_attended(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """:meth:`update` for tokens whose attention was computed elsewhere: appended, and no :meth:`attend`
+        is expected for them."""
+        self.update(key_states, value_states)
+        self._new = None
+
     def attend(self, module: torch.nn.Module, query: torch.Tensor, attention_mask: torch.Tensor | None,
                scaling: float | None) -> torch.Tensor:
         """Attention of the new tokens' queries (1, H, T, E) over the cache; returns (1, T, H, Ev)."""
@@ -376,8 +382,7 @@ class SparseCache(Cache):
         if len(lengths) != 1:
             raise ValueError(f"layer_kv: every layer must hold the same tokens; got lengths {sorted(lengths)}.")
         for layer, (k, v) in zip(self.layers, layer_kv, strict=True):
-            layer.update(k, v)
-            layer._new = None  # attended already (by whoever computed them)
+            layer.append_attended(k, v)
 
     def kv_caches(self) -> list[KVCache | None]:
         """The KVCache of each layer (None before its first update)."""

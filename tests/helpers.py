@@ -64,3 +64,47 @@ def dense64(q, k, v, scale, mask=None):
     w = np.exp(s - m)
     z = w.sum(axis=1)
     return (w @ v.astype(np.float64)) / z[:, None], m[:, 0] + np.log(z)
+
+
+def lsh_bucket_oracle(sel, x):
+    """numpy re-implementation of the ``angular-lsh`` selector ``sel``'s concatenated cross-polytope buckets
+    of the rows of x: (n_rounds, n) int64."""
+    p = sel.params
+    half, nh, R = p["n_buckets"] // 2, p["n_hashes"], p["n_rounds"]
+    proj = (x @ sel.rotations(x.shape[1], x.dtype)).reshape(x.shape[0], R, nh, half)
+    v = np.concatenate([proj, -proj], -1).argmax(-1)  # (n, R, nh)
+    weights = p["n_buckets"] ** np.arange(nh - 1, -1, -1, dtype=np.int64)
+    return (v * weights).sum(-1).T
+
+
+def lsh_window_oracle(sel, q, keys, is_causal, qpos, kpos):
+    """Pure-Python candidates of the ``angular-lsh`` selector ``sel``: per round sort the keys, place the
+    query, take its window; a SparsePattern (L, S)."""
+    p = sel.params
+    C = p["chunk_size"]
+    S = keys.shape[0]
+    centred = keys - keys.mean(axis=0, dtype=np.float64).astype(keys.dtype) if p["center"] else keys
+    kb, qb = lsh_bucket_oracle(sel, centred), lsh_bucket_oracle(sel, q)
+    norms = np.linalg.norm(centred.astype(np.float64), axis=1)
+    prefix = np.searchsorted(np.sort(kpos), qpos, side="right")
+    rows = []
+    for i in range(q.shape[0]):
+        found = set()
+        for r in range(p["n_rounds"]):
+            # Python's sort is stable: by bucket, then -norm (order="norm") or id.
+            second = -norms if p["order"] == "norm" else np.zeros(S)
+            order = np.array(sorted(range(S), key=lambda j, r=r, second=second: (kb[r, j], second[j])))
+            sb = kb[r][order]
+            lo, hi = np.searchsorted(sb, qb[r, i], "left"), np.searchsorted(sb, qb[r, i], "right")
+            if C == 0:
+                a, b = lo, hi
+            elif p["order"] == "norm":  # 2C keys from the bucket start, shifted back at the end
+                a = min(lo, max(S - 2 * C, 0))
+                b = min(a + 2 * C, S)
+            else:  # Reformer: the chunk holding the slot and the previous one
+                slot = lo + int((order[lo:hi] < prefix[i]).sum())
+                c = min(slot, S - 1) // C
+                a, b = max((c - 1) * C, 0), min((c + 1) * C, S)
+            found.update(int(j) for j in order[a:b] if not is_causal or kpos[j] <= qpos[i])
+        rows.append(sorted(found))
+    return SparsePattern.from_rows(rows, S)

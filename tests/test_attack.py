@@ -11,7 +11,7 @@
   build on zero keys; ``sparse_attention`` never changes the caller's selector.
 
 The oracle and the tolerances are those of ``benchmarks/fuzz.py`` (``fuzz.oracle``, ``fuzz.tolerances``,
-``fuzz._check_close``); the exact top-k oracle is ``helpers.assert_exact_topk`` (brute force, float64).
+``fuzz.check_close``); the exact top-k oracle is ``helpers.assert_exact_topk`` (brute force, float64).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def attack_specs() -> list[str]:
 # ------------------------------------------------------------------------------- the subprocess worker
 def _first_allowed_oracle(L: int, S: int, k: int, causal: bool) -> np.ndarray:
     """(L, S) mask of the k allowed keys of smallest id (arange positions): the top-k when all scores tie."""
-    allowed = fuzz._causal(L, S) if causal else np.ones((L, S), bool)
+    allowed = fuzz.causal_mask(L, S) if causal else np.ones((L, S), bool)
     return allowed & (np.cumsum(allowed, axis=1) <= k)
 
 
@@ -88,7 +88,7 @@ def _check(spec: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool)
     p.validate()
     assert p.shape == (L, S), f"pattern shape {p.shape} != {(L, S)}"
     mask = p.to_mask() if L else np.zeros((0, S), bool)
-    visible = fuzz._causal(L, S) if causal else np.ones((L, S), bool)
+    visible = fuzz.causal_mask(L, S) if causal else np.ones((L, S), bool)
     assert not (mask & ~visible).any(), "a future key was selected"
     if E == 0 and S and L and sel._scores_by_content():  # all scores tie at 0: smallest ids win
         want = _first_allowed_oracle(L, S, kq if sel.fills_small_rows else S, causal)
@@ -99,7 +99,7 @@ def _check(spec: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool)
     q3, k3, v3 = q[None], k[None], v[None]
     ref, ref_lse = fuzz.oracle(q3, k3, v3, mask[None], None, scale)
     tol_out, tol_lse = fuzz.tolerances(q3, k3, v3, mask[None], None, scale, cdt, res.output.dtype)
-    fuzz._check_close("sparse", res.output, res.lse, ref, ref_lse, tol_out, tol_lse, mask[None])
+    fuzz.check_close("sparse", res.output, res.lse, ref, ref_lse, tol_out, tol_lse, mask[None])
     dense, dense_lse = fuzz.oracle(q3, k3, v3, visible[None], None, scale)
     if np.isfinite(dense).all() and np.isfinite(dense_lse[visible.any(axis=1)[None]]).all():
         assert np.isfinite(res.output).all(), "non-finite output where the dense float64 oracle is finite"

@@ -217,7 +217,7 @@ def test_ivf_block_lists_depend_on_the_block_only():
 @pytest.mark.parametrize("rerank", [False, True])
 def test_angular_lsh_causal_matches_block_oracle(order, chunk_size, rerank):
     """Causal rows = exact tail + the windows (pure-Python oracle) of each dyadic block hashed on its own."""
-    from test_selectors_lsh import _window_oracle
+    from helpers import lsh_window_oracle
 
     from sparseattn.selectors.base import fill_small_rows
 
@@ -243,7 +243,7 @@ def test_angular_lsh_causal_matches_block_oracle(order, chunk_size, rerank):
             if (c // B >> level) & 1:
                 size = B << level
                 blk = k[start:start + size]
-                win = _window_oracle(sel, q[i:i + 1], blk, False, np.array([size]), np.arange(size))
+                win = lsh_window_oracle(sel, q[i:i + 1], blk, False, np.array([size]), np.arange(size))
                 cand |= {start + int(j) for j in win.row(0)}
                 start += size
         assert start == lo

@@ -360,7 +360,7 @@ def test_editing_an_inlined_helper_in_another_module_invalidates_the_kernel(pack
     assert first["serial"]["misses"] == 1
     # exp(x) -> 2 exp(x) in the float32 exp helper: outputs unchanged (softmax normalises), lse + log 2.
     # (in pow2_f32, inlined into exp_shifted_f32, inlined into the kernel: two levels of inlining)
-    _edit(pkg / "kernels" / "_intrinsics.py", "return p * int32_bits_as_float32(",
+    _edit(pkg / "kernels" / "intrinsics.py", "return p * int32_bits_as_float32(",
           "return np.float32(2.0) * p * int32_bits_as_float32(")
     edited = _run(script, env, cwd=tmp_path)
     for new, old in zip(edited["lse_head"], first["lse_head"], strict=True):

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_exact_topk, gaussian_qk, no_leak, random_causal_problem, recall
+from helpers import (
+    assert_exact_topk,
+    gaussian_qk,
+    lsh_bucket_oracle,
+    lsh_window_oracle,
+    no_leak,
+    random_causal_problem,
+    recall,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -213,53 +221,11 @@ def test_lsh_spec_round_trip():
 
 
 # ============================================================================= native ``angular-lsh``
-def _bucket_oracle(sel, x):
-    """numpy re-implementation of the concatenated cross-polytope buckets: (n_rounds, n) int64."""
-    p = sel.params
-    half, nh, R = p["n_buckets"] // 2, p["n_hashes"], p["n_rounds"]
-    proj = (x @ sel.rotations(x.shape[1], x.dtype)).reshape(x.shape[0], R, nh, half)
-    v = np.concatenate([proj, -proj], -1).argmax(-1)  # (n, R, nh)
-    weights = p["n_buckets"] ** np.arange(nh - 1, -1, -1, dtype=np.int64)
-    return (v * weights).sum(-1).T
-
-
-def _window_oracle(sel, q, keys, is_causal, qpos, kpos):
-    """Pure-Python windows: per round sort the keys, place the query, take its window."""
-    p = sel.params
-    C = p["chunk_size"]
-    S = keys.shape[0]
-    centred = keys - keys.mean(axis=0, dtype=np.float64).astype(keys.dtype) if p["center"] else keys
-    kb, qb = _bucket_oracle(sel, centred), _bucket_oracle(sel, q)
-    norms = np.linalg.norm(centred.astype(np.float64), axis=1)
-    prefix = np.searchsorted(np.sort(kpos), qpos, side="right")
-    rows = []
-    for i in range(q.shape[0]):
-        found = set()
-        for r in range(p["n_rounds"]):
-            # Python's sort is stable: by bucket, then -norm (order="norm") or id.
-            second = -norms if p["order"] == "norm" else np.zeros(S)
-            order = np.array(sorted(range(S), key=lambda j, r=r, second=second: (kb[r, j], second[j])))
-            sb = kb[r][order]
-            lo, hi = np.searchsorted(sb, qb[r, i], "left"), np.searchsorted(sb, qb[r, i], "right")
-            if C == 0:
-                a, b = lo, hi
-            elif p["order"] == "norm":  # 2C keys from the bucket start, shifted back at the end
-                a = min(lo, max(S - 2 * C, 0))
-                b = min(a + 2 * C, S)
-            else:  # Reformer: the chunk holding the slot and the previous one
-                slot = lo + int((order[lo:hi] < prefix[i]).sum())
-                c = min(slot, S - 1) // C
-                a, b = max((c - 1) * C, 0), min((c + 1) * C, S)
-            found.update(int(j) for j in order[a:b] if not is_causal or kpos[j] <= qpos[i])
-        rows.append(sorted(found))
-    return SparsePattern.from_rows(rows, S)
-
-
 def test_buckets_match_numpy_oracle(rng):
     x = rng.standard_normal((50, 7))
     for kw in (dict(n_buckets=2, n_hashes=1, n_rounds=3), dict(n_buckets=6, n_hashes=3, n_rounds=2)):
         sel = AngularLSHSelector(**kw)
-        np.testing.assert_array_equal(sel.buckets(x), _bucket_oracle(sel, x))
+        np.testing.assert_array_equal(sel.buckets(x), lsh_bucket_oracle(sel, x))
     sel = AngularLSHSelector(n_buckets=8, n_hashes=2, n_rounds=2)
     np.testing.assert_array_equal(sel.buckets(x), sel.buckets(4.0 * x))  # scale-invariant
     assert sel.buckets(x).max() < 64
@@ -268,14 +234,14 @@ def test_buckets_match_numpy_oracle(rng):
 @pytest.mark.parametrize("order", ["norm", "position"])
 @pytest.mark.parametrize("chunk_size", [0, 1, 4, 16])
 @pytest.mark.parametrize("is_causal", [False])  # causal: per-block oracle in tests/test_causality.py
-def test_candidates_match_window_oracle(rng, order, chunk_size, is_causal):
+def test_candidates_matchlsh_window_oracle(rng, order, chunk_size, is_causal):
     q, k = gaussian_qk(rng, 40, 90, 6, mean=1.5)
     kw = dict(n_buckets=4, n_hashes=2, n_rounds=3, chunk_size=chunk_size, order=order, seed=5)
     sel = AngularLSHSelector(rerank=False, **kw).build(k)
     qpos = np.arange(40) * 2  # queries interleaved with the keys
     kpos = np.arange(90)
     p = sel.query(q, 1, is_causal=is_causal, query_positions=qpos, key_positions=kpos)
-    want = _window_oracle(sel, q, k, is_causal, qpos, kpos)
+    want = lsh_window_oracle(sel, q, k, is_causal, qpos, kpos)
     # Documented rule (Selector.query): a row with at most k allowed keys holds all of them.
     assert p == _fill_small_rows(want, 1, is_causal, qpos, kpos)
     if chunk_size:

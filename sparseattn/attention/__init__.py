@@ -6,6 +6,11 @@
   pattern is materialised);
 * :mod:`.segmented` — strictly causal routed attention over a
   :class:`~sparseattn.index.SegmentedClusterIndex` (exact tail + per-segment routed attention);
+* :mod:`.cluster` — the attention of the cluster selector (``cluster:mode=block``), registered for it
+  with :func:`sparseattn.selectors.registry.register_attention` (imported here, so it is in place
+  whenever the package is);
 * :mod:`.dense` — the exact reference, SDPA-compatible;
 * :mod:`.merge` — the exact log-sum-exp merge of attention over disjoint key sets.
 """
+
+from . import cluster  # noqa: F401  (registers the cluster selector's attention)

@@ -37,10 +37,10 @@ import numpy as np
 from numba import prange
 
 from ..inputs import overflow_message
-from ..kernels._options import serial_and_parallel
-from ..kernels.sample import _GOLDEN, _below, _mix, floyd_sample
+from ..kernels.options import serial_and_parallel
+from ..kernels.sample import GOLDEN, floyd_sample, mix64, uniform_below
 from ..pattern import SparsePattern
-from .merge import _merge_parts
+from .merge import merge_parts
 from .tail import Tail, as_tail, shrink_log_weights
 
 __all__ = ["cache_tail"]
@@ -73,7 +73,7 @@ def _sample_rows(pos, n_slots, qpos, rep, rec, n_rec, u, m_rows, enum, seed, idx
         g = h // rep
         qp = qpos[t]
         pg = pos[g]
-        state = _mix(_mix(np.uint64(seed) * _GOLDEN + np.uint64(h)) ^ (np.uint64(qp) * _GOLDEN))
+        state = mix64(mix64(np.uint64(seed) * GOLDEN + np.uint64(h)) ^ (np.uint64(qp) * GOLDEN))
         picks = idx[r]
         if enum[r]:
             read = np.zeros(n_slots, dtype=np.bool_)
@@ -109,7 +109,7 @@ def _sample_rows(pos, n_slots, qpos, rep, rec, n_rec, u, m_rows, enum, seed, idx
                 if budget < 0:
                     found[r] = -2  # the unread set is smaller than u says: refused by the caller
                     break
-                state, j = _below(state, n_slots)
+                state, j = uniform_below(state, n_slots)
                 p = pg[j]
                 if p > qp:
                     continue  # not visible (later or evicted)
@@ -250,7 +250,7 @@ def cache_tail(cache: Any, q: np.ndarray, qpos: np.ndarray, out: np.ndarray, lse
                                     float(tail.shrink))[0]
         lse_u += np.where(u > m_rows, shrunk, 0.0)  # a row that read its whole tail stays exact
     # the one log-sum-exp merge (merge_pair's kernel, without its input validation: arrays are ours)
-    o64, l64 = _merge_parts((out.reshape(R, Ev), out_u), np.stack([lse.reshape(R), lse_u]), np.dtype(np.float64))
+    o64, l64 = merge_parts((out.reshape(R, Ev), out_u), np.stack([lse.reshape(R), lse_u]), np.dtype(np.float64))
     new_out = o64.astype(np.float32)
     new_lse = l64.astype(np.float32)
     if np.isposinf(new_lse).any() or not np.isfinite(new_out).all():

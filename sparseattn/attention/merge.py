@@ -36,7 +36,7 @@ import numpy as np
 from ..inputs import as_float_array
 from ..kernels.merge import PARALLEL_MIN_WORK, merge_partials, merge_partials_serial
 
-__all__ = ["merge_attention", "merge_pair"]
+__all__ = ["merge_attention", "merge_pair", "merge_parts"]
 
 
 def _as_array(x: object, name: str, min_ndim: int) -> np.ndarray:
@@ -59,7 +59,7 @@ def _dtype(*arrays: np.ndarray) -> np.dtype:
     return np.dtype(np.float64) if any(a.dtype == np.float64 for a in arrays) else np.dtype(np.float32)
 
 
-def _merge_parts(parts: tuple[np.ndarray, ...], lses: np.ndarray, dtype: np.dtype,
+def merge_parts(parts: tuple[np.ndarray, ...], lses: np.ndarray, dtype: np.dtype,
                  out: np.ndarray | None = None, lse: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Merge normalised parts by :func:`~sparseattn.kernels.merge.merge_partials`.
 
@@ -140,7 +140,7 @@ def merge_attention(outputs: np.ndarray | Sequence[np.ndarray],
     dtype = _dtype(out_parts, lse_parts)
     P, lead, Ev = out_parts.shape[0], out_parts.shape[1:-1], out_parts.shape[-1]
     N = int(np.prod(lead, dtype=np.int64))
-    out, lse = _merge_parts((out_parts.reshape(P * N, Ev),), lse_parts.reshape(P, N), dtype)
+    out, lse = merge_parts((out_parts.reshape(P * N, Ev),), lse_parts.reshape(P, N), dtype)
     # A live part holding NaN/Inf leaves NaN/Inf in its rows of the result: check only the (P times
     # smaller) result, and look for the culprit only then.
     if check_finite and not np.isfinite(out).all():
@@ -201,7 +201,7 @@ def merge_pair(o1: np.ndarray, l1: np.ndarray, o2: np.ndarray, l2: np.ndarray, *
         x1, x2 = np.array(x1, dtype=dtype), np.array(x2, dtype=dtype)
     lse_in = np.stack([b1.reshape(N), b2.reshape(N)]).astype(dtype, copy=False)
     direct = o_out.flags.c_contiguous and l_out.flags.c_contiguous
-    o, lse = _merge_parts((x1, x2), lse_in, dtype, o_out.reshape(N, Ev) if direct else None,
+    o, lse = merge_parts((x1, x2), lse_in, dtype, o_out.reshape(N, Ev) if direct else None,
                           l_out.reshape(N) if direct else None)
     if not direct:
         o_out[...] = o.reshape(a1.shape)

@@ -37,6 +37,7 @@ import time
 import numpy as np
 
 from ..index.cluster import ClusterIndex, cluster_jobs
+from ..index.routing import RoutePlanner, check_budget, mass_routes, positions_in_clusters
 from ..inputs import (
     as_float_array,
     check_bool,
@@ -52,7 +53,7 @@ from ..kernels import estimate as ek
 from ..kernels.merge import merge_partials
 from ..threads import run_jobs, worker_threads
 
-__all__ = ["mass_routes", "routed_attention"]
+__all__ = ["CLAMP", "mass_routes", "queries_values", "routed_attention"]
 
 # Elements (not bytes) of the per-block buffers: queries are processed in blocks so the gathered query
 # copies and the partial results stay near 2**24 elements (64 MiB in float32).
@@ -64,20 +65,13 @@ _TINY = {np.float32: 1e-20, np.float64: 1e-200}
 # over subnormals ran 160x slower (40 ms instead of 0.26 ms for a 1024 x 256 x 65 product).
 # exp(-80) = 1.8e-35 is normal; since a row sum is >= _TINY = 1e-20, the clamp changes a row's weights
 # by at most n_keys * exp(-80) / 1e-20 ~ 2e-15 * n_keys relative.
-_CLAMP = {np.float32: -80.0, np.float64: -700.0}
+CLAMP = {np.float32: -80.0, np.float64: -700.0}
 # Elements of one score tile ``Q_c K_c^T`` (rows of a large cluster are processed in tiles).
 _TILE = 1 << 18
 # Fewest query rows per GEMM tile (large clusters would otherwise give skinny, slow products), and most
 # (small clusters would otherwise get tiles of up to _TILE rows, and the P V scratch with them).
 _MIN_ROWS = 64
 _MAX_ROWS = 4096
-# top_p: rank of the low-rank part of each cluster's key covariance in the log masses (the rest of the
-# spectrum is counted isotropically; ClusterIndex.key_cov_factors), and the factor the estimated mass left
-# unrouted is counted with when deciding to stop (measured on the MiniLM stores, benchmarks/
-# results/estimate.md: with rank 8 and 1.1, top_p = 0.9 leaves >= 0.9 of the true mass in 97-100 % of the
-# rows of every head; isotropic spread and 1.0 left it in 10-88 %).
-_COV_RANK = 8
-_REST_MARGIN = 1.1
 # Rows planned at once by the estimate / top_p path (routing scores, log masses, estimate weights: a few
 # (rows x C) temporaries that then fit in the L2 cache).
 _PLAN_ROWS = 1024
@@ -201,7 +195,7 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
     Ev = v_in.shape[1]
     qpos = positions(query_positions, L, "query_positions")
     kpos = positions(key_positions, S, "key_positions")
-    budget = _check_budget(index, estimate, top_p, min_keys, max_keys)
+    budget = check_budget(index.prefix_budget(), estimate, top_p, min_keys, max_keys)
     if L == 0:
         if stats is not None:
             stats["refined_pairs"] = 0
@@ -279,9 +273,9 @@ def _attend_routed(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refined
     keys_read = np.zeros(L, dtype=np.int64)
     if L == 0:
         return out, lse, keys_read
-    route, route_scores = index._route_rows(q, n_threads)
+    route, route_scores = index.route_rows(q, n_threads)
     if want_keys:
-        kpos_cs = _positions_in_clusters(index, kpos)[1] if is_causal else np.zeros(1, dtype=np.int64)
+        kpos_cs = positions_in_clusters(index, kpos)[1] if is_causal else np.zeros(1, dtype=np.int64)
         ek.routed_visible(route, qpos, index.cluster_ptr_, kpos_cs, is_causal, keys_read)
     Kp = index.keys_as(dtype)
     Vp = np.empty((S, Ev), dtype=dtype)
@@ -329,7 +323,7 @@ def _attend_prefix(index, q, values, scale, rows, qpos, kpos, order, out, lse, n
     o = np.empty((rows.size, Vs.shape[1]), dtype=dtype)
     lse_r = np.empty(rows.size, dtype=dtype)
     kernel = ck.attend_prefix_rows_f32 if dtype == np.float32 else ck.attend_prefix_rows_f64
-    clamp = _CLAMP[dtype.type]
+    clamp = CLAMP[dtype.type]
     # Contiguous row shares of about equal work (sum of prefix lengths).
     T = max(1, min(n_threads, rows.size // 16))
     cost = np.cumsum(n_vis)
@@ -436,7 +430,7 @@ def _attend_block(index, q, q_norm, q0, q1, route, route_scores, Kp, Vp, scale, 
     n_pairs = src.shape[0]
     Qs, po, pm = (b[:n_pairs] for b in bufs)
     ck.gather_pairs(q, q_norm, q0, src, p, route, route_scores, radius, scale, Qs, pm)
-    clamp = _CLAMP[q.dtype.type]
+    clamp = CLAMP[q.dtype.type]
     kernel = ck.attend_clusters_f32 if q.dtype == np.float32 else ck.attend_clusters_f64
     qpos_s = qpos[src // p + q0] if is_causal else np.zeros(1, dtype=np.int64)
     kpos_arg = kpos_p if is_causal else np.zeros(1, dtype=np.int64)  # not read unless causal
@@ -488,206 +482,13 @@ def queries_values(queries: object, values: object, S: int, E: int, check_finite
     return q_in, v_in
 
 
-def _check_budget(index: ClusterIndex, estimate: object, top_p: object, min_keys: object, max_keys: object
-                  ) -> tuple[int, float | None, int, int] | None:
-    """Validate the estimation / budget arguments; None when both are off (the plain routed path), else
-    (estimate, top_p, min_keys, max_keys) with the defaults resolved."""
-    if isinstance(estimate, bool) or not isinstance(estimate, (int, np.integer)) or estimate < -1:
-        raise ValueError(f"estimate must be an int >= -1 (0: off, N: the next N clusters, -1: every "
-                         f"unread cluster); got {estimate!r}.")
-    if top_p is not None:
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float, np.floating, np.integer)) \
-                or not 0 < float(top_p) <= 1:
-            raise ValueError(f"top_p must be a float in (0, 1] (or None: fixed n_probe); got {top_p!r}.")
-    for name, val in (("min_keys", min_keys), ("max_keys", max_keys)):
-        if val is not None and (isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 0):
-            raise ValueError(f"{name} must be an int >= 0; got {val!r}.")
-    if min_keys is None:
-        min_keys = 0
-    if max_keys is None:
-        max_keys = 4 * index.prefix_budget()
-    if int(min_keys) > int(max_keys):
-        raise ValueError(f"min_keys={min_keys} must be <= max_keys={max_keys} (the floor and the cap of "
-                         f"keys read per query).")
-    if int(estimate) == 0 and top_p is None:
-        return None
-    return int(estimate), (None if top_p is None else float(top_p)), int(min_keys), int(max_keys)
-
-
-def _positions_in_clusters(index: ClusterIndex, kpos: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
-    """(order, kpos_cs): cluster-ordered slots re-sorted by key position inside each cluster (None when
-    already so: perm_ is ascending inside a cluster, so sorted positions need nothing) and the positions
-    in that order."""
-    kpos_p = kpos[index.perm_]
-    cid = np.repeat(np.arange(index.n_clusters_), np.diff(index.cluster_ptr_))
-    same = cid[1:] == cid[:-1]
-    if np.all(kpos_p[1:][same] >= kpos_p[:-1][same]):
-        return None, kpos_p
-    order = np.lexsort((kpos_p, cid))
-    return order, kpos_p[order]
-
-
-class _Planner:
-    """Key-side state of the estimate / budget path and the per-row-chunk planning: routing scores, log
-    masses, the route (top ``n_probe`` by ``q . c``, or :func:`~sparseattn.kernels.estimate.mass_route`)
-    and the estimated clusters.  Used by :func:`_attend_estimated` and :func:`mass_routes`."""
-
-    def __init__(self, index: ClusterIndex, dtype: np.dtype, sc: float, is_causal: bool, kpos: np.ndarray,
-                 n_est: int, top_p: float | None, min_keys: int, max_keys: int) -> None:
-        S, E = index.keys_.shape
-        C = self.C = index.n_clusters_
-        self.index, self.sc, self.is_causal = index, sc, is_causal
-        self.top_p, self.min_keys, self.max_keys = top_p, min_keys, max_keys
-        self.all_rest = n_est < 0
-        self.N = 0 if self.all_rest else min(n_est, C)
-        self.Kp = index.keys_as(dtype)
-        self.kptr = index.cluster_ptr_
-        self.logn, self.mu, self.sig2 = index.key_stats()
-        self.sig2_32 = self.sig2.astype(np.float32)
-        # caps of the second-order term (kernels.estimate.second_order): log n_c (0 when empty) and the
-        # largest distance of a member key to the cluster mean (radius around the routing vector plus the
-        # vector's distance to the mean)
-        self.ell = np.where(np.isfinite(self.logn), self.logn, 0.0)
-        self.rmu = index.radius_ + np.linalg.norm(self.mu - index.centroids_.astype(np.float64), axis=1)
-        self.rmu[index.count_ == 0] = 0.0
-        self.ell32, self.rmu32 = self.ell.astype(np.float32), self.rmu.astype(np.float32)
-        self.count = index.count_
-        self.cent = index.centroids_.astype(dtype, copy=False)
-        self.mu_d = None if index.route_by == "mean" else self.mu.astype(dtype)  # "mean": centroids_ = means
-        self.spread = 0.0 if is_causal else 1.0
-        self.no_pos = np.zeros(1, dtype=np.int64)
-        if is_causal:
-            order, self.kpos_cs = _positions_in_clusters(index, kpos)
-            self.order = np.arange(S, dtype=np.int64) if order is None else order.astype(np.int64)
-            self.Gk = ek.cluster_prefix(self.Kp, self.kptr, self.order)
-            sq = np.einsum("ij,ij->i", self.Kp, self.Kp, dtype=np.float64)[:, None]
-            self.Gk2 = ek.cluster_prefix(sq, self.kptr, self.order)[:, 0].copy()
-        self.p = index.n_probe_
-        # Non-causal top_p: log masses with the low-rank-plus-isotropic covariance of each cluster
-        # (log_mass_rows_cov), its factors multiplied in the same GEMM as the routing vectors (and the
-        # means when routing by centroid): one (rows x C (2 + r)) product per row chunk.
-        self.cov = top_p is not None and not is_causal
-        self.fused = top_p is None and not is_causal and self.all_rest  # estimate_weights_stats
-        if self.cov:
-            W, self.rho = index.key_cov_factors(_COV_RANK)
-            parts = [index.centroids_] + ([] if self.mu_d is None else [self.mu]) + [W]
-            self.G = np.ascontiguousarray(np.concatenate(parts).astype(dtype))
-        if self.fused:
-            self.logn32 = self.logn.astype(np.float32)
-        if top_p is None:
-            self.P = self.p
-            self.n_cand = min(C, self.p + self.N)
-        elif is_causal:
-            # a cluster's visible size depends on the row: every cluster is a candidate (full sort per row)
-            self.P = self.n_cand = C
-        else:
-            # enough candidates to reach max_keys even through the smallest clusters
-            sizes_sorted = np.sort(self.count)
-            self.P = int(min(C, np.searchsorted(np.cumsum(sizes_sorted), max_keys, side="right") + 1))
-            self.n_cand = min(C, self.P + self.N)
-
-    def plan(self, qc: np.ndarray, qpc: np.ndarray, route: np.ndarray, rscore: np.ndarray, est: np.ndarray,
-             kr: np.ndarray, q_norm: np.ndarray | None = None
-             ) -> tuple[np.ndarray, np.ndarray | None, int, np.ndarray | None, np.ndarray | None]:
-        """Plan rows qc (R, E) at positions qpc: fills route (R, P) int32 (padding: C), rscore (R, P) their
-        ``q . c``, est (R, N) and kr (R,) keys read (q_norm: the rows' norms (R,) float64 when known);
-        returns (routing scores (R, C), log masses (R, C)
-        float32 (not computed: causal without top_p; None: ``fused``), most clusters a row routed,
-        for ``fused`` q.mu_c (R, C) (the input of :func:`~sparseattn.kernels.estimate.estimate_weights_stats`)
-        else None, and ``scale^2 |q|^2 / 2`` (R,) float64 (None when causal))."""
-        C, sc, is_causal, top_p = self.C, self.sc, self.is_causal, self.top_p
-        R = qc.shape[0]
-        qmu = q2 = A = None
-        if self.cov:
-            X = qc @ self.G.T
-            sc_c = np.ascontiguousarray(X[:, :C])
-            off = C if self.mu_d is None else 2 * C
-            qmu = sc_c if self.mu_d is None else X[:, C:off]
-        else:
-            sc_c = qc @ self.cent.T
-        if not is_causal:
-            if qmu is None:
-                qmu = sc_c if self.mu_d is None else qc @ self.mu_d.T
-            qq = np.einsum("ij,ij->i", qc, qc, dtype=np.float64) if q_norm is None else q_norm * q_norm
-            q2 = 0.5 * sc * sc * qq
-        if not self.fused:
-            A = np.empty((R, C), dtype=np.float32)  # log masses: an estimate, float32 is ample
-        nvis = None
-        if is_causal and top_p is not None:
-            nvis = np.empty((R, C), dtype=np.int64)
-            ek.log_mass_causal(qc, qpc, self.kptr, self.kpos_cs, self.Gk, self.Gk2, sc, self.spread, A, nvis)
-        elif self.cov:
-            ek.log_mass_rows_cov(qmu, X[:, off:], q2, self.logn, self.rho, self.rmu, sc, A)
-        elif not is_causal and not self.fused:
-            ek.log_mass_rows(qmu, q2, self.logn, self.sig2, self.rmu, sc, self.spread, A)
-        if top_p is None:
-            ids, scs = ck.row_top_p_serial(sc_c, self.n_cand)
-            p = self.p
-            route[:] = ids[:, :p]
-            rscore[:] = scs[:, :p]
-            est[:, :ids.shape[1] - p] = ids[:, p:]  # fewer than N clusters left after the routed: -1 padded
-            ek.routed_visible(route, qpc, self.kptr, self.kpos_cs if is_causal else self.no_pos, is_causal, kr)
-            if self.fused:
-                return sc_c, None, p, qmu, q2
-            return sc_c, A, p, None, q2
-        if is_causal:
-            cand = np.empty((R, C), dtype=np.int32)
-            ek.rows_sorted_desc(A, cand)
-        else:
-            cand = ck.row_top_p_serial(A, self.n_cand)[0]
-        sizes = nvis if is_causal else np.broadcast_to(self.count, (R, C))
-        n_route = np.empty(R, dtype=np.int64)
-        ek.mass_route(A, cand, sizes, top_p, _REST_MARGIN, self.min_keys, self.max_keys, self.N, C, route, n_route,
-                      kr, est)
-        if self.cov:  # routed by the second-order masses; estimated with the term capped (ek.EST_CAP)
-            first = self.logn + sc * qmu.astype(np.float64)
-            np.minimum(A, first + ek.EST_CAP, out=A, casting="same_kind")
-        live = route < C
-        rscore[:] = np.where(live, np.take_along_axis(sc_c, np.where(live, route, 0), 1), 0)
-        return sc_c, A, int(n_route.max()) if R else 0, None, q2
-
-
-def mass_routes(index: ClusterIndex, queries: np.ndarray, *, top_p: float, min_keys: int = 0,
-                max_keys: int | None = None, scale: float | None = None, is_causal: bool = False,
-                query_positions: object = None, key_positions: object = None, n_threads: int | None = None,
-                check_finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """The clusters the mass-driven budget (``top_p`` of :func:`routed_attention`) routes each query to.
-
-    Parameters are those of :func:`routed_attention`.  Returns ``route`` (L, P) int32, clusters in order
-    of estimated mass, ``-1`` padded (P: the most any query routed, at least 1), and ``keys_read`` (L,)
-    int64.  (``exact_prefix`` rows are not special-cased here: these are the routed clusters.)
-    """
-    q = index._queries(queries, check_finite)
-    budget = _check_budget(index, 0, top_p, min_keys, max_keys)
-    if budget is None:
-        raise ValueError("top_p must be given (a float in (0, 1]) to compute mass routes.")
-    sc = check_scale(scale, q.shape[1])
-    L = q.shape[0]
-    qpos = positions(query_positions, L, "query_positions")
-    kpos = positions(key_positions, index.keys_.shape[0], "key_positions")
-    n = index.threads_ if n_threads is None else int(n_threads)
-    is_causal = check_bool(is_causal, "is_causal")
-    with worker_threads(n):
-        plan = _Planner(index, q.dtype, sc, is_causal, kpos, 0, *budget[1:])
-        route = np.empty((L, plan.P), dtype=np.int32)
-        keys = np.zeros(L, dtype=np.int64)
-        used = np.zeros(L, dtype=np.int64)
-
-        def work(a: int, b: int) -> None:
-            used[a] = plan.plan(q[a:b], qpos[a:b], route[a:b], np.zeros((b - a, plan.P), dtype=q.dtype),
-                                np.zeros((b - a, 0), dtype=np.int32), keys[a:b])[2]
-
-        index._row_chunks(L, work, n)
-    route = route[:, :max(1, int(used.max()) if L else 1)]
-    return np.where(route < plan.C, route, -1).astype(np.int32), keys
-
 
 def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refined, n_est, top_p, min_keys,
                       max_keys, est_cpu=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Routed attention plus the estimate of unread clusters and / or the mass-driven budget (inside
     ``worker_threads``).  Returns (out, lse, keys read per row).
 
-    Per block of rows: the plan of each row chunk (:class:`_Planner`: routing scores, log masses, route,
+    Per block of rows: the plan of each row chunk (:class:`~sparseattn.index.routing.RoutePlanner`: routing scores, log masses, route,
     estimated clusters), the estimated partial (:func:`~sparseattn.kernels.estimate.estimate_weights`
     and one product with the cluster mean values, :func:`~sparseattn.kernels.estimate.estimate_rows` or
     ``estimate_rows_causal``) and the routed partials (:func:`_attend_block`), merged together.
@@ -702,7 +503,7 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
     keys_read = np.zeros(L, dtype=np.int64)
     if L == 0:
         return out, lse, keys_read
-    plan = _Planner(index, dtype, sc, is_causal, kpos, n_est, top_p, min_keys, max_keys)
+    plan = RoutePlanner(index, dtype, sc, is_causal, kpos, n_est, top_p, min_keys, max_keys)
     all_rest, N, P = plan.all_rest, plan.N, plan.P
     Kp = plan.Kp
     Vp = np.empty((S, Ev), dtype=dtype)
@@ -810,7 +611,7 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
                     est_cpu[0] += time.thread_time() - t0
             return used
 
-        index._row_chunks(R, work, n_threads)
+        index.row_chunks(R, work, n_threads)
         if top_p is not None:  # drop the padding columns no row of the block uses
             P_blk = max(1, int(n_used.max()))
             route, rscore = np.ascontiguousarray(route[:, :P_blk]), np.ascontiguousarray(rscore[:, :P_blk])

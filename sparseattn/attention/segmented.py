@@ -16,12 +16,13 @@ from typing import Any
 
 import numpy as np
 
+from ..index.routing import check_budget, segment_routes
 from ..index.segments import SegmentedClusterIndex
 from ..inputs import check_lse, check_scale, positions, result_dtype, unscale_output, value_scaling
 from ..kernels import cluster as ck
 from ..threads import run_jobs, worker_threads
 from .merge import merge_pair
-from .routed import _CLAMP, _check_budget, mass_routes, queries_values, routed_attention
+from .routed import CLAMP, queries_values, routed_attention
 
 __all__ = ["segment_routes", "segmented_attention"]
 
@@ -74,9 +75,9 @@ def segmented_attention(index: SegmentedClusterIndex, queries: np.ndarray, value
     v = np.ascontiguousarray(v_in, dtype=dtype)
     L, Ev = q.shape[0], v.shape[1]
     qpos = positions(query_positions, L, "query_positions")
-    n = index._template.threads_ if n_threads is None else int(n_threads)
+    n = index.threads_ if n_threads is None else int(n_threads)
     visible, exact_from, segs = index.cover(qpos, exact_prefix)
-    _check_budget(_SizesOnly(index), estimate, top_p, min_keys, max_keys)  # once, even with no segment
+    check_budget(index.prefix_budget_, estimate, top_p, min_keys, max_keys)  # once, even with no segment
 
     def run(v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         out = np.zeros((L, Ev), dtype=dtype)
@@ -116,32 +117,6 @@ def segmented_attention(index: SegmentedClusterIndex, queries: np.ndarray, value
     return out, lse
 
 
-class _SizesOnly:
-    """What :func:`_check_budget` reads of an index (its ``prefix_budget``), for argument checks."""
-
-    def __init__(self, index: SegmentedClusterIndex) -> None:
-        self._budget = index.prefix_budget_
-
-    def prefix_budget(self) -> int:
-        return self._budget
-
-
-def segment_routes(index: SegmentedClusterIndex, queries: np.ndarray, query_positions: np.ndarray, *,
-                   exact_prefix: bool, top_p: float, min_keys: int, max_keys: int | None, n_threads: int
-                   ) -> dict[tuple[int, int], np.ndarray]:
-    """The mass-driven routes (``top_p``) of each segment's rows: ``(level, t) -> (rows, p) int32``, -1 = none
-    (what :func:`segmented_attention` reads; :func:`~sparseattn.attention.routed.mass_routes` per segment)."""
-    _, _, segs = index.cover(query_positions, exact_prefix)
-    index.prepare(segs, n_threads)
-    routes: dict[tuple[int, int], np.ndarray] = {}
-    for level, blocks in segs:
-        for t, rows in blocks:
-            seg, _ = index.segment(level, t)
-            routes[(level, t)] = mass_routes(seg, queries[rows], top_p=top_p, min_keys=min_keys,
-                                             max_keys=max_keys, n_threads=n_threads, check_finite=False)[0]
-    return routes
-
-
 def _attend_exact(q: np.ndarray, keys: np.ndarray, v: np.ndarray, scale: float, order: np.ndarray,
                   visible: np.ndarray, exact_from: np.ndarray, out: np.ndarray, lse: np.ndarray,
                   n_threads: int) -> None:
@@ -150,7 +125,7 @@ def _attend_exact(q: np.ndarray, keys: np.ndarray, v: np.ndarray, scale: float, 
     share one gathered key block; inside ``worker_threads``."""
     dtype = q.dtype
     kernel = ck.attend_prefix_rows_f32 if dtype == np.float32 else ck.attend_prefix_rows_f64
-    clamp = _CLAMP[dtype.type]
+    clamp = CLAMP[dtype.type]
     live = visible > exact_from
     keys = np.ascontiguousarray(keys, dtype=dtype)
     for lo in np.unique(exact_from[live]):

@@ -37,7 +37,7 @@ from ..kernels import fused
 from ..kernels.bias import BIAS_DENSE, no_bias_args
 from ..pattern import SparsePattern, stack_patterns
 from ..threads import get_num_threads
-from .merge import _merge_parts
+from .merge import merge_parts
 from .tail import Tail, as_tail, shrink_log_weights, tail_patterns
 
 CHUNK_ROWS = 64  # rows per prange task: big enough to amortise scratch allocation, small for balance
@@ -340,7 +340,7 @@ def _add_tail(inp: AttentionInputs, patterns: list[SparsePattern], out: np.ndarr
     check_lse(lse_t, inp.cdt, inp.scale, nan_is_overflow=check_finite)
     G, L, Ev = out.shape
     lses = np.stack([lse.reshape(G * L), (lse_t.astype(np.float64) + log_w).reshape(G * L)])
-    m_out, m_lse = _merge_parts((out.reshape(G * L, Ev), out_t.reshape(G * L, Ev)), lses, inp.cdt)
+    m_out, m_lse = merge_parts((out.reshape(G * L, Ev), out_t.reshape(G * L, Ev)), lses, inp.cdt)
     return m_out.reshape(G, L, Ev), m_lse.reshape(G, L), sampled
 
 

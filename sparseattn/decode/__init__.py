@@ -51,7 +51,7 @@ reads clusters in order of estimated mass ``n_c·exp(scale·q·μ_c)`` (the stat
 zone) until the estimated mass read - the exact part's true mass plus the estimates of the clusters
 read - reaches ``p`` of the estimated total (exact part + every cluster), with at least ``top_p_min_keys``
 routed keys, and stops before a cluster that would take the routed keys past ``top_p_max_keys`` (the
-semantics of ``routed_attention(top_p=...)``, :func:`sparseattn.attention.routed.mass_routes`).  A peaky
+semantics of ``routed_attention(top_p=...)``, :func:`sparseattn.index.routing.mass_routes`).  A peaky
 query reads few clusters, a flat one many; ``stats["keys_read_per_query"]`` reports it.  ``estimate=N``
 then estimates the ``N`` clusters after the last one read.
 

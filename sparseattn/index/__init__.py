@@ -7,6 +7,10 @@
   order, an exact tail and aligned dyadic segments, each a ClusterIndex over its own keys only
   (:func:`~sparseattn.index.segments.dyadic_cover` is the decomposition every causal index search uses).
   Attention over it is :func:`sparseattn.attention.segmented.segmented_attention`.
+* :mod:`~sparseattn.index.routing`: routing by estimated mass (``top_p``) and the per-row planning
+  routed attention consumes; keys and key statistics only.
+
+Nothing here imports :mod:`sparseattn.attention` (attention builds on indexes, never the reverse).
 """
 
 from .cluster import ClusterIndex

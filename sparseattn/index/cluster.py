@@ -20,7 +20,7 @@ is the exact top-k by inner product among the keys of those clusters.  The index
 values: attention over the routed clusters is :func:`sparseattn.attention.routed.routed_attention`.
 
 Seam for a growing index (KV-cache decode, not implemented): routed attention reads the index only
-through ``_route_rows``, ``keys_as``, ``prefix_budget`` / ``prefix_rows``, ``keys_``, ``mean_``, ``perm_``,
+through ``route_rows``, ``keys_as``, ``prefix_budget`` / ``prefix_rows``, ``keys_``, ``mean_``, ``perm_``,
 ``cluster_ptr_``, ``radius_``, ``n_clusters_``, ``n_probe_``, ``threads_`` and ``is_built`` (and, for
 ``estimate`` / ``top_p``, ``key_stats``, ``count_``, ``key_sum_``, ``route_by``, ``centroids_``).  The
 estimation statistics are additive sums, updated in O(new keys) by :meth:`ClusterIndex.update_stats`.  A segmented index would keep one such cluster-ordered segment per
@@ -348,10 +348,10 @@ class ClusterIndex:
                 sc += bias
             assignment[a:b] = ck.row_argmax_serial(sc)
 
-        self._row_chunks(S, work, n_threads)
+        self.row_chunks(S, work, n_threads)
         return assignment
 
-    def _row_chunks(self, n_rows: int, work: Callable[[int, int], None], n_threads: int) -> None:
+    def row_chunks(self, n_rows: int, work: Callable[[int, int], None], n_threads: int) -> None:
         """``work(a, b)`` over row chunks of about 2**24 score elements, on the worker threads.
 
         Why not one big product: BLAS is pinned to one thread, so the (rows x C) scoring GEMM and its
@@ -524,7 +524,10 @@ class ClusterIndex:
                                   side="right")
         return np.flatnonzero((visible > 0) & (visible <= self.prefix_budget()))
 
-    def _queries(self, queries: np.ndarray, check_finite: bool, dtype: np.dtype | None = None) -> np.ndarray:
+    def validated_queries(self, queries: np.ndarray, check_finite: bool, dtype: np.dtype | None = None
+                          ) -> np.ndarray:
+        """``queries`` checked against the built keys ((L, E), finite when ``check_finite``) as a
+        C-contiguous array of ``dtype`` (default the keys' dtype): the input of :meth:`route_rows`."""
         self._check_built()
         q = as_float_array(queries, "queries", min_ndim=2, check_finite=check_finite)
         if q.ndim != 2:
@@ -534,7 +537,7 @@ class ClusterIndex:
         return np.ascontiguousarray(q, dtype=self.keys_.dtype if dtype is None else dtype)
 
     # ---------------------------------------------------------------------------------------- routing
-    def _route_rows(self, q: np.ndarray, n_threads: int) -> tuple[np.ndarray, np.ndarray]:
+    def route_rows(self, q: np.ndarray, n_threads: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids (L, p) int32 best first, scores q.c (L, p) in q's dtype); q (L, E) float32/float64
         C-contiguous, validated.  Call inside :func:`~sparseattn.threads.worker_threads`."""
         L = q.shape[0]
@@ -546,7 +549,7 @@ class ClusterIndex:
         def work(a: int, b: int) -> None:
             route[a:b], scores[a:b] = ck.row_top_p_serial(q[a:b] @ cent.T, p)
 
-        self._row_chunks(L, work, n_threads)
+        self.row_chunks(L, work, n_threads)
         return route, scores
 
     def route(self, queries: np.ndarray, *, check_finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -561,10 +564,10 @@ class ClusterIndex:
         ids : (L, n_probe_) int32, best first (lower cluster id first on ties)
         scores : (L, n_probe_) in the keys' dtype, ``q . centroids_[ids]`` (centred coordinates)
         """
-        q = self._queries(queries, check_finite)
+        q = self.validated_queries(queries, check_finite)
         n = self.threads_
         with worker_threads(n):
-            return self._route_rows(q, n)
+            return self.route_rows(q, n)
 
     # ------------------------------------------------------------------------------------ key sets
     def routed_keys(self, route: np.ndarray, is_causal: bool, qpos: np.ndarray, kpos: np.ndarray
@@ -597,18 +600,19 @@ class ClusterIndex:
         -------
         SparsePattern of shape (L, S), ``min(k, candidates)`` keys per row.
         """
-        q = self._queries(queries, check_finite)
+        q = self.validated_queries(queries, check_finite)
         S = self.keys_.shape[0]
         qpos = positions(query_positions, q.shape[0], "query_positions")
         kpos = positions(key_positions, S, "key_positions")
         n = self.threads_
         with worker_threads(n):
-            route = self._route_rows(q, n)[0]
-            return self._search(q, route, min(int(k), S), bool(is_causal), qpos, kpos, n)
+            route = self.route_rows(q, n)[0]
+            return self.search_routed(q, route, min(int(k), S), bool(is_causal), qpos, kpos, n)
 
-    def _search(self, q: np.ndarray, route: np.ndarray, k: int, is_causal: bool, qpos: np.ndarray,
-                kpos: np.ndarray, n_threads: int) -> SparsePattern:
-        """The body of :meth:`search` on validated inputs (inside ``worker_threads``)."""
+    def search_routed(self, q: np.ndarray, route: np.ndarray, k: int, is_causal: bool, qpos: np.ndarray,
+                      kpos: np.ndarray, n_threads: int) -> SparsePattern:
+        """The body of :meth:`search` on validated inputs (:meth:`validated_queries`) and their ``route``
+        (:meth:`route_rows`), inside ``worker_threads``."""
         L, E = q.shape
         p = self.n_probe_
         Kp = self.keys_as(q.dtype)  # centred keys: same ranking as the raw keys per query

@@ -113,6 +113,11 @@ class SegmentedClusterIndex:
         self._template = ClusterIndex(**self.params)  # checks the parameters now
         self.keys_: np.ndarray | None = None
 
+    @property
+    def threads_(self) -> int:
+        """Worker threads in use: the ``n_threads`` parameter, or Numba's current thread count when None."""
+        return self._template.threads_
+
     def build(self, keys: np.ndarray, key_positions: np.ndarray) -> SegmentedClusterIndex:
         """Store the keys (S, E) float32/float64 and their (S,) int64 positions; segments are built lazily."""
         keys = np.ascontiguousarray(keys)
@@ -226,9 +231,9 @@ class SegmentedClusterIndex:
                 for t, rows in blocks:
                     index, ids = self.segment(level, t)
                     qs = np.ascontiguousarray(q[rows], dtype=index.keys_.dtype)
-                    route = index._route_rows(qs, n_threads)[0]
+                    route = index.route_rows(qs, n_threads)[0]
                     kk = min(k, ids.size)
-                    local = index._search(qs, route, kk, False, _NONE, _NONE, n_threads).to_padded(kk)
+                    local = index.search_routed(qs, route, kk, False, _NONE, _NONE, n_threads).to_padded(kk)
                     found.append((rows, np.where(local >= 0, ids[np.maximum(local, 0)], -1)))
                 pieces.append(scatter_rows(found, L))
         cand = np.concatenate(pieces, axis=1)
@@ -267,7 +272,7 @@ class SegmentedClusterIndex:
                     ptr, loc = ck.routed_pattern(route, kptr, index.perm_, False, _NONE, _NONE)
                 else:
                     qs = np.ascontiguousarray(q[rows], dtype=index.keys_.dtype)
-                    route = index._route_rows(qs, n_threads)[0]
+                    route = index.route_rows(qs, n_threads)[0]
                     pat = index.routed_keys(route, False, _NONE, _NONE)
                     ptr, loc = pat.indptr, pat.indices
                 n_row = np.diff(ptr)

@@ -19,7 +19,7 @@ import math
 import numpy as np
 from numba import njit
 
-from . import _options  # noqa: F401
+from . import options  # noqa: F401
 
 BIAS_NONE = 0
 BIAS_ALIBI = 1

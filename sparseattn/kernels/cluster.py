@@ -34,8 +34,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._intrinsics import _LOG2E, pow2_f32
-from ._options import FASTMATH, serial_and_parallel
+from .intrinsics import LOG2E, pow2_f32
+from .options import FASTMATH, serial_and_parallel
 from .pattern_ops import emit, two_pass_csr
 
 _LOG2E_F64 = 1.0 / math.log(2.0)
@@ -300,12 +300,12 @@ def cluster_means(kp, kptr, fallback):
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
 def _exp_row_f32(row, n, mr, clamp, masked, lim, kpos):
-    """One pass over a float32 row: clamp, vectorised exp (see ``_intrinsics.exp_shifted_f32``), mask, sum."""
+    """One pass over a float32 row: clamp, vectorised exp (see ``intrinsics.exp_shifted_f32``), mask, sum."""
     shift = np.float32(mr)
     cl = np.float32(clamp * _LOG2E_F64)
     tot = np.float32(0.0)
     for j in range(n):
-        x = (row[j] - shift) * _LOG2E
+        x = (row[j] - shift) * LOG2E
         x = x if x > cl else cl
         # s <= m by construction (m bounds the scores); the cap only keeps the exponent bits valid if
         # rounding ever broke that by > 88: a huge finite weight instead of a wrapped, negative one
@@ -346,7 +346,7 @@ def _shifted_exp_rows(s, m, clamp, masked, qpos, kpos, rowsum):
     each streamed the tile through memory again; here each row is read and written once, with a
     float32 exp that vectorises (numpy's exp inside Numba is a scalar libm call).  Measured on a
     1024 x 256 tile: 81 us against 208 us for numpy maximum + exp + sum.  The clamp keeps every allowed
-    weight >= exp(clamp) > 0, a normal float (subnormals make the next GEMM slow; see ``_CLAMP`` in
+    weight >= exp(clamp) > 0, a normal float (subnormals make the next GEMM slow; see ``CLAMP`` in
     :mod:`sparseattn.attention.routed`), so a zero row sum still means "no allowed key".  Relative error of a float32 weight:
     the rounding of ``s - m`` and ``(s - m) log2(e)``, about ``(|s| + |m| + 2 |s - m|) * 6e-8``: the
     order of the rounding already in a float32 score s.

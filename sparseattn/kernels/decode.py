@@ -58,8 +58,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._intrinsics import exp_shifted_f32, prefetch_l2
-from ._options import FASTMATH, serial_and_parallel
 from .decode_route import (
     EVICTED,
     MODE_CLUSTER,
@@ -82,6 +80,8 @@ from .decode_weights import (
     accumulate_serial,
     accumulate_serial_bf16,
 )
+from .intrinsics import exp_shifted_f32, prefetch_l2
+from .options import FASTMATH, serial_and_parallel
 from .pages import page_bounds
 from .storage import (
     clone_with,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._options import FASTMATH
+from .options import FASTMATH
 from .storage import clone_with, widen_bf16, widen_f16
 from .topk import heap_offer
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ._intrinsics import exp_shifted_f32
-from ._options import FASTMATH, serial_and_parallel
+from .intrinsics import exp_shifted_f32
+from .options import FASTMATH, serial_and_parallel
 from .storage import widen_bf16, widen_f16
 
 __all__ = ["accumulate_parallel", "accumulate_parallel_bf16", "accumulate_serial", "accumulate_serial_bf16"]

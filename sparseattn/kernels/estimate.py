@@ -44,8 +44,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._intrinsics import _LOG2E, pow2_f32
-from ._options import FASTMATH
+from .intrinsics import LOG2E, pow2_f32
+from .options import FASTMATH
 
 __all__ = ["cluster_prefix", "cluster_sums", "estimate_rows", "estimate_rows_causal", "estimate_weights",
            "estimate_weights_stats", "log_mass_causal", "log_mass_rows", "log_mass_rows_cov", "mass_route",
@@ -334,6 +334,17 @@ def _mark_routed(skip, route_r, C, flag):
             skip[route_r[t]] = flag
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _finish_row(r, tot, M, tw2, s, m, ws2, all_rest, skip, route_r, C):
+    """Write row r's sum, shift and variance term (s, m, ws2) and, for ``all_rest``, clear the row's routed
+    marks from ``skip`` (set by :func:`_mark_routed` at the row's start)."""
+    s[r] = tot
+    m[r] = M
+    ws2[r] = tw2
+    if all_rest:
+        _mark_routed(skip, route_r, C, False)
+
+
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
 def estimate_rows(A, route, est, all_rest, vbar, sig2, ell, rmu, q2, o, s, m, ws2):
     """One estimated partial per row from whole-cluster statistics (non-causal).
@@ -379,11 +390,7 @@ def estimate_rows(A, route, est, all_rest, vbar, sig2, ell, rmu, q2, o, s, m, ws
                 vb = vbar[c]
                 for e in range(Ev):
                     orow[e] += w * vb[e]
-        s[r] = tot
-        m[r] = M
-        ws2[r] = tw2
-        if all_rest:
-            _mark_routed(skip, route[r], C, False)
+        _finish_row(r, tot, M, tw2, s, m, ws2, all_rest, skip, route[r], C)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
@@ -437,11 +444,7 @@ def estimate_rows_causal(q, qpos, route, est, all_rest, kptr, kpos_cs, Gk, Gk2, 
             tw2 += w * var
             for e in range(Ev):
                 orow[e] += inv * (Gv[base + nv, e] - Gv[base, e])
-        s[r] = tot
-        m[r] = M
-        ws2[r] = tw2
-        if all_rest:
-            _mark_routed(skip, route[r], C, False)
+        _finish_row(r, tot, M, tw2, s, m, ws2, all_rest, skip, route[r], C)
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
@@ -537,7 +540,7 @@ def _weights_row(a, w, route_r, sig2, r, s, m, ws2):
     tot = zero
     t2 = zero
     for c in range(C):
-        x = (a[c] - M) * _LOG2E
+        x = (a[c] - M) * LOG2E
         x = x if x > lo else lo
         e = pow2_f32(x)
         e = e if a[c] > ninf else zero
@@ -562,7 +565,7 @@ def estimate_weights(A, route, sig2, ell, rmu, q2, W, s, m, ws2):
     caller's ``W @ vbar`` is
     the estimated partial's output.  Why not :func:`estimate_rows`: each pass here is a branch-free loop
     over contiguous columns that vectorises, with a float32 exp
-    (:func:`~sparseattn.kernels._intrinsics.pow2_f32`, relative error 2.5e-7), and the value sum is a
+    (:func:`~sparseattn.kernels.intrinsics.pow2_f32`, relative error 2.5e-7), and the value sum is a
     BLAS product (measured at 2,048 rows, C = 128, Ev = 32: 8.3 ms for the per-cluster loop with a
     scalar exp, under 1 ms here).
     """

@@ -29,9 +29,9 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ._intrinsics import exp_shifted_f32, prefetch_row
-from ._options import FASTMATH, serial_and_parallel
 from .bias import bias_value
+from .intrinsics import exp_shifted_f32, prefetch_row
+from .options import FASTMATH, serial_and_parallel
 
 PREFETCH_DISTANCE = 4  # pairs ahead: measured best of 2/4/8 on random patterns at n = 65,536
 HAS_BIAS = True  # compile-time constant: the no-bias variants below prune the bias code entirely

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._options import FASTMATH
+from .options import FASTMATH
 from .topk import ORDER_BEST, heap_finish, pad_row, rerank_ids
 
 # ------------------------------------------------------------------------------------------ hash codes

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ._options import FASTMATH, serial_and_parallel
+from .options import FASTMATH, serial_and_parallel
 
 __all__ = ["PARALLEL_MIN_WORK", "merge_partials", "merge_partials_serial"]
 

@@ -16,7 +16,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from ._options import serial_and_parallel
+from .options import serial_and_parallel
 
 
 @njit(cache=True)

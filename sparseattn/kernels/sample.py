@@ -18,21 +18,22 @@ from numba import njit, prange
 
 from .pattern_ops import csr_alloc
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: the SplitMix64 stream increment
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _mix(z):
+def mix64(z):
+    """SplitMix64's finaliser: a well-mixed uint64 of a uint64 (seeds and stream states are mixed by it)."""
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _below(state, n):
+def uniform_below(state, n):
     """(next state, a uniform integer in [0, n)) for n >= 1 (53-bit float scaling, bias < 2^-40)."""
-    state = state + _GOLDEN
-    x = _mix(state)
+    state = state + GOLDEN
+    x = mix64(state)
     r = np.int64(np.float64(x >> np.uint64(11)) * (1.0 / 9007199254740992.0) * n)
     return state, min(r, n - 1)
 
@@ -43,7 +44,7 @@ def floyd_sample(state, n, m, out):
     in ``out[:m]`` (unsorted); returns the next stream state."""
     k = 0
     for j in range(n - m, n):
-        state, t = _below(state, j + 1)
+        state, t = uniform_below(state, j + 1)
         dup = False
         for c in range(k):
             if out[c] == t:
@@ -106,7 +107,7 @@ def sample_tail(indptr, indices, visible, order, rank, m, seed, stream):
         if mi > 0:
             log_w[i] = np.log(u / mi)
     tptr, tidx = csr_alloc(counts)
-    base = _mix(np.uint64(seed) * _GOLDEN + np.uint64(stream))
+    base = mix64(np.uint64(seed) * GOLDEN + np.uint64(stream))
     for i in prange(L):
         mi = counts[i]
         if mi == 0:
@@ -114,7 +115,7 @@ def sample_tail(indptr, indices, visible, order, rank, m, seed, stream):
         vis = visible[i]
         sel = _row_selected_ranks(indptr, indices, i, rank, vis)
         u = vis - sel.shape[0]
-        state = _mix(base ^ (np.uint64(i) * _GOLDEN))
+        state = mix64(base ^ (np.uint64(i) * GOLDEN))
         picks = np.empty(mi, dtype=np.int64)
         state = floyd_sample(state, u, mi, picks)
         a = tptr[i]

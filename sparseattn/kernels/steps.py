@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._options import FASTMATH
+from .options import FASTMATH
 
 
 @njit(parallel=True, cache=True, fastmath=FASTMATH)

@@ -14,35 +14,40 @@ __all__ = ["clone_with", "float32_bits", "narrow_f16", "store_token_bf16", "stor
 BF16 = False  # compile-time constant: True in the bfloat16 variants below
 
 
-@intrinsic
-def widen_f16(typingctx, x):
-    """float32 from a float32 (unchanged) or from float16 bits held in a uint16 (an LLVM ``fpext``)."""
-    if isinstance(x, types.Float) and x.bitwidth == 32:
-        def codegen(context, builder, signature, args):
-            return args[0]
-        return types.float32(x), codegen
-    if isinstance(x, types.Integer) and x.bitwidth == 16:
-        def codegen(context, builder, signature, args):
-            half = builder.bitcast(args[0], ir.HalfType())
-            return builder.fpext(half, ir.FloatType())
-        return types.float32(x), codegen
-    return None
+def _widen_intrinsic(name, doc, bits_to_f32):
+    """An intrinsic ``name(x)``: float32 from a float32 (unchanged) or from 16-bit bits held in a uint16,
+    widened by ``bits_to_f32(builder, bits) -> float32 value`` (LLVM IR)."""
+    def typer(typingctx, x):
+        if isinstance(x, types.Float) and x.bitwidth == 32:
+            def codegen(context, builder, signature, args):
+                return args[0]
+            return types.float32(x), codegen
+        if isinstance(x, types.Integer) and x.bitwidth == 16:
+            def codegen(context, builder, signature, args):
+                return bits_to_f32(builder, args[0])
+            return types.float32(x), codegen
+        return None
+
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
 
 
-@intrinsic
-def widen_bf16(typingctx, x):
-    """float32 from a float32 (unchanged) or from bfloat16 bits held in a uint16 (shift + bitcast)."""
-    if isinstance(x, types.Float) and x.bitwidth == 32:
-        def codegen(context, builder, signature, args):
-            return args[0]
-        return types.float32(x), codegen
-    if isinstance(x, types.Integer) and x.bitwidth == 16:
-        def codegen(context, builder, signature, args):
-            wide = builder.zext(args[0], ir.IntType(32))
-            bits = builder.shl(wide, ir.Constant(ir.IntType(32), 16))
-            return builder.bitcast(bits, ir.FloatType())
-        return types.float32(x), codegen
-    return None
+def _f16_bits_to_f32(builder, bits):
+    return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
+
+
+def _bf16_bits_to_f32(builder, bits):
+    wide = builder.zext(bits, ir.IntType(32))
+    return builder.bitcast(builder.shl(wide, ir.Constant(ir.IntType(32), 16)), ir.FloatType())
+
+
+widen_f16 = _widen_intrinsic(
+    "widen_f16", "float32 from a float32 (unchanged) or from float16 bits held in a uint16 (an LLVM ``fpext``).",
+    _f16_bits_to_f32)
+widen_bf16 = _widen_intrinsic(
+    "widen_bf16", "float32 from a float32 (unchanged) or from bfloat16 bits held in a uint16 (shift + bitcast).",
+    _bf16_bits_to_f32)
 
 
 @intrinsic

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from . import _options  # noqa: F401  (sets up the cache directory before compiling)
+from . import options  # noqa: F401  (sets up the cache directory before compiling)
 from .pattern_ops import csr_alloc, emit, two_pass_csr
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._options import FASTMATH
+from .options import FASTMATH
 from .pattern_ops import csr_alloc
 
 __all__ = ["ORDER_BEST", "ORDER_ID", "ORDER_NONE", "block_topk", "heap_finish", "heap_offer", "merge_topk",

@@ -69,17 +69,16 @@ from typing import Any, ClassVar
 import numba
 import numpy as np
 
-from ..attention.routed import mass_routes, routed_attention
-from ..attention.segmented import segment_routes, segmented_attention
 from ..index.cluster import ASSIGN, ROUTE_BY, ClusterIndex
+from ..index.routing import mass_routes, segment_routes
 from ..index.segments import SegmentedClusterIndex
-from ..inputs import check_bool, positions
+from ..inputs import positions
 from ..kernels import cluster as ck
 from ..pattern import SparsePattern
 from ..threads import worker_threads
 from .base import Selector, fill_small_rows
 from .params import Param, non_negative, positive
-from .registry import register
+from .registry import attention_for, register
 
 _MODES = ("topk", "block")
 # Parameters that configure the ClusterIndex (the others, mode, exact_prefix, strict_causal, ..., are
@@ -382,10 +381,10 @@ class ClusterSelector(Selector):
         (L, n_probe_) int32 cluster ids, best centroid score ``q . c`` first.
         """
         self._require_built("route")
-        q = self.index_._queries(queries, check_finite)
+        q = self.index_.validated_queries(queries, check_finite)
         n = self.n_threads
         with worker_threads(n):
-            return self.index_._route_rows(q, n)[0]
+            return self.index_.route_rows(q, n)[0]
 
     def _query(self, q: np.ndarray, k: int, is_causal: bool, qpos: np.ndarray, kpos: np.ndarray
                ) -> SparsePattern:
@@ -415,9 +414,9 @@ class ClusterSelector(Selector):
                 indptr, indices = ck.routed_pattern(route, kptr, index.perm_, bool(is_causal), qpos, kpos)
                 pattern = SparsePattern(indptr, indices, index.keys_.shape[0], validate=False)
             elif prm["mode"] == "block":
-                pattern = index.routed_keys(index._route_rows(q, n)[0], is_causal, qpos, kpos)
+                pattern = index.routed_keys(index.route_rows(q, n)[0], is_causal, qpos, kpos)
             else:
-                return index._search(q, index._route_rows(q, n)[0], min(k, index.keys_.shape[0]), is_causal,
+                return index.search_routed(q, index.route_rows(q, n)[0], min(k, index.keys_.shape[0]), is_causal,
                                      qpos, kpos, n)
             if is_causal and prm["exact_prefix"]:
                 # the rows attend() computes exactly over every visible key
@@ -429,8 +428,10 @@ class ClusterSelector(Selector):
                check_finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Exact softmax attention of each query over every key of its routed clusters.
 
-        Works in either mode (``mode`` only changes what :meth:`query` returns and ``attends``).  This is
-        :func:`sparseattn.attention.routed.routed_attention` over ``index_`` with this selector's
+        Works in either mode (``mode`` only changes what :meth:`query` returns and ``attends``).  Computed
+        by :func:`sparseattn.attention.cluster.cluster_attention`:
+        :func:`sparseattn.attention.routed.routed_attention` over ``index_`` (strictly causal queries:
+        :func:`~sparseattn.attention.segmented.segmented_attention` over :meth:`segments`) with this selector's
         ``exact_prefix`` and ``n_threads``: the parameters, results (``output`` (L, Ev), ``lse`` (L,)) and
         errors are those documented there; ``last_refined_pairs_`` records its ``refined_pairs`` and
         ``last_keys_read_`` its per-query ``keys_read``.  ``estimate``, ``top_p``, ``min_keys`` and
@@ -438,19 +439,9 @@ class ClusterSelector(Selector):
         """
         self._require_built("attend")
         stats: dict[str, Any] = {}
-        prm = self._params
-        budget = dict(estimate=prm["estimate"], top_p=prm["top_p"], min_keys=prm["min_keys"],
-                      max_keys=prm["max_keys"])
-        if check_bool(is_causal, "is_causal") and prm["strict_causal"]:
-            seg = self.segments(key_positions)
-            out = segmented_attention(seg, queries, values, scale=scale, query_positions=query_positions,
-                                      exact_prefix=prm["exact_prefix"], n_threads=self.n_threads,
-                                      check_finite=check_finite, stats=stats, **budget)
-        else:
-            out = routed_attention(self.index_, queries, values, scale=scale, is_causal=is_causal,
-                                   query_positions=query_positions, key_positions=key_positions,
-                                   exact_prefix=prm["exact_prefix"], n_threads=self.n_threads,
-                                   check_finite=check_finite, stats=stats, **budget)
+        out = attention_for(ClusterSelector.name)(self, queries, values, scale=scale, is_causal=is_causal,
+                                                  query_positions=query_positions, key_positions=key_positions,
+                                                  check_finite=check_finite, stats=stats)
         self.last_refined_pairs_ = stats.get("refined_pairs", 0)
         self.last_keys_read_ = stats["keys_read"]
         return out

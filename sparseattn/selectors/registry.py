@@ -4,7 +4,10 @@ Each selector module decorates its classes with :func:`register`; ``sparseattn.s
 selector module explicitly, so all selectors are registered once the package is imported.  This module
 imports nothing from the rest of the package (the selector modules import it, never the reverse), so
 there is no import cycle; the combinator used for ``"a+b"`` specs registers itself with
-:func:`register_union`.
+:func:`register_union`.  Selectors that compute attention themselves (``attends``) find that computation
+here too: the attention layer registers it with :func:`register_attention` (selectors never import
+:mod:`sparseattn.attention`, which builds on them), and the selector's ``attend`` calls
+:func:`attention_for`.
 
 Spec strings: ``"name"`` or ``"name:p1=v1,p2=v2"``; ``"+"`` joins parts into a union
 (``"window:width=64+sinks:g=4+faiss-hnsw:M=32"``).  Values are text and are coerced by the selector's
@@ -13,15 +16,17 @@ Spec strings: ``"name"`` or ``"name:p1=v1,p2=v2"``; ``"+"`` joins parts into a u
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 __all__ = [
-    "SelectorProtocol", "available_selectors", "get_selector", "parse_spec", "register", "register_union", "selector_classes",
-    "spec_string",
+    "SelectorProtocol", "attention_for", "available_selectors", "get_selector", "parse_spec", "register",
+    "register_attention", "register_union", "selector_classes", "spec_string",
 ]
 
 _REGISTRY: dict[str, type[SelectorProtocol]] = {}
 _UNION: list[type[SelectorProtocol]] = []  # at most one class: how "a+b" specs are combined
+_ATTENTION: dict[str, Callable[..., Any]] = {}  # selector name -> its attention (register_attention)
 
 _T = TypeVar("_T", bound=type)
 
@@ -79,6 +84,35 @@ def register_union(cls: _T) -> _T:
                          f"{_qualname(cls)} too.")
     _UNION[:] = [cls]  # type: ignore[list-item]
     return cls
+
+
+def register_attention(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator registering ``fn`` as the attention computed by the selector named ``name``.
+
+    ``fn(selector, queries, values, *, scale, is_causal, query_positions, key_positions, check_finite,
+    stats)`` returns ``(output, lse)``.  The attention modules register these when imported (importing
+    :mod:`sparseattn` imports them), so a selector reaches its attention without importing the attention
+    layer.
+    """
+    def add(fn: Callable[..., Any]) -> Callable[..., Any]:
+        _ATTENTION[name] = fn
+        return fn
+    return add
+
+
+def attention_for(name: str) -> Callable[..., Any]:
+    """The attention registered for the selector named ``name`` (see :func:`register_attention`).
+
+    Raises
+    ------
+    NotImplementedError
+        Nothing is registered under ``name``.
+    """
+    fn = _ATTENTION.get(name)
+    if fn is None:
+        raise NotImplementedError(f"no attention is registered for selector {name!r} (the attention modules "
+                                  f"register theirs when sparseattn is imported).")
+    return fn
 
 
 def selector_classes() -> dict[str, type[SelectorProtocol]]:

@@ -32,6 +32,7 @@ import time
 import tracemalloc
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,7 @@ from ..attention.sparse import sparse_attention
 from ..pattern import SparsePattern
 from ..selectors import get_selector, spec_string
 from ..threads import get_num_threads
+from . import sdpa_timing
 
 
 @dataclass
@@ -239,9 +241,7 @@ def prepare_torch() -> bool:
     if torch is None:
         return False
     torch.set_num_threads(get_num_threads())
-    x = torch.zeros((1, 2, 8, 4))
-    with torch.no_grad():
-        torch.nn.functional.scaled_dot_product_attention(x, x, x)
+    sdpa_timing.warm_up(torch)
     return True
 
 
@@ -249,13 +249,7 @@ def _sdpa_seconds(torch: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, is
                   repeats: int) -> float:
     """Median seconds of torch SDPA over (G, L, E) / (G, S, E) / (G, S, Ev) arrays, called 4-D (1, G, n, d)."""
     tq, tk, tv = (torch.from_numpy(x)[None] for x in (q, k, v))  # (1, G, n, d): never 2-D
-    times = []
-    with torch.no_grad():
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=is_causal, scale=scale)
-            times.append(time.perf_counter() - t0)
-    return _median(times)
+    return _median(sdpa_timing.sdpa_times(torch, tq, tk, tv, is_causal=is_causal, scale=scale, repeats=repeats))
 
 
 def time_dense(wl: Workload, *, is_causal: bool, repeats: int = 3) -> dict[str, float | None]:
@@ -282,28 +276,9 @@ def time_dense(wl: Workload, *, is_causal: bool, repeats: int = 3) -> dict[str, 
 
 FAIRNESS_TOLERANCE = 0.25  # in-run SDPA may differ from a fresh process's by at most this fraction
 
-# The script fresh_sdpa_seconds runs in a fresh interpreter (argv: the .npz path, causal 0/1, scale, repeats,
-# threads).  It imports numpy and torch only (never sparseattn or Numba), so nothing of ours can have
-# slowed torch; times SDPA exactly as time_dense does and prints the median as JSON.
-FRESH_SDPA_SCRIPT = r"""
-import json, statistics, sys, time
-import numpy as np
-import torch
-path, is_causal, scale, repeats, n_threads = sys.argv[1], sys.argv[2] == "1", float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-torch.set_num_threads(n_threads)
-x = torch.zeros((1, 2, 8, 4))
-with torch.no_grad():
-    torch.nn.functional.scaled_dot_product_attention(x, x, x)
-with np.load(path) as f:
-    tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(f[n]))[None] for n in ("q", "k", "v"))
-times = []
-with torch.no_grad():
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=is_causal, scale=scale)
-        times.append(time.perf_counter() - t0)
-print(json.dumps({"sdpa_s": statistics.median(times), "threads": torch.get_num_threads()}))
-"""
+# The script fresh_sdpa_seconds runs in a fresh interpreter: the text of sdpa_timing, which imports numpy and
+# torch only (never sparseattn or Numba) and times SDPA exactly as time_dense does.
+FRESH_SDPA_SCRIPT = Path(sdpa_timing.__file__).read_text()
 
 
 def fresh_sdpa_seconds(wl: Workload, *, is_causal: bool, repeats: int = 3, timeout: float | None = None) -> float:

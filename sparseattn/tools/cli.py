@@ -350,18 +350,28 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     result["data"] = args.data
     if trace is not None:
         result["workload"]["description"] = trace.meta["description"]
-    if "table" in formats:
-        print(report.render_text(result))
-    if files:
-        for p in report.write_compare(result, args.out, files):
-            print(f"wrote {p}")
-    advice = bench.fairness_advice(result.get("fairness"))
-    if advice and not args.quiet:
-        print(advice, file=sys.stderr)
+    _show(result, formats, files, args, report.render_text, report.write_compare)
     failed = [r for r in result["results"] if "error" in r]
     for r in failed:
         print(f"sparseattn compare: error: selector {r['selector']}: {r['error']}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _show(result: dict[str, Any], formats: list[str], files: list[str], args: argparse.Namespace,
+          render_text: Callable[[dict[str, Any]], str],
+          write: Callable[[dict[str, Any], str, list[str]], list[Any]]) -> None:
+    """Print the table (format "table"), write the files and say where, and warn (unless --quiet) when the
+    SDPA baseline looked slowed down (``result["fairness"]``)."""
+    from . import bench
+
+    if "table" in formats:
+        print(render_text(result))
+    if files:
+        for p in write(result, args.out, files):
+            print(f"wrote {p}")
+    advice = bench.fairness_advice(result.get("fairness"))
+    if advice and not args.quiet:
+        print(advice, file=sys.stderr)
 
 
 def _check_formats(text: str) -> list[str]:
@@ -400,7 +410,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     import numpy as np
 
     from ..threads import get_num_threads, threads
-    from . import bench, decode_report
+    from . import decode_report
 
     formats = _check_formats(args.format)
     files = [f for f in formats if f != "table"]
@@ -450,14 +460,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
                 progress_steps(args.steps + 1 + int(sdpa), "decode", quiet=args.quiet) as say:
             result = decode_report.run_decode(wl, selectors, k=args.k, dtype=args.dtype, sdpa=not args.no_sdpa,
                                               progress=say)
-    if "table" in formats:
-        print(decode_report.render_text(result))
-    if files:
-        for p in decode_report.write_decode(result, args.out, files):
-            print(f"wrote {p}")
-    advice = bench.fairness_advice(result.get("fairness"))
-    if advice and not args.quiet:
-        print(advice, file=sys.stderr)
+    _show(result, formats, files, args, decode_report.render_text, decode_report.write_decode)
     return 0
 
 

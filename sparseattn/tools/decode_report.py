@@ -589,10 +589,12 @@ def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 
 def _title(result: dict[str, Any]) -> str:
+    from .report import title_line
+
     w = result["workload"]
-    return (f"sparseattn decode: {w['description']} — {w['heads']} head(s), E={w['E']}, cache {w['length']:,} "
-            f"keys + {w['steps']} steps, {result['dtype']} storage, k={result['k']}, "
-            f"{result['machine']['threads']} thread(s)")
+    return title_line("decode", result, [f"{w['heads']} head(s)", f"E={w['E']}",
+                                         f"cache {w['length']:,} keys + {w['steps']} steps",
+                                         f"{result['dtype']} storage", f"k={result['k']}"])
 
 
 def _footnote(result: dict[str, Any]) -> str:

@@ -240,11 +240,18 @@ def render_text(result: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def title_line(command: str, result: dict[str, Any], details: list[str]) -> str:
+    """The title of a report of ``sparseattn <command>``: the data's description, then ``details`` and the
+    thread count (``{threads} thread(s)``), joined by commas."""
+    threads = f"{result['machine']['threads']} thread(s)"
+    return f"sparseattn {command}: {result['workload']['description']} — {', '.join([*details, threads])}"
+
+
 def _title(result: dict[str, Any]) -> str:
     w = result["workload"]
-    return (f"sparseattn compare: {w['description']} — {w['groups']} group(s) x L={w['L']} queries x "
-            f"S={w['S']} keys, E={w['E']}, k={result['k']}, causal={result['is_causal']}, "
-            f"{result['machine']['threads']} thread(s), medians of {result['repeats']}")
+    return title_line("compare", result, [f"{w['groups']} group(s) x L={w['L']} queries x S={w['S']} keys",
+                                          f"E={w['E']}", f"k={result['k']}", f"causal={result['is_causal']}"]
+                      ) + f", medians of {result['repeats']}"
 
 
 def _footnote(result: dict[str, Any]) -> str:

@@ -12,21 +12,40 @@ from .base import Routing, register_routing
 __all__ = ["DenseRouting", "TopKRouting", "WindowRouting"]
 
 
-@register_routing
-class WindowRouting(Routing):
-    """The sinks and the newest ``window`` slots."""
+class _RangeRouting(Routing):
+    """The sinks and every slot from :meth:`recent_start` on, attended exactly (no key is scored)."""
 
-    name = "window"
     any_cache = True
+
+    def recent_start(self) -> int:
+        """First slot after the sinks that the step reads."""
+        raise NotImplementedError
+
+    def work_slots(self) -> int:
+        """Slots the step's cost is counted over (times query rows and dimensions)."""
+        raise NotImplementedError
 
     def plan(self, q: np.ndarray, qpos: np.ndarray, k: int) -> StepPlan:
         st = self.store
-        work = (self.cfg.window + st.s0) * q.shape[0] * q.shape[1]
-        return StepPlan(kd.MODE_NONE, st.s0, max(st.s0, st.slots - self.cfg.window), st.slots, work=work)
+        return StepPlan(kd.MODE_NONE, st.s0, self.recent_start(), st.slots,
+                        work=self.work_slots() * q.shape[0] * q.shape[1])
 
     def selected(self, q: np.ndarray, g: int, k: int) -> list[np.ndarray]:
         st = self.store
-        return [np.arange(st.s0), np.arange(max(st.s0, st.slots - self.cfg.window), st.slots)]
+        return [np.arange(st.s0), np.arange(self.recent_start(), st.slots)]
+
+
+@register_routing
+class WindowRouting(_RangeRouting):
+    """The sinks and the newest ``window`` slots."""
+
+    name = "window"
+
+    def recent_start(self) -> int:
+        return max(self.store.s0, self.store.slots - self.cfg.window)
+
+    def work_slots(self) -> int:
+        return self.cfg.window + self.store.s0
 
 
 @register_routing
@@ -51,15 +70,13 @@ class TopKRouting(Routing):
 
 
 @register_routing
-class DenseRouting(Routing):
+class DenseRouting(_RangeRouting):
     """Every visible key, exactly: the exact decode step."""
 
     name = "dense"
-    any_cache = True
 
-    def plan(self, q: np.ndarray, qpos: np.ndarray, k: int) -> StepPlan:
-        st = self.store
-        return StepPlan(kd.MODE_NONE, st.s0, st.s0, st.slots, work=st.slots * q.shape[0] * q.shape[1])
+    def recent_start(self) -> int:
+        return self.store.s0
 
-    def selected(self, q: np.ndarray, g: int, k: int) -> list[np.ndarray]:
-        return [np.arange(self.store.slots)]
+    def work_slots(self) -> int:
+        return self.store.slots

@@ -20,7 +20,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._options import FASTMATH
+from .options import FASTMATH
 
 
 def _prefetch(context, builder, aryty, ary_val, row, offset, locality):
@@ -65,7 +65,7 @@ def prefetch_l2(typingctx, arr, row, offset):
     return sig, codegen
 
 
-_LOG2E = np.float32(1.0 / math.log(2.0))
+LOG2E = np.float32(1.0 / math.log(2.0))
 # Taylor coefficients of 2**f = exp(f ln 2) on f in [-0.5, 0.5]: truncation error < 1.3e-7 relative.
 _C = [np.float32(math.log(2.0) ** i / math.factorial(i)) for i in range(8)]
 _C0, _C1, _C2, _C3, _C4, _C5, _C6, _C7 = _C
@@ -107,7 +107,7 @@ def pow2_f32(x):
 def exp_shifted_f32(src, n, shift, dst):
     """dst[t] = exp(src[t] - shift) for t < n, float32, vectorisable; ``dst`` may be ``src``."""
     for t in range(n):
-        x = (src[t] - shift) * _LOG2E
+        x = (src[t] - shift) * LOG2E
         ok = x >= -125.0
         e = pow2_f32(x if ok else np.float32(-125.0))
         dst[t] = e if ok else np.float32(0.0)  # arguments below -125 (and -inf): exactly 0
