@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._intrinsics import prefetch_l2
-from ._options import FASTMATH, serial_and_parallel
+from .intrinsics import prefetch_l2
+from .options import FASTMATH, serial_and_parallel
 
 __all__ = ["code_bytes", "encode_residuals", "scan_parallel", "scan_serial"]
 
