@@ -15,7 +15,7 @@ from ..inputs import check_bool, check_positive_int, overflow_message
 from . import checks as ck
 from .config import CacheConfig
 from .eviction import enforce_cap, make_policy
-from .plan import StepResult, concat_results, run_plan
+from .plan import StepResult, run_strategy
 from .report import CacheReport
 from .routing import Routing, routing_class, routing_classes
 from .store import EVICTED, INT32_MAX, SlotStore, is_torch
@@ -393,12 +393,7 @@ class KVCache(CacheReport):
     def _run(self, q: np.ndarray, qpos: np.ndarray, k: int, strategy: Routing, *, record: bool = False
              ) -> StepResult:
         """One kernel call of ``strategy``'s plan (with ``record`` or h2o, the slot ranges each row read)."""
-        T = q.shape[1]
-        step = strategy.max_tokens(q.shape[0]) or T
-        parts = []
-        for a in range(0, T, step):  # token blocks bound the plan's memory (e.g. a long prefill)
-            plan = strategy.plan(q[:, a:a + step], qpos[a:a + step], k)
-            parts.append(run_plan(self._store, plan, q[:, a:a + step], qpos[a:a + step], scale=self.scale,
-                                  parallel=self.parallel, record=record, weights=self._policy.weights))
-            self._stats["kernel_seconds"] += parts[-1].seconds
-        return parts[0] if len(parts) == 1 else concat_results(parts)
+        res = run_strategy(self._store, strategy, q, qpos, k, scale=self.scale, parallel=self.parallel,
+                           record=record, weights=self._policy.weights)
+        self._stats["kernel_seconds"] += res.seconds
+        return res

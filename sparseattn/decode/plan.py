@@ -19,7 +19,7 @@ import numpy as np
 from ..kernels import decode as kd
 from .store import SlotStore
 
-__all__ = ["PARALLEL_MIN_KEYS", "StepPlan", "StepResult", "concat_results", "run_plan"]
+__all__ = ["PARALLEL_MIN_KEYS", "StepPlan", "StepResult", "concat_results", "run_plan", "run_strategy"]
 
 # Work per call (keys scored, plus routing vectors weighted by their bytes against a key's key + value)
 # below which the kernel runs on one thread.  Measured on 2 cores, 8 heads, E = 64, median of 40 steps:
@@ -153,6 +153,18 @@ def run_plan(store: SlotStore, plan: StepPlan, q: np.ndarray, qpos: np.ndarray, 
             acc = kd.accumulate_parallel if par else kd.accumulate_serial
         acc(q, qpos, H // hk, K, store.pos, rec, n_rec, lse, np.float32(scale), weights)
     return StepResult(out, lse, nread, nest, rec, n_rec, time.perf_counter() - t1)
+
+
+def run_strategy(store: SlotStore, strategy: Any, q: np.ndarray, qpos: np.ndarray, k: int, *, scale: float,
+                 parallel: bool | None, record: bool = False, weights: np.ndarray | None = None) -> StepResult:
+    """Plan and run the queries ``q`` (H, T, E) float32 at ``qpos`` (T,) with a routing ``strategy``, in
+    blocks of at most ``strategy.max_tokens(H)`` tokens (a long prefill's plan stays bounded)."""
+    T = q.shape[1]
+    step = strategy.max_tokens(q.shape[0]) or T
+    parts = [run_plan(store, strategy.plan(q[:, a:a + step], qpos[a:a + step], k), q[:, a:a + step],
+                      qpos[a:a + step], scale=scale, parallel=parallel, record=record, weights=weights)
+             for a in range(0, T, step)]
+    return parts[0] if len(parts) == 1 else concat_results(parts)
 
 
 def concat_results(parts: list[StepResult]) -> StepResult:
