@@ -37,6 +37,9 @@ every clustered key scanned, the best 3 % (at least 1,024) read exactly), ``sket
 build took ~1 ms per key and head on the shared machine), ``topk`` (``selector="topk"``: exact top-64, reads
 every key).
 
+``--gqa R``: ``R`` query heads per kv head (``--heads`` then counts kv heads); torch SDPA runs with
+``enable_gqa=True`` on the same tensors.
+
 1,048,576 keys (when listed) runs with ``--heads-1m`` heads (default 1): 8 heads of float32 K and V are
 4 GB before the cache's own copy.  Timing is indicative: the machine is shared; ratios are of medians taken
 in one loop.  Writes benchmarks/results/decode-recall.json and .md.
@@ -128,50 +131,60 @@ def make_workload(kind: str, n: int, heads: int, nq: int, n_planted: int, seed: 
             "planted_mass": float(w.mass.mean())}
 
 
-def oracle(K: np.ndarray, V: np.ndarray, q: np.ndarray, scale: float) -> dict:
-    """float64 attention of one query per head over every key: output (H, dv), lse (H,), the exact top-64
-    attention's output (H, dv), and the top-n scores' positions in descending order (H, 64)."""
-    H = K.shape[0]
+def oracle(K: np.ndarray, V: np.ndarray, q: np.ndarray, scale: float, rep: int = 1) -> dict:
+    """float64 attention of one query per query head (H = rep x kv heads; head h reads kv head h // rep) over
+    every key: output (H, dv), lse (H,), the exact top-64 attention's output (H, dv), and the top-n scores'
+    positions in descending order (H, 64)."""
+    H = q.shape[0]
     out = np.empty((H, V.shape[-1]))
     top_out = np.empty_like(out)
     lse = np.empty(H)
     order = np.empty((H, 64), np.int64)
     for h in range(H):
-        s = K[h].astype(np.float64) @ q[h].astype(np.float64) * scale
+        Kh, Vh = K[h // rep], V[h // rep]
+        s = Kh.astype(np.float64) @ q[h].astype(np.float64) * scale
         m = s.max()
         w = np.exp(s - m)
         z = w.sum()
-        out[h] = w @ V[h].astype(np.float64) / z
+        out[h] = w @ Vh.astype(np.float64) / z
         lse[h] = m + np.log(z)
         t = np.argpartition(-s, 64)[:64]
         t = t[np.argsort(-s[t], kind="stable")]
         order[h] = t
         wt = np.exp(s[t] - s[t].max())
-        top_out[h] = wt @ V[h][t].astype(np.float64) / wt.sum()
+        top_out[h] = wt @ Vh[t].astype(np.float64) / wt.sum()
     return {"out": out, "lse": lse, "top_out": top_out, "top": order}
 
 
 # ------------------------------------------------------------------------------------------ one case
 def run_case(kind: str, n: int, heads: int, nq: int, n_planted: int, settings: list[str], hnsw_max: int,
-             seed: int, chunk: int = 8192) -> dict:
+             seed: int, chunk: int = 8192, gqa: int = 1) -> dict:
+    """One workload and length: every setting's cache filled, then ``nq`` decode steps measured.  With
+    ``gqa`` > 1 the cache has ``heads`` kv heads and ``gqa x heads`` query heads (query head g x gqa + i of
+    step t asks the generator's query t x gqa + i of kv head g)."""
     import torch
 
     from sparseattn import KVCache
 
     t0 = time.perf_counter()
-    wl = make_workload(kind, n, heads, nq, n_planted, seed)
-    K, V, Q, planted, scale = wl["k"], wl["v"], wl["q"], wl["planted"], wl["scale"]
+    wl = make_workload(kind, n, heads, nq * gqa, n_planted, seed)
+    K, V, scale = wl["k"], wl["v"], wl["scale"]
+    hq = heads * gqa
+    # per step t: (hq, d) queries and (hq, n_planted) planted positions, query head h from kv head h // gqa
+    Q = wl["q"].reshape(heads, nq, gqa, -1).transpose(0, 2, 1, 3).reshape(hq, nq, -1)
+    planted = None if wl["planted"] is None else \
+        wl["planted"].reshape(heads, nq, gqa, -1).transpose(0, 2, 1, 3).reshape(hq, nq, -1)
     d = K.shape[-1]
-    log(f"{kind} n={n} H={heads}: data {time.perf_counter() - t0:.1f}s")
-    orc = [oracle(K, V, Q[:, t], scale) for t in range(nq)]
+    log(f"{kind} n={n} H={hq} (kv {heads}): data {time.perf_counter() - t0:.1f}s")
+    orc = [oracle(K, V, Q[:, t], scale, gqa) for t in range(nq)]
     if planted is not None:  # the planted keys are each query's exact top-n_planted (generator's margin)
         for t in range(nq):
-            for h in range(heads):
+            for h in range(hq):
                 if set(orc[t]["top"][h, :n_planted]) != set(planted[h, t]):
                     raise RuntimeError(f"{kind} n={n}: the planted keys of query {t}, head {h} are not its "
                                        f"exact top-{n_planted}; the recall measurement would be wrong")
     kt, vt = torch.from_numpy(K)[None], torch.from_numpy(V)[None]
-    res = {"workload": kind, "n": n, "heads": heads, "dim": d, "queries": nq,
+    res = {"workload": kind, "n": n, "heads": hq, "kv_heads": heads, "dim": d, "queries": nq,
            "n_planted": n_planted if planted is not None else None, "planted_mass": wl.get("planted_mass"),
            "top64_rel_err": float(np.mean([np.linalg.norm(o["top_out"] - o["out"], axis=1)
                                             / np.linalg.norm(o["out"], axis=1) for o in orc])),
@@ -181,7 +194,7 @@ def run_case(kind: str, n: int, heads: int, nq: int, n_planted: int, settings: l
         if name == "hnsw" and n > hnsw_max:
             res["settings"][name] = {"skipped": f"n > --hnsw-max {hnsw_max}"}
             continue
-        cache = KVCache(num_heads=heads, head_dim=d, scale=scale, **kw)
+        cache = KVCache(num_heads=hq, num_kv_heads=heads, head_dim=d, scale=scale, **kw)
         t0 = time.perf_counter()
         for a in range(0, n, chunk):
             cache.append(K[:, a:a + chunk], V[:, a:a + chunk])
@@ -189,7 +202,8 @@ def run_case(kind: str, n: int, heads: int, nq: int, n_planted: int, settings: l
         akw = {"k": 64}
         cache.attend(Q[:, 0][:, None], **akw)  # warm-up (JIT)
         with torch.no_grad():
-            torch.nn.functional.scaled_dot_product_attention(torch.from_numpy(Q[:, :1])[None], kt, vt)
+            torch.nn.functional.scaled_dot_product_attention(torch.from_numpy(Q[:, :1])[None], kt, vt,
+                                                             enable_gqa=gqa > 1)
         ts, tt = [], []
         acc: dict[str, list[float]] = {"err": [], "mass": [], "recall64": [], "planted": [], "read": []}
         for t in range(nq):
@@ -204,7 +218,7 @@ def run_case(kind: str, n: int, heads: int, nq: int, n_planted: int, settings: l
                 else:
                     a0 = time.perf_counter()
                     with torch.no_grad():
-                        torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, scale=scale)
+                        torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=gqa > 1)
                     tt.append(time.perf_counter() - a0)
             acc["read"].append(cache.stats["keys_read_per_query"])
             o = orc[t]
@@ -213,7 +227,7 @@ def run_case(kind: str, n: int, heads: int, nq: int, n_planted: int, settings: l
                                             / np.linalg.norm(o["out"], axis=1))))
             acc["mass"].append(float(np.mean(np.exp(np.minimum(lse[:, 0].astype(np.float64) - o["lse"], 0.0)))))
             rec, pl = [], []
-            for h in range(heads):
+            for h in range(hq):
                 sel = cache.selected_slots(q[h], h, **akw)
                 top = cache.selected_slots(q[h], h, k=64, selector="topk")
                 rec.append(np.isin(top, sel).mean())
@@ -259,7 +273,9 @@ def write_md(path: Path, res: dict) -> None:
     for c in res["cases"]:
         extra = f", {c['n_planted']} planted keys/query holding {c['planted_mass']:.2f} of the mass" \
             if c["n_planted"] else ""
-        L += [f"## {c['workload']}, n = {c['n']:,}, {c['heads']} heads{extra}; exact top-64 err "
+        kv = c.get("kv_heads", c["heads"])
+        heads = f"{c['heads']} heads" if kv == c["heads"] else f"{c['heads']} query / {kv} kv heads (GQA)"
+        L += [f"## {c['workload']}, n = {c['n']:,}, {heads}{extra}; exact top-64 err "
               f"{c['top64_rel_err']:.3f}", "",
               "| setting | planted recall (min) | recall@64 (min) | mass | err | err / top-64 err | keys read "
               "| p50 ms | p99 ms | SDPA p50 ms | x SDPA | index/KV | append us/tok |",
@@ -283,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", default="16384,65536,131072,262144")
     ap.add_argument("--heads", default="8", help="heads below 1,048,576 keys")
     ap.add_argument("--heads-1m", default="1", help="heads at 1,048,576 keys and above")
+    ap.add_argument("--gqa", default="1", help="query heads per kv head (the heads above are kv heads)")
     ap.add_argument("--workloads", default="passkey-clustered,passkey-gaussian,passkey-real,clustered")
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--queries", default="16", help="decode queries per head and case")
@@ -294,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = _int_list(a.lengths, "--lengths")
     heads = _int_list(a.heads, "--heads")[0]
     heads_1m = _int_list(a.heads_1m, "--heads-1m")[0]
+    gqa = _int_list(a.gqa, "--gqa")[0]
     nq = _int_list(a.queries, "--queries")[0]
     n_planted = _int_list(a.n_planted, "--n-planted")[0]
     hnsw_max = _int_list(a.hnsw_max, "--hnsw-max")[0]
@@ -324,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                 if n != REAL_N:
                     continue  # the shipped store holds 16,384 keys per head
                 hk = min(h, 4)  # and 4 heads
-            res["cases"].append(run_case(kind, n, hk, nq, n_planted, settings, hnsw_max, seed))
+            res["cases"].append(run_case(kind, n, hk, nq, n_planted, settings, hnsw_max, seed, gqa=gqa))
             out.write_text(json.dumps(res, indent=1), encoding="utf-8")
             write_md(out.with_suffix(".md"), res)
             gc.collect()
