@@ -77,3 +77,16 @@ def test_tiny_run_measures_exact_settings_exactly(tmp_path) -> None:
         assert r["p50_ms"] > 0 and r["sdpa_p50_ms"] > 0 and r["x_sdpa"] > 0
     md = out.with_suffix(".md").read_text()
     assert "passkey-clustered, n = 512" in md and "Timing is indicative" in md
+
+
+def test_gqa_run_measures_the_full_cache_exactly(tmp_path) -> None:
+    # 2 kv heads, 3 query heads each: 512 keys sit in the exact tail, so every query head's step is dense
+    # attention over its kv head, which the oracle (head h -> kv head h // 3) must agree with
+    out = tmp_path / "gqa.json"
+    assert bdr.main(["--lengths", "512", "--heads", "2", "--gqa", "3", "--queries", "2", "--workloads",
+                     "passkey-gaussian", "--settings", "default", "--out", str(out)]) == 0
+    (case,) = json.loads(out.read_text())["cases"]
+    assert case["heads"] == 6 and case["kv_heads"] == 2
+    r = case["settings"]["default"]
+    assert r["planted_recall"] == 1.0 and r["recall64"] == 1.0 and r["rel_err"] < 1e-4
+    assert "6 query / 2 kv heads (GQA)" in out.with_suffix(".md").read_text()
