@@ -1,7 +1,8 @@
 """model.generate() with SparseCache under a tiny random-weight LlamaForCausalLM (no download).
 
 Oracle: the same model with transformers' own DynamicCache and SDPA attention.  A cache that reads every
-key (selector "dense", or "cluster" probing every cluster) must give the same tokens and logits to 1e-4.
+key (selector "dense", "cluster" probing every cluster, or "sketch" with every key a candidate) must give the
+same tokens and logits to 1e-4.
 """
 
 from __future__ import annotations
@@ -80,8 +81,20 @@ def test_sparse_prefill_with_every_cluster_probed_equals_dense(model):
     assert cache.kv_caches()[0].stats["segments"] >= 3  # keys were clustered: the routed path ran
 
 
-def test_default_cluster_short_context_runs(model, ids):
-    cache = SparseCache(model)  # default selector "cluster", default segment: all keys still exact
+def test_sparse_prefill_with_every_sketch_candidate_equals_dense(model):
+    # the default selector with a candidate budget above the cache: the routed path (prefill rows in token
+    # blocks and decode steps through the 1-bit scan) must reproduce dense attention exactly
+    ids = torch.randint(1, VOCAB, (1, 300), generator=torch.Generator().manual_seed(4))
+    ref = _generate(model, ids, impl="sdpa", do_sample=False, n=5)
+    cache = SparseCache(model, prefill="sparse", selector="sketch:candidates=100000", segment=64, cluster_size=16,
+                        window=16, sinks=4)
+    out = _generate(model, ids, cache, impl=register_cache(), do_sample=False, n=5)
+    _assert_same(ref, out, ids.shape[1])
+    assert cache.kv_caches()[0].stats["segments"] >= 3  # keys were clustered and coded: the scan ran
+
+
+def test_default_short_context_runs(model, ids):
+    cache = SparseCache(model)  # default selector "sketch", default segment: all keys still exact
     out = _generate(model, ids, cache, impl=register_cache(), do_sample=False)
     assert out.sequences.shape == (1, ids.shape[1] + 8)
     assert cache.stats()["read_fraction"] == 1.0
