@@ -71,7 +71,7 @@ def test_planted_keys_found_at_every_depth(depth: float) -> None:
     K2 = K.copy()
     j = int(depth * (n - 100)) + 3
     K2[0, j] = q * 1.2
-    c2 = KVCache(1, E, selector="sketch", **KW)
+    c2 = KVCache(1, E, selector="sketch:candidates=256", **KW)  # 256 of ~2,900 routed keys: the scan decides
     c2.append(K2, V)
     sel = c2.selected_slots(q, 0)
     top = c2.selected_slots(q, 0, k=16, selector="topk")
@@ -170,15 +170,25 @@ def test_estimate_and_top_p_refused() -> None:
         KVCache(1, E, selector="sketch", top_p=0.9)
 
 
+def test_small_cache_reads_every_key() -> None:
+    # the default budget (1,024 candidates) is more than an eighth of 2,000 keys: every key is read exactly
+    c, K, V = _cache(2000, hk=1, h=1)
+    q = np.random.default_rng(6).standard_normal(E).astype(np.float32)
+    out = c.attend(q[None, None])[0, 0]
+    assert c.stats["keys_read_per_query"] == 2000 and c.stats["sketch_keys_scanned_per_query"] == 0
+    assert c.selected_slots(q, 0).size == 2000
+    np.testing.assert_allclose(out, _attend64(q, K[0], V[0], c.scale), rtol=2e-5, atol=2e-5)
+
+
 def test_stats_and_index_size() -> None:
-    c, _, _ = _cache(2000, hk=1, h=1)
+    c, _, _ = _cache(2000, hk=1, h=1, selector="sketch:candidates=100")
     c.attend(np.ones((1, 1, E), np.float32))
     s = c.stats
-    assert s["sketch_candidates"] == 1024
+    assert s["sketch_candidates"] == 100
     assert 0 < s["sketch_keys_scanned_per_query"] <= 2000
     # codes (E / 8 bytes) + factor (4 bytes) per slot and a radius (8 bytes) per cluster, beside the layout
     # of the cluster selector (the same clusters): at E = 64 that is 12 of a key's 512 bytes of K and V
-    plain, _, _ = _cache(2000, hk=1, h=1, selector="cluster")
+    plain, _, _ = _cache(2000, hk=1, h=1, selector="cluster")  # the same clusters
     clusters = int(c._routing.rad.size)  # noqa: SLF001 - the radius array's allocated size
     extra = 2000 * (E // 8 + 4) + 8 * clusters
     assert s["index_nbytes"] == plain.stats["index_nbytes"] + extra
@@ -208,7 +218,7 @@ def test_long_multi_token_attend_runs_in_blocks() -> None:
 
 
 def test_audit_against_brute_force() -> None:
-    c, K, V = _cache(2500, hk=1, h=2)
+    c, K, V = _cache(2500, hk=1, h=2, selector="sketch:candidates=100")
     q = np.random.default_rng(8).standard_normal((2, E)).astype(np.float32) * 3
     rep = c.audit(q, k=32)
     for h in range(2):

@@ -11,7 +11,9 @@ E = 64) besides the exact reads.
 
 Options come with the selector: ``"sketch"`` or ``"sketch:candidates=N"`` (keys read exactly per query
 from the routed part; default ``max(1024, 3 % of the routed keys)``) or ``"sketch:fraction=F"`` (F of the
-routed keys, at least 1024).  The layout (segments, k-means clusters of about ``cluster_size`` keys) is
+routed keys, at least 1024).  While the candidates would be more than an eighth of the routed keys (a
+cache of up to about 8,000 keys at the default budget) the step reads every key exactly instead: the scan
+and scattered reads would cost more than reading the keys in order.  The layout (segments, k-means clusters of about ``cluster_size`` keys) is
 the ``cluster`` strategy's; ``estimate`` and ``top_p`` are not supported.
 """
 
@@ -35,6 +37,7 @@ __all__ = ["SketchRouting", "parse_sketch"]
 
 MIN_CANDIDATES = 1024
 DEFAULT_FRACTION = 0.03
+DENSE_RATIO = 8  # candidates above 1/8 of the routed keys: read every key instead (see reads_all)
 PLAN_BYTES = 32 << 20  # candidate lists of one plan (a long prefill runs in token blocks)
 
 
@@ -161,10 +164,17 @@ class SketchRouting(ClusterRouting):
                st.sketch_fac, st.pos, R, rows, scanned, self._est[:P], self._ids[:P])
         return rows, scanned
 
+    def reads_all(self) -> bool:
+        """True when the step reads every key exactly: nothing is clustered yet, or the candidates would be
+        more than 1/``DENSE_RATIO`` of the routed keys (a scan plus scattered reads would then cost more
+        than reading the keys in order)."""
+        routed = self.layout.open_end - self.store.s0
+        return int(self.layout.n_cent.max(initial=0)) == 0 or DENSE_RATIO * self.candidates() >= routed
+
     def plan(self, q: np.ndarray, qpos: np.ndarray, k: int) -> StepPlan:
         st, lay = self.store, self.layout
         R_rows = q.shape[0] * q.shape[1]
-        if int(lay.n_cent.max(initial=0)) == 0:
+        if self.reads_all():
             return StepPlan(kd.MODE_NONE, st.s0, st.s0, st.slots, work=st.slots * R_rows)
         R = self.candidates()
         rows, scanned = self._scan(q, qpos, R)
@@ -179,7 +189,7 @@ class SketchRouting(ClusterRouting):
 
     def selected(self, q: np.ndarray, g: int, k: int) -> list[np.ndarray]:
         st, lay, cfg = self.store, self.layout, self.cfg
-        if int(lay.n_cent.max(initial=0)) == 0:
+        if self.reads_all():
             return [np.arange(st.slots)]
         qq = np.zeros((cfg.num_heads, 1, cfg.head_dim), np.float32)
         qq[g * cfg.rep] = q
