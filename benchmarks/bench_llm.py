@@ -24,8 +24,9 @@ Settings (``--settings``):
 * ``cluster-top_p``: the same with ``top_p=0.9`` (mass-driven budget) instead of ``n_probe``;
 * ``cluster-estimate``: the same ``n_probe`` plus ``estimate=16`` clusters estimated from their statistics;
 * ``sketch``: the KVCache default selector (1-bit residual codes of every clustered key scanned, the best
-  3 % and at least 1,024 read exactly), same segment, sinks and window;
-* ``sketch-512``: ``sketch:candidates=512``, the routed budget of ``cluster`` (8 probes of ~64 keys).
+  3 % and at least 1,024 read exactly; below about 8,000 cached keys it reads every key), same segment,
+  sinks and window;
+* ``sketch-256``: ``sketch:candidates=256`` (scans from about 2,000 cached keys on).
 
 Every prompt is prefilled once, densely (``DynamicCache`` + SDPA, all prompt tokens but the last); each
 setting then starts from that state (``SparseCache.fill``: what its dense prefill would leave), feeds the
@@ -67,7 +68,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-SETTINGS = ("dense", "cluster", "cluster-top_p", "cluster-estimate", "sketch", "sketch-512")
+SETTINGS = ("dense", "cluster", "cluster-top_p", "cluster-estimate", "sketch", "sketch-256")
 WORDS = ("apple", "lantern", "violin", "pepper", "marble", "harbor", "candle", "meadow")
 MAX_CONTEXT = 8192  # SmolLM2-135M's trained context
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -144,8 +145,8 @@ def cache_kwargs(setting: str, segment: int, n_probe: int = 8) -> dict:
         return {**base, "n_probe": n_probe, "estimate": 16}
     if setting == "sketch":
         return {**base, "selector": "sketch"}
-    if setting == "sketch-512":
-        return {**base, "selector": "sketch:candidates=512"}
+    if setting == "sketch-256":
+        return {**base, "selector": "sketch:candidates=256"}
     raise ValueError(setting)
 
 
