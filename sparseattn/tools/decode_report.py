@@ -356,7 +356,7 @@ def check_selectors(selectors: Sequence[str]) -> list[str]:
         try:
             KVCache(1, 8, selector=name)
         except (ValueError, TypeError, ImportError) as exc:
-            raise type(exc)(f"unknown cache selector {name!r}: {exc}") from None
+            raise type(exc)(f"cache selector {name!r} refused: {exc}") from None
         if name != "dense" and name not in out:
             out.append(name)
     return out
