@@ -88,21 +88,21 @@ def test_selection_is_the_top_estimates_brute_force() -> None:
     # the candidates are the routed keys of largest estimate (recomputed here in numpy from the codes),
     # plus the sinks and the tail
     c, K, V = _cache(1500, hk=1, h=1, selector="sketch:candidates=40")
-    r = c._routing  # noqa: SLF001 - white-box check of the scan against its definition
-    lay, st_ = r.layout, c.store
+    view, st_ = c.debug_view(), c.store
     q = np.random.default_rng(5).standard_normal(E).astype(np.float32)
-    nc = int(lay.n_cent[0])
-    mu = lay.routing(0, nc).astype(np.float64)
-    qr = r.rot @ q.astype(np.float64)
+    nc = int(view["n_clusters"][0])
+    cptr = view["cluster_ptr"]
+    mu = view["routing_vectors"][0, :nc].astype(np.float64)
+    qr = view["sketch_rotation"] @ q.astype(np.float64)
     signs = np.unpackbits(st_.sketch_codes[0], axis=1, bitorder="little")[:, :E] * 2.0 - 1.0
     est = np.full(st_.slots, -np.inf)
     for ci in range(nc):
-        a, b = lay.cptr[0, ci], lay.cptr[0, ci + 1]
+        a, b = cptr[0, ci], cptr[0, ci + 1]
         est[a:b] = mu[ci] @ q + st_.sketch_fac[0, a:b] * (signs[a:b] @ qr)
     order = np.argsort(-est)[:40]
     sel = set(c.selected_slots(q, 0).tolist())
     assert set(order.tolist()) <= sel
-    routed = set(range(lay.cptr[0, 0], lay.cptr[0, nc])) & sel
+    routed = set(range(cptr[0, 0], cptr[0, nc])) & sel
     assert len(routed) == 40
 
 
@@ -115,12 +115,12 @@ def test_evictions_and_compaction_keep_codes_in_step() -> None:
     ref = _attend64(q, K[0, live], V[0, live], c.scale)
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
     # after compaction every code is the code of the key now in its slot
-    r = c._routing  # noqa: SLF001 - white-box: codes follow their keys
-    lay, st_ = r.layout, c.store
-    nc = int(lay.n_cent[0])
-    a, b = int(lay.cptr[0, 0]), int(lay.cptr[0, nc])
-    mu = np.repeat(lay.routing(0, nc).astype(np.float64), np.diff(lay.cptr[0, :nc + 1]), axis=0)
-    codes, _, _ = ks.encode_residuals(st_.keys(0, slice(a, b)).astype(np.float64) - mu, r.rot)
+    view, st_ = c.debug_view(), c.store
+    nc = int(view["n_clusters"][0])
+    cptr = view["cluster_ptr"]
+    a, b = int(cptr[0, 0]), int(cptr[0, nc])
+    mu = np.repeat(view["routing_vectors"][0, :nc].astype(np.float64), np.diff(cptr[0, :nc + 1]), axis=0)
+    codes, _, _ = ks.encode_residuals(st_.keys(0, slice(a, b)).astype(np.float64) - mu, view["sketch_rotation"])
     np.testing.assert_array_equal(codes, st_.sketch_codes[0, a:b])
 
 
@@ -189,7 +189,7 @@ def test_stats_and_index_size() -> None:
     # codes (E / 8 bytes) + factor (4 bytes) per slot and a radius (8 bytes) per cluster, beside the layout
     # of the cluster selector (the same clusters): at E = 64 that is 12 of a key's 512 bytes of K and V
     plain, _, _ = _cache(2000, hk=1, h=1, selector="cluster")  # the same clusters
-    clusters = int(c._routing.rad.size)  # noqa: SLF001 - the radius array's allocated size
+    clusters = int(c.debug_view()["sketch_radius"].size)  # the radius array's allocated size
     extra = 2000 * (E // 8 + 4) + 8 * clusters
     assert s["index_nbytes"] == plain.stats["index_nbytes"] + extra
 
@@ -203,7 +203,7 @@ def test_long_multi_token_attend_runs_in_blocks() -> None:
     K = rng.standard_normal((1, n, E)).astype(np.float32)
     V = rng.standard_normal((1, n, E)).astype(np.float32)
     c = KVCache(1, E, selector="sketch:candidates=100000", policy="h2o", **KW)
-    assert c._routing.max_tokens(1) == 41  # noqa: SLF001 - the block size this test is about
+    assert c.debug_view()["sketch_plan_rows"] == 41  # the block size this test is about (1 head)
     c.append(K, V)
     q = rng.standard_normal((1, T, E)).astype(np.float32)
     out, lse = c.attend(q, return_lse=True)

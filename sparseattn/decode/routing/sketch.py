@@ -185,7 +185,7 @@ class SketchRouting(ClusterRouting):
 
     def max_tokens(self, num_heads: int) -> int | None:
         # a plan lists R candidate slots per row (int64): at most PLAN_BYTES of them per block of tokens
-        return max(1, PLAN_BYTES // (8 * num_heads * self.candidates()))
+        return max(1, PLAN_BYTES // (8 * num_heads * self.candidates()))  # = sketch_plan_rows // num_heads
 
     def selected(self, q: np.ndarray, g: int, k: int) -> list[np.ndarray]:
         st, lay, cfg = self.store, self.layout, self.cfg
@@ -202,6 +202,10 @@ class SketchRouting(ClusterRouting):
         st = self.store
         per_slot = st.sketch_codes.shape[2] + 4
         return super().index_nbytes() + st.num_kv_heads * st.slots * per_slot + int(self.rad.size) * 8
+
+    def debug_arrays(self) -> dict[str, Any]:
+        return {**super().debug_arrays(), "sketch_rotation": self.rot, "sketch_radius": self.rad,
+                "sketch_plan_rows": max(1, PLAN_BYTES // (8 * self.candidates()))}
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "sketch_candidates": self.candidates(),
