@@ -279,7 +279,9 @@ def test_many_blocks_and_tiles(rng, monkeypatch):
     # Tiny buffers: queries in many blocks, large clusters in many row tiles, buffers reused.
     import sparseattn.attention.routed as routed_mod
     import sparseattn.index.cluster as index_mod
+    import sparseattn.index.kmeans as kmeans_mod
 
+    monkeypatch.setattr(kmeans_mod, "BLOCK_BUDGET", 3000)
     for mod in (routed_mod, index_mod):
         monkeypatch.setattr(mod, "_BLOCK_BUDGET", 3000)
         monkeypatch.setattr(mod, "_TILE", 512)

@@ -24,6 +24,25 @@ value and a pooled value-on-key regression: summed per call) and merged as one m
 routed clusters can be chosen by estimated mass instead of ``q.c`` (see :func:`routed_attention`; the
 kernels are :mod:`sparseattn.kernels.estimate`).  With both off the code path is the plain one above.
 
+The estimate: a cluster is summarised by its count n_c, mean key mu_c and mean per-dimension variance
+sigma_c^2 (kept in the index, :meth:`~sparseattn.index.cluster.ClusterIndex.key_stats`) and its mean
+value vbar_c (summed per call).  Its softmax numerator sum is estimated as ``n_c exp(s q.mu_c + g)``
+with g the second-order term ``x = s^2 |q|^2 sigma_c^2 / 2`` (isotropic spread: the exp of the mean
+score under-estimates the mean of the exp) capped where it stops being trustworthy
+(:func:`~sparseattn.kernels.estimate.second_order`): ``2 sqrt(x log n_c) - log n_c`` once x passes
+``log n_c``, never above ``|s| |q|`` times the cluster's largest member distance to its mean (what
+its keys can hold), and never above 2 (``EST_CAP``: since ``n_c exp(s q.mu_c)`` is a lower bound of
+the true sum, an estimated cluster claims at most e^2 times its true mass, so ``lse`` exceeds the
+true one by at most 2).  Its weighted value sum is that times ``vbar_c + s f_c sigma_c^2 B q``, with
+B the pooled within-cluster least-squares regression of values on keys (the exponential tilt of a
+cluster moves its mean key by ``s Sigma_c q`` and, linearly, its mean value by ``B`` times that;
+f_c = dg/dx, 0 where the cap of 2 binds), the regression part shrunk per row as far as needed to
+keep the estimate inside the values' per-column range (so is every output row).  The estimated
+clusters form one extra partial per query, merged with the routed ones by log-sum-exp.  Causal: an estimated cluster counts only its keys at or before the query, from prefix
+statistics (sums over each cluster's keys in position order), so no row reads statistics of a future
+key; the causal estimate is first order with the mean value (``n_c exp(s q.mu_c) vbar_c`` over the
+visible keys), since the pooled regression B would mix in future keys.
+
 Threads: the per-cluster products run on ``n_threads`` workers of :func:`sparseattn.threads.executor`
 with BLAS pinned to one thread each (:func:`sparseattn.threads.worker_threads`); Numba kernels use
 ``n_threads`` too.  Results do not depend on the thread count.
@@ -158,24 +177,7 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
     lse : (L,) array, same dtype: log-sum-exp of the scaled scores over the routed keys
         (``-inf`` for no key).  ``exp(lse - lse_full)`` is the softmax mass the routing kept.
 
-    Estimation: a cluster is summarised by its count n_c, mean key mu_c and mean per-dimension variance
-    sigma_c^2 (kept in the index, :meth:`~sparseattn.index.cluster.ClusterIndex.key_stats`) and its mean
-    value vbar_c (summed per call).  Its softmax numerator sum is estimated as ``n_c exp(s q.mu_c + g)``
-    with g the second-order term ``x = s^2 |q|^2 sigma_c^2 / 2`` (isotropic spread: the exp of the mean
-    score under-estimates the mean of the exp) capped where it stops being trustworthy
-    (:func:`~sparseattn.kernels.estimate.second_order`): ``2 sqrt(x log n_c) - log n_c`` once x passes
-    ``log n_c``, never above ``|s| |q|`` times the cluster's largest member distance to its mean (what
-    its keys can hold), and never above 2 (``EST_CAP``: since ``n_c exp(s q.mu_c)`` is a lower bound of
-    the true sum, an estimated cluster claims at most e^2 times its true mass, so ``lse`` exceeds the
-    true one by at most 2).  Its weighted value sum is that times ``vbar_c + s f_c sigma_c^2 B q``, with
-    B the pooled within-cluster least-squares regression of values on keys (the exponential tilt of a
-    cluster moves its mean key by ``s Sigma_c q`` and, linearly, its mean value by ``B`` times that;
-    f_c = dg/dx, 0 where the cap of 2 binds), the regression part shrunk per row as far as needed to
-    keep the estimate inside the values' per-column range (so is every output row).  The estimated
-    clusters form one extra partial per query, merged with the routed ones by log-sum-exp.  Causal: an estimated cluster counts only its keys at or before the query, from prefix
-    statistics (sums over each cluster's keys in position order), so no row reads statistics of a future
-    key; the causal estimate is first order with the mean value (``n_c exp(s q.mu_c) vbar_c`` over the
-    visible keys), since the pooled regression B would mix in future keys.
+    Estimation: see the module docstring.
 
     Raises
     ------
@@ -202,7 +204,16 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
             stats["keys_read"] = np.zeros(0, dtype=np.int64)
         return np.zeros((0, Ev), dtype=dtype), np.zeros(0, dtype=dtype)
     n = index.threads_ if n_threads is None else int(n_threads)
-    args = (index, q, sc, is_causal, qpos, kpos, exact_prefix, n, budget, stats is not None)
+    return _checked_rows(v_in, (index, q, sc, is_causal, qpos, kpos, exact_prefix, n, budget, stats is not None),
+                         stats, check_finite)
+
+
+def _checked_rows(v_in: np.ndarray, args: tuple, stats: dict | None, check_finite: bool
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_routed_rows` on validated inputs ``args``, with the overflow checks and ``stats``."""
+    index, q, sc, budget = args[0], args[1], args[2], args[8]
+    dtype = q.dtype
+    S = index.keys_.shape[0]
     with np.errstate(over="ignore", invalid="ignore"):  # overflowing scores: check_lse; values: below
         out, lse, keys_read, refined, est_cpu = _routed_rows(v_in, *args)
     # Finite inputs whose q.k overflows the dtype leave +inf (or inf - inf = NaN) in lse: an error, as in
@@ -483,6 +494,69 @@ def queries_values(queries: object, values: object, S: int, E: int, check_finite
 
 
 
+def _key_spans(index: ClusterIndex, kpos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(positions of the keys in cluster order (S,), each cluster's first and last key position (C,)),
+    int64; 0 for an empty cluster."""
+    kptr = index.cluster_ptr_
+    C = kptr.shape[0] - 1
+    kpos_p = kpos[index.perm_]
+    nonempty = np.diff(kptr) > 0
+    kmin = np.zeros(C, dtype=np.int64)
+    kmax = np.zeros(C, dtype=np.int64)
+    kmin[nonempty] = np.minimum.reduceat(kpos_p, kptr[:-1][nonempty])
+    kmax[nonempty] = np.maximum.reduceat(kpos_p, kptr[:-1][nonempty])
+    return kpos_p, kmin, kmax
+
+
+def _value_stats(index: ClusterIndex, Vp: np.ndarray, Kp: np.ndarray, sig2: np.ndarray, dtype: np.dtype
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The value side of the estimate, from the values Vp (S, Ev) and centred keys Kp (S, E) in cluster
+    order: (mean value per cluster (C, Ev) float64, B^T (E, Ev) in ``dtype``: the pooled within-cluster
+    regression of values on keys, per-column value minimum and maximum (Ev,) each)."""
+    S, E = Kp.shape
+    Ev = Vp.shape[1]
+    kptr = index.cluster_ptr_
+    count = index.count_
+    vsum = ek.cluster_sums(Vp, kptr)
+    safe = np.maximum(count, 1).astype(np.float64)[:, None]
+    vbar = vsum / safe
+    # Pooled within-cluster regression of values on keys, B = X / sigma^2 with X the pooled
+    # cross-covariance sum_j (v_j - vbar_c)(k_j - mu_c)^T / S and sigma^2 the pooled variance.
+    xcov = (Vp.T @ Kp).astype(np.float64) - vsum.T @ (index.key_sum_ / safe)
+    var_pool = float(np.sum(count * sig2)) / max(S, 1)
+    B = (xcov / (S * var_pool)).astype(dtype) if var_pool > 0 else np.zeros((Ev, E), dtype=dtype)
+    v_lo, v_hi = np.empty(Ev, dtype=dtype), np.empty(Ev, dtype=dtype)
+    ek.column_range(Vp, v_lo, v_hi)  # the regression term keeps the estimate in this range
+    return vbar, np.ascontiguousarray(B.T), v_lo, v_hi
+
+
+def _estimate_all(plan: RoutePlanner, A, qc, qmu, q2, route, W, sc, vbar32, B_T, v_lo, v_hi, o_e, s_e, m_e, ws2
+                  ) -> None:
+    """The estimate of every unread cluster for one row chunk: float32 weights W (R, C), then one BLAS
+    product with the cluster mean values ``vbar32`` (C, Ev), plus the regression term ``s ws2 B q``
+    kept inside the values' range [v_lo, v_hi]; written to o_e (R, Ev), s_e / m_e / ws2 (R,)."""
+    if A is None:
+        ek.estimate_weights_stats(qmu, q2, plan.logn32, plan.sig2_32, plan.ell32, plan.rmu32, sc, route, W, s_e,
+                                  m_e, ws2)
+    else:
+        ek.estimate_weights(A, route, plan.sig2_32, plan.ell32, plan.rmu32, q2, W, s_e, m_e, ws2)
+    reg = qc @ B_T  # the regression term, s ws2 B q
+    reg *= (sc * ws2).astype(reg.dtype)[:, None]
+    if o_e.dtype == np.float32:
+        np.matmul(W, vbar32, out=o_e)
+    else:
+        o_e[:] = W @ vbar32
+    ek.add_in_range(o_e, reg, s_e, v_lo, v_hi)
+
+
+def _row_buffers(R: int, P: int, N: int, Ev: int, dtype: np.dtype) -> tuple[np.ndarray, ...]:
+    """A block's plan and estimate outputs: route (R, P) int32, route scores (R, P), estimated clusters
+    (R, N) int32 (-1), the estimated partial (R, Ev), its sum, shift and spread weight (R,) float64."""
+    return (np.empty((R, P), dtype=np.int32), np.zeros((R, P), dtype=dtype), np.full((R, N), -1, dtype=np.int32),
+            np.empty((R, Ev), dtype=dtype), np.empty(R, dtype=np.float64), np.empty(R, dtype=np.float64),
+            np.empty(R, dtype=np.float64))
+
+
 def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refined, n_est, top_p, min_keys,
                       max_keys, est_cpu=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Routed attention plus the estimate of unread clusters and / or the mass-driven budget (inside
@@ -516,32 +590,15 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
     sig2 = plan.sig2
     if is_causal:
         Gv = ek.cluster_prefix(Vp, kptr, plan.order)
-        kpos_p = kpos[index.perm_]
-        nonempty = np.diff(kptr) > 0
-        kmin = np.zeros(C, dtype=np.int64)
-        kmax = np.zeros(C, dtype=np.int64)
-        kmin[nonempty] = np.minimum.reduceat(kpos_p, kptr[:-1][nonempty])
-        kmax[nonempty] = np.maximum.reduceat(kpos_p, kptr[:-1][nonempty])
+        kpos_p, kmin, kmax = _key_spans(index, kpos)
         kpos_sorted = bool(np.all(kpos[1:] >= kpos[:-1]))
         vbar = vbar32 = B_T = v_lo = v_hi = None
     else:
         t_stats = time.thread_time()
         kpos_p = kmin = kmax = None
         kpos_sorted = False
-        count = index.count_
-        vsum = ek.cluster_sums(Vp, kptr)
-        safe = np.maximum(count, 1).astype(np.float64)[:, None]
-        vbar = vsum / safe
-        vbar32 = vbar.astype(np.float32)
-        # Pooled within-cluster regression of values on keys, B = X / sigma^2 with X the pooled
-        # cross-covariance sum_j (v_j - vbar_c)(k_j - mu_c)^T / S and sigma^2 the pooled variance.
-        xcov = (Vp.T @ Kp).astype(np.float64) - vsum.T @ (index.key_sum_ / safe)
-        var_pool = float(np.sum(count * sig2)) / max(S, 1)
-        B = (xcov / (S * var_pool)).astype(dtype) if var_pool > 0 else np.zeros((Ev, E), dtype=dtype)
-        B_T = np.ascontiguousarray(B.T)
-        B_T32 = B_T.astype(np.float32)
-        v_lo, v_hi = np.empty(Ev, dtype=dtype), np.empty(Ev, dtype=dtype)
-        ek.column_range(Vp, v_lo, v_hi)  # the regression term keeps the estimate in this range
+        vbar, B_T, v_lo, v_hi = _value_stats(index, Vp, Kp, sig2, dtype)
+        vbar32, B_T32 = vbar.astype(np.float32), B_T.astype(np.float32)
         if est_cpu is not None:
             est_cpu[0] += time.thread_time() - t_stats
     lock = threading.Lock()
@@ -552,15 +609,8 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
         R = q1 - q0
         qb = q[q0:q1]
         qpb = qpos[q0:q1]
-        route = np.empty((R, P), dtype=np.int32)
-        rscore = np.zeros((R, P), dtype=dtype)
-        est = np.full((R, N), -1, dtype=np.int32)
-        o_e = np.empty((R, Ev), dtype=dtype)
-        s_e = np.empty(R, dtype=np.float64)
-        m_e = np.empty(R, dtype=np.float64)
-        ws2 = np.empty(R, dtype=np.float64)
-        kr = keys_read[q0:q1]
-        qnb = q_norm[q0:q1]
+        route, rscore, est, o_e, s_e, m_e, ws2 = _row_buffers(R, P, N, Ev, dtype)
+        kr, qnb = keys_read[q0:q1], q_norm[q0:q1]
         n_used = np.zeros(R, dtype=np.int64)  # most clusters a row of a chunk routed (at its first row)
 
         def work(a0: int, b0: int, qb=qb, qpb=qpb, qnb=qnb, route=route, rscore=rscore, est=est, o_e=o_e,
@@ -585,22 +635,10 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
             if is_causal:
                 ek.estimate_rows_causal(qc, qpb[a:b], route[a:b], est[a:b], all_rest, kptr, plan.kpos_cs, plan.Gk,
                                         plan.Gk2, Gv, sc, plan.spread, o_e[a:b], s_e[a:b], m_e[a:b], ws2[a:b])
-            elif all_rest:  # every unread cluster: float32 weights, then one BLAS product with the means
-                W = wbuf[:b - a]
-                if A is None:
-                    ek.estimate_weights_stats(qmu, q2, plan.logn32, plan.sig2_32, plan.ell32, plan.rmu32, sc,
-                                              route[a:b], W, s_e[a:b], m_e[a:b], ws2[a:b])
-                else:
-                    ek.estimate_weights(A, route[a:b], plan.sig2_32, plan.ell32, plan.rmu32, q2, W, s_e[a:b],
-                                        m_e[a:b], ws2[a:b])
-                oe = o_e[a:b]
-                reg = qc @ (B_T32 if qc.dtype == np.float32 else B_T)  # the regression term, s ws2 B q
-                reg *= (sc * ws2[a:b]).astype(reg.dtype)[:, None]
-                if oe.dtype == np.float32:
-                    np.matmul(W, vbar32, out=oe)
-                else:
-                    oe[:] = W @ vbar32
-                ek.add_in_range(oe, reg, s_e[a:b], v_lo, v_hi)
+            elif all_rest:
+                _estimate_all(plan, A, qc, qmu, q2, route[a:b], wbuf[:b - a], sc, vbar32,
+                              B_T32 if qc.dtype == np.float32 else B_T, v_lo, v_hi, o_e[a:b], s_e[a:b],
+                              m_e[a:b], ws2[a:b])
             else:
                 ek.estimate_rows(A, route[a:b], est[a:b], all_rest, vbar, sig2, plan.ell, plan.rmu, q2, o_e[a:b],
                                  s_e[a:b], m_e[a:b], ws2[a:b])

@@ -27,6 +27,14 @@ estimation statistics are additive sums, updated in O(new keys) by :meth:`Cluste
 build (plus an exact tail of recent keys) and routed attention would run once per segment, merging the
 segments' partials with the same log-sum-exp kernel (:mod:`sparseattn.kernels.merge`).
 
+Estimation statistics: ``count_``, ``key_sum_`` and ``key_sqsum_`` give each cluster's mean key and
+mean per-dimension variance (:meth:`ClusterIndex.key_stats`), from which routed attention estimates the
+softmax mass of clusters it does not read (``estimate`` / ``top_p`` of
+:func:`~sparseattn.attention.routed.routed_attention`).  They are sums, so keys added later update them
+in O(new keys) with :meth:`ClusterIndex.update_stats` (the key store itself has no add path).  Value
+statistics are not kept here (the index knows no values): routed attention sums the values per cluster
+at each call.
+
 Threads: the scoring products run on ``n_threads`` workers of :func:`sparseattn.threads.executor`, BLAS
 pinned to one thread each (:func:`sparseattn.threads.worker_threads`).  The k-means runs single-threaded:
 FAISS's OpenMP pool is set to 1 thread for it and restored afterwards (0.023 s against 0.40 s on two
@@ -47,14 +55,13 @@ from ..kernels import estimate as ek
 from ..kernels import topk as topk_core
 from ..pattern import SparsePattern
 from ..threads import run_jobs, worker_threads
+from .kmeans import BLOCK_BUDGET as _BLOCK_BUDGET
+from .kmeans import assign_keys, cov_factors, row_chunks, split_large, train_kmeans
 
 __all__ = ["ClusterIndex"]
 
 ASSIGN = ("ip", "l2")
 ROUTE_BY = ("mean", "centroid")
-# Elements (not bytes) of the per-block buffers: queries are processed in blocks so the score chunks and
-# the top-k candidate lists stay near 2**24 elements (64 MiB in float32).
-_BLOCK_BUDGET = 1 << 24
 # Elements of one score tile ``Q_c K_c^T`` (rows of a large cluster are processed in tiles), and the
 # fewest query rows per tile (large clusters would otherwise give skinny, slow products).
 _TILE = 1 << 18
@@ -69,6 +76,38 @@ def cluster_jobs(qptr: np.ndarray, kptr: np.ndarray) -> list[int]:
     cost = np.diff(qptr) * np.diff(kptr)
     order = np.argsort(-cost, kind="stable")
     return [int(c) for c in order if cost[c] > 0]
+
+
+def check_params(n_clusters: int | None, n_probe: int | None, train_sample: int | None, assign: str,
+                 route_by: str) -> None:
+    """Raise ValueError naming the parameter when :class:`ClusterIndex`'s options contradict each other."""
+    if n_clusters is not None and n_probe is not None and n_probe > n_clusters:
+        raise ValueError(f"cluster: n_probe must be <= n_clusters; got n_probe={n_probe} > "
+                         f"n_clusters={n_clusters}. Routing a query to every cluster is n_probe = "
+                         f"n_clusters (exact attention).")
+    if n_clusters is not None and train_sample is not None and train_sample < n_clusters:
+        raise ValueError(f"cluster: train_sample must be >= n_clusters; got train_sample={train_sample} "
+                         f"< n_clusters={n_clusters}. k-means needs at least one training key per "
+                         f"centroid.")
+    if assign not in ASSIGN:
+        raise ValueError(f"cluster: assign must be one of {ASSIGN}; got {assign!r}.")
+    if route_by not in ROUTE_BY:
+        raise ValueError(f"cluster: route_by must be one of {ROUTE_BY}; got {route_by!r}.")
+
+
+def checked_update(keys: np.ndarray, assignment: np.ndarray, E: int, C: int) -> tuple[np.ndarray, np.ndarray]:
+    """(keys (m, E) float64, assignment (m,) int in [0, C)) checked for :meth:`ClusterIndex.update_stats`."""
+    k = np.asarray(keys, dtype=np.float64)
+    a = np.asarray(assignment)
+    if k.ndim != 2 or k.shape[1] != E:
+        raise ValueError(f"keys must have shape (m, E={E}); got {k.shape}.")
+    if a.shape != (k.shape[0],) or not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"assignment must be an int array of shape ({k.shape[0]},), one cluster per key; "
+                         f"got {a.dtype} {a.shape}.")
+    if a.size and (a.min() < 0 or a.max() >= C):
+        raise ValueError(f"assignment values must lie in [0, {C}) (n_clusters_); got range "
+                         f"[{a.min()}, {a.max()}].")
+    return k, a
 
 
 class ClusterIndex:
@@ -138,13 +177,7 @@ class ClusterIndex:
     key_sqsum_ : (C,) float64
         Sum of each cluster's squared centred key norms.
 
-    Estimation statistics: ``count_``, ``key_sum_`` and ``key_sqsum_`` give each cluster's mean key and
-    mean per-dimension variance (:meth:`key_stats`), from which routed attention estimates the softmax
-    mass of clusters it does not read (``estimate`` / ``top_p`` of
-    :func:`~sparseattn.attention.routed.routed_attention`).  They are sums, so keys added later update
-    them in O(new keys) with :meth:`update_stats` (the seam for a growing index; the key store itself has
-    no add path).  Value statistics are not kept here (the index knows no values): routed attention
-    sums the values per cluster at each call.
+    Estimation statistics (``count_``, ``key_sum_``, ``key_sqsum_``): see the module docstring.
 
     Examples
     --------
@@ -160,18 +193,7 @@ class ClusterIndex:
                  train_sample: int | None = None, n_iter: int = 5, seed: int = 0, center: bool = True,
                  spherical: bool = True, assign: str = "ip", route_by: str = "mean", split: float = 0.0,
                  n_threads: int | None = None) -> None:
-        if n_clusters is not None and n_probe is not None and n_probe > n_clusters:
-            raise ValueError(f"cluster: n_probe must be <= n_clusters; got n_probe={n_probe} > "
-                             f"n_clusters={n_clusters}. Routing a query to every cluster is n_probe = "
-                             f"n_clusters (exact attention).")
-        if n_clusters is not None and train_sample is not None and train_sample < n_clusters:
-            raise ValueError(f"cluster: train_sample must be >= n_clusters; got train_sample={train_sample} "
-                             f"< n_clusters={n_clusters}. k-means needs at least one training key per "
-                             f"centroid.")
-        if assign not in ASSIGN:
-            raise ValueError(f"cluster: assign must be one of {ASSIGN}; got {assign!r}.")
-        if route_by not in ROUTE_BY:
-            raise ValueError(f"cluster: route_by must be one of {ROUTE_BY}; got {route_by!r}.")
+        check_params(n_clusters, n_probe, train_sample, assign, route_by)
         self.n_clusters = n_clusters
         self.n_probe = n_probe
         self.train_sample = train_sample
@@ -252,27 +274,19 @@ class ClusterIndex:
         self.centroids_ = self._kmeans(centred, C, n_train).astype(keys.dtype)
         n = self.threads_
         with worker_threads(n):
-            assignment = self._assign(centred, n)
+            assignment = assign_keys(centred, self.centroids_, self.assign, n)
             self.coarse_centroids_ = self.centroids_
             self.parent_ = np.arange(C, dtype=np.int64)
             if self.split > 0:
-                assignment = self._split_large(centred, assignment, self.split * S / C, S / C)
+                assignment, self.centroids_, self.parent_ = split_large(
+                    centred, assignment, self.centroids_, self.split * S / C, S / C, self._kmeans)
                 # n_probe = n_clusters keeps its meaning (every cluster: exact attention).
                 self.n_probe_ = self.centroids_.shape[0] if p == C else p
                 self.n_clusters_ = C = self.centroids_.shape[0]
             self.assignment_ = assignment
-            self.perm_ = np.argsort(assignment, kind="stable").astype(np.int64)
-            self.cluster_ptr_ = np.zeros(C + 1, dtype=np.int64)
-            np.cumsum(np.bincount(assignment, minlength=C), out=self.cluster_ptr_[1:])
-            kp = np.empty((S, E), dtype=keys.dtype)
-            ck.gather_rows(centred, self.perm_, kp)
             self.kmeans_centroids_ = self.centroids_
-            if self.route_by == "mean":
-                # member means; the k-means centroid for a cluster without keys (it holds nothing to
-                # attend, so its routing vector only costs a probe)
-                self.centroids_ = ck.cluster_means(kp, self.cluster_ptr_,
-                                                   np.ascontiguousarray(self.centroids_, dtype=kp.dtype))
-            self.radius_ = ck.cluster_radius(kp, self.cluster_ptr_, self.centroids_)
+            self.perm_, self.cluster_ptr_, kp, self.centroids_, self.radius_ = cluster_order(
+                centred, assignment, self.centroids_, self.route_by == "mean")
             self._init_stats(kp)
         self.keys_perm_ = kp
         self._keys_cast: dict[np.dtype, np.ndarray] = {kp.dtype: kp}
@@ -303,108 +317,17 @@ class ClusterIndex:
         centred = np.ascontiguousarray(centred)
         self.centroids_ = self._kmeans(centred, C, n_train).astype(keys.dtype)
         with worker_threads(self.threads_):
-            return self._assign(centred, self.threads_).astype(np.int64)
+            return assign_keys(centred, self.centroids_, self.assign, self.threads_).astype(np.int64)
 
     def _kmeans(self, centred: np.ndarray, C: int, n_train: int, seed_offset: int = 0) -> np.ndarray:
         """(C, E) float32 centroids of a k-means over ``n_train`` sampled rows of ``centred``."""
-        import faiss
-
-        S, E = centred.shape
-        seed = self.seed + seed_offset
-        rng = np.random.default_rng(seed)
-        sample = centred if n_train >= S else centred[np.sort(rng.choice(S, n_train, replace=False))]
-        sample = np.ascontiguousarray(sample, dtype=np.float32)
-        if C == 1:
-            cent = sample.mean(axis=0, keepdims=True)
-            if self.spherical:
-                cent /= max(float(np.linalg.norm(cent)), 1e-30)
-            return cent
-        old = faiss.omp_get_max_threads()
-        # One OpenMP thread, whatever n_threads: with the other core busy, FAISS's k-means took 0.40 s
-        # on 2 threads against 0.023 s on 1 (16k x 64 sample, 128 centroids): its many short parallel
-        # regions spin at barriers.  Set before pinning BLAS: FAISS's OpenBLAS follows the OpenMP setting.
-        faiss.omp_set_num_threads(1)
-        try:
-            with worker_threads(1):
-                km = faiss.Kmeans(E, C, niter=self.n_iter, seed=seed, spherical=self.spherical, verbose=False,
-                                  max_points_per_centroid=1 << 30, min_points_per_centroid=1)
-                km.train(sample)
-        finally:
-            faiss.omp_set_num_threads(old)
-        return np.asarray(km.centroids, dtype=np.float32).reshape(C, E)
-
-    def _assign(self, centred: np.ndarray, n_threads: int) -> np.ndarray:
-        """Cluster of each (centred) key: argmax of k.c ("ip") or nearest centroid ("l2"); (S,) int32."""
-        S = centred.shape[0]
-        bias = None
-        if self.assign == "l2":
-            bias = (-0.5 * (self.centroids_.astype(np.float64) ** 2).sum(axis=1)).astype(centred.dtype)
-        assignment = np.empty(S, dtype=np.int32)
-        cent = self.centroids_.astype(centred.dtype, copy=False)
-
-        def work(a: int, b: int) -> None:
-            sc = centred[a:b] @ cent.T
-            if bias is not None:
-                sc += bias
-            assignment[a:b] = ck.row_argmax_serial(sc)
-
-        self.row_chunks(S, work, n_threads)
-        return assignment
+        return train_kmeans(centred, C, n_train, seed=self.seed + seed_offset, n_iter=self.n_iter,
+                            spherical=self.spherical)
 
     def row_chunks(self, n_rows: int, work: Callable[[int, int], None], n_threads: int) -> None:
-        """``work(a, b)`` over row chunks of about 2**24 score elements, on the worker threads.
-
-        Why not one big product: BLAS is pinned to one thread, so the (rows x C) scoring GEMM and its
-        serial argmax / top-p kernel run chunk-parallel on the workers (at S = 262,144, C ~ 900 this
-        halves the 0.27 s of one product); chunks also bound the score buffer.
-        """
-        C = self.centroids_.shape[0]
-        block = max(1, _BLOCK_BUDGET // (4 * C))
-        n_chunks = -(-n_rows // block)
-        per = max(1, -(-n_rows // max(n_chunks, 2 * n_threads)))
-        per = min(per, block)
-        chunks = [(a, min(n_rows, a + per)) for a in range(0, n_rows, per)]
-        run_jobs(lambda t: work(*chunks[t]), range(len(chunks)), n_threads)
-
-    def _split_large(self, centred: np.ndarray, assignment: np.ndarray, cap: float, target: float
-                     ) -> np.ndarray:
-        """Split every cluster of more than ``cap`` keys into ``ceil(size / target)`` parts.
-
-        Why: inner-product assignment favours centroids of large norm (the hull of the centroid set),
-        so a few clusters collect many keys (at S = 65,536 on clustered keys the largest held 9x the
-        mean), and a query's attention cost is the size of its routed clusters.  A member k-means
-        (Euclidean) splits such a cluster into compact parts; members go to their nearest part (a
-        global inner-product re-assignment would pull them back into one part).  Returns the new
-        assignment; ``centroids_`` gains the parts' centroids (replacing the split cluster's).
-        """
-        sizes = np.bincount(assignment, minlength=self.centroids_.shape[0])
-        big = np.flatnonzero(sizes > cap)
-        if big.size == 0:
-            return assignment
-        keep = np.setdiff1d(np.arange(sizes.size), big)
-        new_id = np.full(sizes.size, -1, dtype=np.int64)
-        new_id[keep] = np.arange(keep.size)
-        out = new_id[assignment].astype(np.int32)
-        cents, parents = [self.centroids_[keep]], [keep]
-        nxt = keep.size
-        # One stable sort gives every cluster's member rows (ascending), instead of an O(S) scan per
-        # split cluster (hundreds of them at S = 262,144).
-        order = np.argsort(assignment, kind="stable")
-        starts = np.concatenate(([0], np.cumsum(sizes)))
-        for c in big:
-            rows = order[starts[c]:starts[c + 1]]
-            members = centred[rows]
-            parts = int(min(np.ceil(sizes[c] / target), rows.size))
-            sub = self._kmeans(members, parts, min(rows.size, 64 * parts), seed_offset=1 + int(c))
-            sub = sub.astype(centred.dtype)
-            half_sq = 0.5 * (sub.astype(np.float64) ** 2).sum(axis=1)
-            out[rows] = nxt + ck.row_argmax(members @ sub.T - half_sq.astype(centred.dtype))  # nearest part
-            cents.append(sub)
-            parents.append(np.full(parts, c, dtype=np.int64))
-            nxt += parts
-        self.centroids_ = np.ascontiguousarray(np.concatenate(cents))
-        self.parent_ = np.concatenate(parents)
-        return out
+        """``work(a, b)`` over row chunks of about 2**24 (rows x clusters) score elements, on the workers
+        (:func:`sparseattn.index.kmeans.row_chunks`)."""
+        row_chunks(n_rows, self.centroids_.shape[0], work, n_threads)
 
     # ------------------------------------------------------------------------------------ statistics
     def _init_stats(self, kp: np.ndarray) -> None:
@@ -424,17 +347,8 @@ class ClusterIndex:
         radii do not): this is the update a growing index would make for keys appended to a cluster.
         """
         self._check_built()
-        k = np.asarray(keys, dtype=np.float64)
-        a = np.asarray(assignment)
-        if k.ndim != 2 or k.shape[1] != self.keys_.shape[1]:
-            raise ValueError(f"keys must have shape (m, E={self.keys_.shape[1]}); got {k.shape}.")
-        if a.shape != (k.shape[0],) or not np.issubdtype(a.dtype, np.integer):
-            raise ValueError(f"assignment must be an int array of shape ({k.shape[0]},), one cluster per key; "
-                             f"got {a.dtype} {a.shape}.")
         C = self.n_clusters_
-        if a.size and (a.min() < 0 or a.max() >= C):
-            raise ValueError(f"assignment values must lie in [0, {C}) (n_clusters_); got range "
-                             f"[{a.min()}, {a.max()}].")
+        k, a = checked_update(keys, assignment, self.keys_.shape[1], C)
         kc = k - self.mean_.astype(np.float64)
         self.count_ += np.bincount(a, minlength=C).astype(np.int64)
         np.add.at(self.key_sum_, a, kc)
@@ -461,42 +375,20 @@ class ClusterIndex:
         return self._key_stats
 
     def key_cov_factors(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
-        """Low-rank-plus-isotropic factors of each cluster's key covariance, for the mass-driven budget.
-
-        With ``Sigma_c`` the covariance of cluster c's stored keys (``keys_perm_``) and ``lam_1 >= ... >=
-        lam_E`` its eigenvalues (eigenvectors ``u_k``), returns ``W`` (C * r, E) float64, rows
-        ``c * r + k = sqrt(lam_k - rho_c) u_k`` (k < r = min(rank, E)), and ``rho`` (C,) float64, the mean
-        of the other eigenvalues, so that ``q^T Sigma_c q ~= sum_k (W[c r + k] . q)^2 + rho_c |q|^2``
-        (exact when r = E).  Computed from the key store once per rank and cached (``update_stats`` does
-        not change it: it reads the stored keys, not the additive sums).  Empty or one-key clusters: zeros.
-        """
+        """(W (C * r, E) float64, rho (C,) float64): low-rank-plus-isotropic factors of each cluster's key
+        covariance, r = min(rank, E), for the mass-driven budget (:func:`sparseattn.index.kmeans.cov_factors`
+        over ``keys_perm_``).  Computed once per rank and cached (read-only; ``update_stats`` does not change
+        it: it reads the stored keys, not the additive sums)."""
         self._check_built()
         if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
             raise ValueError(f"rank must be an int >= 1; got {rank!r}.")
         cache = self.__dict__.setdefault("_cov_factors", {})
-        E = self.keys_perm_.shape[1]
-        r = int(min(rank, E))
-        if r in cache:
-            return cache[r]
-        kp = self.keys_perm_
-        kptr = self.cluster_ptr_
-        C = kptr.shape[0] - 1
-        cov = np.zeros((C, E, E), dtype=np.float64)
-        for c in range(C):
-            a, b = int(kptr[c]), int(kptr[c + 1])
-            if b - a > 1:
-                x = kp[a:b].astype(np.float64)
-                x -= x.mean(axis=0)
-                cov[c] = x.T @ x / (b - a)
-        lam, vec = np.linalg.eigh(cov)  # ascending
-        lam = np.maximum(lam, 0.0)
-        top, rest = lam[:, E - r:], lam[:, :E - r]
-        rho = rest.mean(axis=1) if r < E else np.zeros(C)
-        W = vec[:, :, E - r:] * np.sqrt(np.maximum(top - rho[:, None], 0.0))[:, None, :]  # (C, E, r)
-        W = np.ascontiguousarray(W.transpose(0, 2, 1).reshape(C * r, E))
-        for arr in (W, rho):
-            arr.flags.writeable = False
-        cache[r] = (W, rho)
+        r = int(min(rank, self.keys_perm_.shape[1]))
+        if r not in cache:
+            W, rho = cov_factors(self.keys_perm_, self.cluster_ptr_, r)
+            for arr in (W, rho):
+                arr.flags.writeable = False
+            cache[r] = (W, rho)
         return cache[r]
 
     # ---------------------------------------------------------------------------------------- helpers
@@ -613,41 +505,76 @@ class ClusterIndex:
                       kpos: np.ndarray, n_threads: int) -> SparsePattern:
         """The body of :meth:`search` on validated inputs (:meth:`validated_queries`) and their ``route``
         (:meth:`route_rows`), inside ``worker_threads``."""
-        L, E = q.shape
-        p = self.n_probe_
         Kp = self.keys_as(q.dtype)  # centred keys: same ranking as the raw keys per query
-        kptr = self.cluster_ptr_
-        kpos_p = kpos[self.perm_] if is_causal else None
-        block = max(1, _BLOCK_BUDGET // (p * (E + 2 * k)))
-        ptrs, idxs = [np.zeros(1, dtype=np.int64)], []
-        offset = 0
-        for q0 in range(0, L, block):
-            q1 = min(L, q0 + block)
-            qptr, src, slot = ck.group_pairs(route[q0:q1], self.n_clusters_)
-            rows = src // p + q0
-            n_pairs = rows.shape[0]
-            Qs = np.empty((n_pairs, E), dtype=q.dtype)
-            ck.gather_rows(q, rows, Qs)
-            cand_s = np.empty((n_pairs, k), dtype=q.dtype)
-            cand_i = np.full((n_pairs, k), -1, dtype=np.int32)  # pairs of empty clusters stay -1
-            qpos_s = qpos[rows] if is_causal else None
+        indptr, indices = routed_topk(q, route, Kp, self.perm_, self.cluster_ptr_, k, is_causal, qpos, kpos,
+                                      n_threads)
+        return SparsePattern(indptr, indices, self.keys_.shape[0], validate=False)
 
-            def work(c: int, Qs=Qs, cand_s=cand_s, cand_i=cand_i, qptr=qptr, qpos_s=qpos_s) -> None:
-                ka, kb = int(kptr[c]), int(kptr[c + 1])
-                Kc = Kp[ka:kb]
-                ids = self.perm_[ka:kb]
-                tile = max(_MIN_ROWS, _TILE // (kb - ka))
-                for a in range(int(qptr[c]), int(qptr[c + 1]), tile):
-                    b = min(int(qptr[c + 1]), a + tile)
-                    sc = Qs[a:b] @ Kc.T
-                    if is_causal:
-                        ck.causal_mask_block(sc, qpos_s[a:b], kpos_p[ka:kb])
-                    topk_core.rows_topk(sc, k, ids, cand_s[a:b], cand_i[a:b])
 
-            run_jobs(work, cluster_jobs(qptr, kptr), n_threads)
-            indptr, indices = topk_core.merge_topk(cand_s, cand_i, slot, p, k)
-            ptrs.append(indptr[1:] + offset)
-            idxs.append(indices)
-            offset += int(indptr[-1])
-        indices = np.concatenate(idxs) if idxs else np.zeros(0, dtype=np.int32)
-        return SparsePattern(np.concatenate(ptrs), indices, self.keys_.shape[0], validate=False)
+def cluster_order(centred: np.ndarray, assignment: np.ndarray, centroids: np.ndarray, by_mean: bool
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The keys stored in cluster order: (perm (S,) int64 key id of each ordered row, ascending inside a
+    cluster; cluster_ptr (C + 1,) int64; kp (S, E) the centred keys (S, E) in that order; the routing
+    vectors (C, E): member means when ``by_mean`` (the k-means centroid for a cluster without keys: it
+    holds nothing to attend, so its routing vector only costs a probe), else ``centroids``; radius (C,)
+    float64, the members' largest distance to their routing vector)."""
+    S, E = centred.shape
+    C = centroids.shape[0]
+    perm = np.argsort(assignment, kind="stable").astype(np.int64)
+    kptr = np.zeros(C + 1, dtype=np.int64)
+    np.cumsum(np.bincount(assignment, minlength=C), out=kptr[1:])
+    kp = np.empty((S, E), dtype=centred.dtype)
+    ck.gather_rows(centred, perm, kp)
+    if by_mean:
+        centroids = ck.cluster_means(kp, kptr, np.ascontiguousarray(centroids, dtype=kp.dtype))
+    return perm, kptr, kp, centroids, ck.cluster_radius(kp, kptr, centroids)
+
+
+def routed_topk(q: np.ndarray, route: np.ndarray, Kp: np.ndarray, perm: np.ndarray, kptr: np.ndarray, k: int,
+                is_causal: bool, qpos: np.ndarray, kpos: np.ndarray, n_threads: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k by inner product among the keys of each query's routed clusters, as CSR.
+
+    q (L, E) float32/float64 queries; route (L, p) int32 cluster ids per query (-1 none); Kp (S, E) keys
+    in cluster order in q's dtype; perm (S,) int64 key id of each ordered row; kptr (C + 1,) int64
+    cluster offsets; qpos (L,) / kpos (S,) int64 positions (read when ``is_causal``).  Returns
+    (indptr (L + 1,) int64, indices int32 key ids ascending per row), at most k per row.  Call inside
+    ``worker_threads``.
+    """
+    L, E = q.shape
+    p = route.shape[1]
+    C = kptr.shape[0] - 1
+    kpos_p = kpos[perm] if is_causal else None
+    block = max(1, _BLOCK_BUDGET // (p * (E + 2 * k)))
+    ptrs, idxs = [np.zeros(1, dtype=np.int64)], []
+    offset = 0
+    for q0 in range(0, L, block):
+        q1 = min(L, q0 + block)
+        qptr, src, slot = ck.group_pairs(route[q0:q1], C)
+        rows = src // p + q0
+        n_pairs = rows.shape[0]
+        Qs = np.empty((n_pairs, E), dtype=q.dtype)
+        ck.gather_rows(q, rows, Qs)
+        cand_s = np.empty((n_pairs, k), dtype=q.dtype)
+        cand_i = np.full((n_pairs, k), -1, dtype=np.int32)  # pairs of empty clusters stay -1
+        qpos_s = qpos[rows] if is_causal else None
+
+        def work(c: int, Qs=Qs, cand_s=cand_s, cand_i=cand_i, qptr=qptr, qpos_s=qpos_s) -> None:
+            ka, kb = int(kptr[c]), int(kptr[c + 1])
+            Kc = Kp[ka:kb]
+            ids = perm[ka:kb]
+            tile = max(_MIN_ROWS, _TILE // (kb - ka))
+            for a in range(int(qptr[c]), int(qptr[c + 1]), tile):
+                b = min(int(qptr[c + 1]), a + tile)
+                sc = Qs[a:b] @ Kc.T
+                if is_causal:
+                    ck.causal_mask_block(sc, qpos_s[a:b], kpos_p[ka:kb])
+                topk_core.rows_topk(sc, k, ids, cand_s[a:b], cand_i[a:b])
+
+        run_jobs(work, cluster_jobs(qptr, kptr), n_threads)
+        indptr, indices = topk_core.merge_topk(cand_s, cand_i, slot, p, k)
+        ptrs.append(indptr[1:] + offset)
+        idxs.append(indices)
+        offset += int(indptr[-1])
+    indices = np.concatenate(idxs) if idxs else np.zeros(0, dtype=np.int32)
+    return np.concatenate(ptrs), indices
