@@ -10,6 +10,7 @@ reads; the rest keeps empty arrays of the right dtypes (one compiled kernel per 
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,16 +37,18 @@ _NO_REC = np.zeros((0, 1, 3), np.int64)
 _NO_REC_N = np.zeros(0, np.int64)
 
 
+@functools.lru_cache(maxsize=64)
 def empty_clusters(hk: int, E: int, Ev: int) -> tuple[np.ndarray, ...]:
     """Cluster arrays of a cache without clusters: (cent, cscale, cptr, n_cent, ccount, cvmean, cminpos,
-    cmaxpos), the dtypes and ranks the kernel expects."""
+    cmaxpos), the dtypes and ranks the kernel expects (made once per shape: the kernel never writes them)."""
     return (np.zeros((hk, 0, E), np.int8), np.zeros((hk, 0), np.float32), np.zeros((hk, 1), np.int64),
             np.zeros(hk, np.int64), np.zeros((hk, 0), np.int64), np.zeros((hk, 0, Ev), np.float32),
             np.zeros((hk, 0), np.int32), np.zeros((hk, 0), np.int32))
 
 
+@functools.lru_cache(maxsize=64)
 def empty_pages(hk: int, E: int, sdtype: np.dtype) -> tuple[np.ndarray, ...]:
-    """Page arrays of a cache without pages: (pmin, pmax, pminpos)."""
+    """Page arrays of a cache without pages: (pmin, pmax, pminpos) (made once per shape)."""
     return np.zeros((hk, 0, E), sdtype), np.zeros((hk, 0, E), sdtype), np.zeros((hk, 0), np.int32)
 
 
@@ -161,6 +164,9 @@ def run_strategy(store: SlotStore, strategy: Any, q: np.ndarray, qpos: np.ndarra
     blocks of at most ``strategy.max_tokens(H)`` tokens (a long prefill's plan stays bounded)."""
     T = q.shape[1]
     step = strategy.max_tokens(q.shape[0]) or T
+    if step >= T:  # one block (every decode step)
+        return run_plan(store, strategy.plan(q, qpos, k), q, qpos, scale=scale, parallel=parallel, record=record,
+                        weights=weights)
     parts = [run_plan(store, strategy.plan(q[:, a:a + step], qpos[a:a + step], k), q[:, a:a + step],
                       qpos[a:a + step], scale=scale, parallel=parallel, record=record, weights=weights)
              for a in range(0, T, step)]

@@ -269,8 +269,8 @@ def _finish(out, lse, h, t, acc, m_run, l_run, overflow):
 
 # one variant per storage and per slot source (a range or a list): compile-time constants, so the range
 # variant's loop has no branch of the list's
-_score_range_f32 = njit(cache=True, fastmath=FASTMATH)(clone_with(_score_range, "_std", {"BF16": False}))
-_score_range_bf16 = njit(cache=True, fastmath=FASTMATH)(clone_with(_score_range, "_bf16", {"BF16": True}))
+_score_range_f32 = njit(cache=True, fastmath=FASTMATH, inline="always")(clone_with(_score_range, "_std", {"BF16": False}))
+_score_range_bf16 = njit(cache=True, fastmath=FASTMATH, inline="always")(clone_with(_score_range, "_bf16", {"BF16": True}))
 _score_list_f32 = njit(cache=True, fastmath=FASTMATH)(clone_with(_score_range, "_list", {"BF16": False,
                                                                                           "LISTED": True}))
 _score_list_bf16 = njit(cache=True, fastmath=FASTMATH)(clone_with(_score_range, "_list_bf16", {"BF16": True,

@@ -25,7 +25,7 @@ EVICTED = 2147483647  # position of an evicted slot: after every query, so never
 BF16 = False  # compile-time constant: True in the bfloat16 variants below
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(cache=True, fastmath=FASTMATH, inline="always")
 def route_clusters(qi, g, qp, mode, cent, cscale, n_cent, ccount, cminpos, scale, width, hs, hb, qc, la):
     """Score every routing vector of kv head g.  ``MODE_CLUSTER``: the ``width`` best clusters holding a
     key at or before ``qp`` go to the heap ``hs``/``hb`` (returns its size); ``MODE_MASS``: ``qc[c] = q .
