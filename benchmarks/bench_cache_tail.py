@@ -82,7 +82,7 @@ def exact(cache, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def run(steps: int, segment: int, seed: int) -> dict:
     import sparseattn as sa
-    from sparseattn.cache import KVCache
+    from sparseattn.cache import KVCache, Layout
     from sparseattn.threads import single_threaded_blas
 
     t = sa.data.load("store65k", data_dir=str(TRACE_DIR), dtype=np.float32)
@@ -93,7 +93,7 @@ def run(steps: int, segment: int, seed: int) -> dict:
     K, V = np.ascontiguousarray(t.k), np.ascontiguousarray(t.v)
     Q = np.ascontiguousarray(t.q[:, qi])
     H, E = Q.shape[0], K.shape[2]
-    cache = KVCache(H, E, num_kv_heads=K.shape[0], selector="cluster", segment=segment)
+    cache = KVCache(H, E, num_kv_heads=K.shape[0], selector="cluster", layout=Layout(segment=segment))
     t0 = time.perf_counter()
     cache.append(K[:, :n], V[:, :n])
     cache.reserve(steps)

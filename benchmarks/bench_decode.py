@@ -128,7 +128,7 @@ def run_phase(case: str, n: int, K, V, Q, steps: int, specs: list[tuple[str, dic
     """
     import torch
 
-    from sparseattn.cache import KVCache
+    from sparseattn.cache import KVCache, group_options
     from sparseattn.threads import single_threaded_blas
 
     H = Q.shape[0]
@@ -140,7 +140,7 @@ def run_phase(case: str, n: int, K, V, Q, steps: int, specs: list[tuple[str, dic
         key = json.dumps(ckw, sort_keys=True, default=str)
         if key in caches:
             continue
-        c = KVCache(H, E, num_kv_heads=hkv, **ckw)
+        c = KVCache(H, E, num_kv_heads=hkv, **group_options(ckw))
         t0 = time.perf_counter()
         c.append(K[:, :n], V[:, :n])
         dt = time.perf_counter() - t0
@@ -270,7 +270,7 @@ def run_phase(case: str, n: int, K, V, Q, steps: int, specs: list[tuple[str, dic
 def cap_policies(steps: int, caps: list[int], chunk: int = 256) -> dict:
     """streaming vs h2o at equal max_keys on the store65k trace (see the module docstring)."""
     import sparseattn as sa
-    from sparseattn.cache import KVCache
+    from sparseattn.cache import KVCache, Retention
 
     t = sa.data.load("store65k", data_dir=TRACE_DIR, dtype=np.float32)
     K, V, Qall = (np.ascontiguousarray(a) for a in (t.k, t.v, t.q))
@@ -293,7 +293,7 @@ def cap_policies(steps: int, caps: list[int], chunk: int = 256) -> dict:
     for cap in caps:
         for selector in ("dense", "cluster"):
             for policy in ("streaming", "h2o"):
-                c = KVCache(hkv, E, selector=selector, max_keys=cap, policy=policy)
+                c = KVCache(hkv, E, selector=selector, retention=Retention(max_keys=cap, policy=policy))
                 t0 = time.perf_counter()
                 for a in range(0, n, chunk):
                     b = min(a + chunk, n)
@@ -328,7 +328,7 @@ def top_p_store(n_queries: int = 64) -> None:
     """Prints, on the store65k trace, keys read per query and output error of the cluster selector with
     ``n_probe`` = 32 against the mass-driven budget ``top_p`` (with the default routed-key cap and without)."""
     import sparseattn as sa
-    from sparseattn.cache import KVCache
+    from sparseattn.cache import KVCache, group_options
 
     t = sa.data.load("store65k", data_dir=TRACE_DIR, dtype=np.float32)
     K, V, Q = (np.ascontiguousarray(a) for a in (t.k, t.v, t.q))
@@ -341,7 +341,7 @@ def top_p_store(n_queries: int = 64) -> None:
     specs = [("n_probe=32", {})] + [(f"top_p={p}", {"top_p": p}) for p in (0.5, 0.9, 0.99)] + \
         [(f"top_p={p} no cap", {"top_p": p, "top_p_max_keys": n}) for p in (0.5, 0.9)]
     for label, kw in specs:
-        c = KVCache(hkv, E, **kw)
+        c = KVCache(hkv, E, **group_options(kw))
         c.append(K, V)
         errs, reads = [], []
         for i in range(n_queries):

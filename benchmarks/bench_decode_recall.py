@@ -164,7 +164,7 @@ def run_case(kind: str, n: int, heads: int, nq: int, n_planted: int, settings: l
     step t asks the generator's query t x gqa + i of kv head g)."""
     import torch
 
-    from sparseattn import KVCache
+    from sparseattn.cache import KVCache, group_options
 
     t0 = time.perf_counter()
     wl = make_workload(kind, n, heads, nq * gqa, n_planted, seed)
@@ -194,7 +194,7 @@ def run_case(kind: str, n: int, heads: int, nq: int, n_planted: int, settings: l
         if name == "hnsw" and n > hnsw_max:
             res["settings"][name] = {"skipped": f"n > --hnsw-max {hnsw_max}"}
             continue
-        cache = KVCache(num_heads=hq, num_kv_heads=heads, head_dim=d, scale=scale, **kw)
+        cache = KVCache(num_heads=hq, num_kv_heads=heads, head_dim=d, scale=scale, **group_options(kw))
         t0 = time.perf_counter()
         for a in range(0, n, chunk):
             cache.append(K[:, a:a + chunk], V[:, a:a + chunk])

@@ -210,9 +210,10 @@ class Engine:
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
         import sparseattn.hf as sh
+        from sparseattn.cache import group_options
         from sparseattn.threads import threads
 
-        self.torch, self.sh = torch, sh
+        self.torch, self.sh, self.group_options = torch, sh, group_options
         torch.set_num_threads(args.threads)
         self._threads = threads(args.threads)
         self._threads.__enter__()
@@ -254,7 +255,7 @@ class Engine:
             return cache
         self.model.set_attn_implementation(self.cache_name)
         cache = self.sh.SparseCache(self.model, prefill="sparse" if prefill == "sparse" else "dense",
-                                    **cache_kwargs(setting, self.args.segment, self.args.n_probe))
+                                    **self.group_options(cache_kwargs(setting, self.args.segment, self.args.n_probe)))
         cache.fill(kv)
         return cache
 

@@ -55,7 +55,7 @@ from .attention.merge import merge_attention, merge_pair
 from .attention.routed import routed_attention
 from .attention.sparse import SparseAttentionResult, sparse_attention, sparse_attention_result
 from .attention.tail import Tail
-from .cache import KVCache
+from .cache import Budget, KVCache, Layout, Retention
 from .index import ClusterIndex
 from .pattern import SparsePattern
 from .selectors import Selector, available_selectors, get_selector
@@ -68,7 +68,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0+unknown"
 
 __all__ = [
-    "ClusterIndex", "KVCache", "Selector", "SparseAttentionResult", "SparsePattern", "Tail", "available_selectors", "data",
+    "Budget", "ClusterIndex", "KVCache", "Layout", "Retention", "Selector", "SparseAttentionResult", "SparsePattern", "Tail", "available_selectors", "data",
     "exact_topk", "get_num_threads", "get_selector", "merge_attention", "merge_pair", "metrics",
     "routed_attention", "scaled_dot_product_attention", "sparse_attention", "sparse_attention_result",
     "threads", "tutorial",

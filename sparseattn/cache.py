@@ -4,11 +4,12 @@ the import path ``sparseattn.cache.KVCache``)."""
 from __future__ import annotations
 
 from .decode.kvcache import KVCache
+from .decode.options import Budget, Layout, Retention, group_options
 from .decode.plan import PARALLEL_MIN_KEYS
 from .decode.routing.cluster_layout import cluster_segment, routing_codes
 from .decode.store import bf16_bits, bf16_to_f32
 
-__all__ = ["PARALLEL_MIN_KEYS", "KVCache", "bf16_bits", "bf16_to_f32", "cluster_segment", "routing_codes"]
+__all__ = ["PARALLEL_MIN_KEYS", "Budget", "KVCache", "Layout", "Retention", "bf16_bits", "bf16_to_f32", "cluster_segment", "group_options", "routing_codes"]
 
 # former private spellings, kept for callers that imported them
 _bf16_bits = bf16_bits

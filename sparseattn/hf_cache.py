@@ -1,9 +1,10 @@
 """A transformers ``Cache`` whose layers keep keys and values in :class:`sparseattn.cache.KVCache`, and the
 attention function that attends through it: ``model.generate()`` with sparse decode attention.
 
+>>> import sparseattn as sa
 >>> import sparseattn.hf as sh
 >>> model.set_attn_implementation(sh.register_cache())  # doctest: +SKIP
->>> cache = sh.SparseCache(model, selector="cluster", segment=1024)  # doctest: +SKIP
+>>> cache = sh.SparseCache(model, selector="cluster", layout=sa.Layout(segment=1024))  # doctest: +SKIP
 >>> out = model.generate(ids, cache=cache, max_new_tokens=32)  # doctest: +SKIP
 
 How the pieces meet (transformers 5.x decoder models such as Llama, Mistral, Qwen2):
@@ -43,7 +44,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .cache import KVCache
+from .cache import KVCache, group_options
 from .inputs import check_positive_int
 
 __all__ = ["CACHE_ATTENTION_NAME", "HANDLE_ATTR", "SparseCache", "SparseCacheLayer", "cache_attention_forward",
@@ -308,8 +309,8 @@ class SparseCache(Cache):
         Score scale (default ``1 / sqrt(head_dim)``, that of Llama-style models); checked against the
         model's at every attention call.
     **kv_kwargs
-        :class:`sparseattn.cache.KVCache` keywords (``selector``, ``segment``, ``n_probe``, ``top_p``,
-        ``estimate``, ``window``, ``sinks``, ``max_keys``, ``dtype``, ...), one KVCache per layer.
+        :class:`sparseattn.cache.KVCache` keywords (``selector``, ``dtype``, ``retention=Retention(...)``,
+        ``layout=Layout(...)``, ``budget=Budget(...)``, ``parallel``), one KVCache per layer.
 
     Raises
     ------
@@ -350,6 +351,7 @@ class SparseCache(Cache):
         if scale is not None:
             kv_kwargs["scale"] = scale
         KVCache(num_heads=n_heads, head_dim=head_dim, num_kv_heads=n_kv, **kv_kwargs)  # validates the kwargs now
+        kv_kwargs = group_options(kv_kwargs)  # deprecated flat keywords: warned once above, not once per layer
         self.config = config
         self.prefill = prefill
         super().__init__(layers=[SparseCacheLayer(n_heads, kv_kwargs, prefill, k) for _ in range(n_layers)])

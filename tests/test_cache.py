@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparseattn.cache import KVCache, bf16_bits, bf16_to_f32
+from sparseattn.cache import Budget, KVCache, Layout, Retention, bf16_bits, bf16_to_f32, group_options
 
 H, HKV, E, EV = 4, 2, 16, 8
 SEG = 64  # small segments: several of them in a few hundred keys
@@ -59,7 +59,7 @@ FULL = {
 @pytest.mark.parametrize("n", [1, 5, 70, 300])
 def test_full_selection_matches_float64_dense(name: str, n: int) -> None:
     k, v = _kv(n)
-    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, **FULL[name])
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, **group_options(FULL[name]))
     cache.append(k, v)
     q = _q(3)
     if n < 3:  # a query token needs a position: more tokens than positions is refused
@@ -79,7 +79,8 @@ def test_full_selection_matches_float64_dense(name: str, n: int) -> None:
 def test_cluster_segments_clustered_and_exact_part() -> None:
     n = 5 * SEG + 100
     k, v = _kv(n)
-    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=2, window=16, selector="cluster")
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="cluster", retention=Retention(window=16),
+                    layout=Layout(segment=SEG, cluster_size=8), budget=Budget(n_probe=2))
     cache.append(k, v)
     st_ = cache.stats
     assert st_["segments"] == (n - 4 - 16) // SEG  # the tail keeps >= window keys unclustered
@@ -93,7 +94,8 @@ def test_cluster_segments_clustered_and_exact_part() -> None:
 def test_window_selector_reads_sinks_and_window_only() -> None:
     n = 300
     k, v = _kv(n)
-    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="window", sinks=4, window=32)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="window",
+                    retention=Retention(sinks=4, window=32))
     cache.append(k, v)
     q = _q(1)
     out = cache.attend(q)
@@ -138,8 +140,8 @@ def test_causal_multi_token_queries(name: str) -> None:
     q = _q(T)
     outs = []
     for kk, vv in ((k, v), (k2, v2)):
-        cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=name, segment=SEG, cluster_size=8,
-                        n_probe=3, window=16)
+        cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=name, retention=Retention(window=16),
+                        layout=Layout(segment=SEG, cluster_size=8), budget=Budget(n_probe=3))
         cache.append(kk[:, :n - T], vv[:, :n - T])
         cache.append(kk[:, n - T:], vv[:, n - T:])
         outs.append(cache.attend(q, k=8))
@@ -153,9 +155,9 @@ def test_segment_boundaries_piecewise_equals_one_append(name: str) -> None:
     k, v = _kv(n, seed=3)
     kw = dict(num_kv_heads=HKV, value_dim=EV, selector=name, segment=SEG, cluster_size=8, n_probe=3,
               window=8)
-    whole = KVCache(H, E, **kw)
+    whole = KVCache(H, E, **group_options(kw))
     whole.append(k, v)
-    pieces = KVCache(H, E, **kw)
+    pieces = KVCache(H, E, **group_options(kw))
     a = 0
     for size in (1, SEG - 1, 3 * SEG + 5, 1, 1, 38):
         pieces.append(k[:, a:a + size], v[:, a:a + size])
@@ -172,7 +174,7 @@ def test_reduced_precision_storage(storage: object, tol: float, name: str) -> No
     n = 300
     k, v = _kv(n)
     kw = dict(num_kv_heads=HKV, value_dim=EV, selector=name, segment=SEG, cluster_size=8, n_probe=10_000)
-    lo = KVCache(H, E, dtype=storage, **kw)
+    lo = KVCache(H, E, dtype=storage, **group_options(kw))
     lo.append(k, v)
     q = _q(2)
     out = lo.attend(q, k=10_000)
@@ -184,7 +186,7 @@ def test_reduced_precision_storage(storage: object, tol: float, name: str) -> No
     if name in ("cluster", "pages", "dense", "topk"):
         np.testing.assert_allclose(out, reference(q, kr, vr, n)[0], atol=3e-5)
     # ... and within the storage rounding of float32 storage
-    hi = KVCache(H, E, **kw)
+    hi = KVCache(H, E, **group_options(kw))
     hi.append(k, v)
     assert np.abs(out - hi.attend(q, k=10_000)).max() < tol
     assert lo.kv_nbytes * 2 == hi.kv_nbytes
@@ -202,8 +204,9 @@ def test_bf16_rounding_is_nearest_even() -> None:
 def test_memory_cap_streaming(name: str) -> None:
     n, cap = 1000, 200
     k, v = _kv(n)
-    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=name, segment=SEG, cluster_size=8,
-                    n_probe=10_000, max_keys=cap, sinks=4, window=16)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=name,
+                    retention=Retention(max_keys=cap, sinks=4, window=16),
+                    layout=Layout(segment=SEG, cluster_size=8), budget=Budget(n_probe=10_000))
     for a in range(0, n, 37):
         cache.append(k[:, a:a + 37], v[:, a:a + 37])
     keep = np.r_[np.arange(4), np.arange(n - (cap - 4), n)]
@@ -276,7 +279,7 @@ def test_bad_input_names_the_argument(bad, match: str) -> None:
 ])
 def test_bad_parameters(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        KVCache(H, E, **kwargs)
+        KVCache(H, E, **group_options(kwargs))
 
 
 def test_integer_inputs_rejected() -> None:
@@ -301,7 +304,8 @@ def test_float16_range_overflow_on_append() -> None:
 def test_torch_tensors_in_and_out() -> None:
     torch = pytest.importorskip("torch")
     k, v = _kv(120)
-    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=10_000, selector="cluster")
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="cluster",
+                    layout=Layout(segment=SEG, cluster_size=8), budget=Budget(n_probe=10_000))
     cache.append(torch.from_numpy(k), torch.from_numpy(v).to(torch.bfloat16))
     q = _q(1)
     out, lse = cache.attend(torch.from_numpy(q), return_lse=True)
@@ -336,8 +340,9 @@ def test_torch_tensors_of_other_dtypes_are_refused_naming_the_argument(dtype: st
        chunk=st.integers(1, 97), name=st.sampled_from(["cluster", "pages", "dense"]))
 def test_full_selection_property(n: int, t: int, sinks: int, window: int, chunk: int, name: str) -> None:
     k, v = _kv(n, seed=n)
-    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=name, segment=32, cluster_size=4,
-                    n_probe=10_000, sinks=sinks, window=window)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=name,
+                    retention=Retention(sinks=sinks, window=window),
+                    layout=Layout(segment=32, cluster_size=4), budget=Budget(n_probe=10_000))
     for a in range(0, n, chunk):
         cache.append(k[:, a:a + chunk], v[:, a:a + chunk])
     q = _q(min(t, n), seed=t)  # a query token needs a position (more are refused)
@@ -352,8 +357,9 @@ def test_parallel_and_serial_kernels_agree(storage: object) -> None:
     q = _q(3)
     outs = []
     for parallel in (False, True):
-        cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3,
-                        dtype=storage, parallel=parallel, selector="cluster")
+        cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, dtype=storage, parallel=parallel,
+                        selector="cluster", layout=Layout(segment=SEG, cluster_size=8),
+                        budget=Budget(n_probe=3))
         cache.append(k, v)
         outs.append(cache.attend(q, return_lse=True))
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
@@ -364,8 +370,8 @@ def test_selected_slots_match_keys_read() -> None:
     n = 6 * SEG + 10
     k, v = _kv(n)
     for name in ("cluster", "pages", "window", "topk"):
-        cache = KVCache(H, E, num_kv_heads=1, value_dim=EV, selector=name, segment=SEG, cluster_size=8,
-                        n_probe=3)
+        cache = KVCache(H, E, num_kv_heads=1, value_dim=EV, selector=name,
+                        layout=Layout(segment=SEG, cluster_size=8), budget=Budget(n_probe=3))
         cache.append(k[:1], v[:1])  # every query head reads kv head 0
         q = _q(1)
         cache.attend(q[:1].repeat(H, 0), k=20)
@@ -388,7 +394,7 @@ def test_extreme_magnitudes_match_float64(kmag: float, vmag: float, name: str) -
     k = (rng.standard_normal((HKV, n, E)) * kmag).astype(np.float32)
     v = (rng.standard_normal((HKV, n, EV)) * vmag).astype(np.float32)
     q = _q(1, seed=5)
-    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, **FULL[name])
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, **group_options(FULL[name]))
     c.append(k[:, :100], v[:, :100])
     for i in range(100, n):  # the one-token path
         c.append(k[:, i:i + 1], v[:, i:i + 1])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparseattn import KVCache
+from sparseattn.cache import Budget, KVCache, Layout, Retention, group_options
 
 
 def dense64(q, k, v, scale):
@@ -38,8 +38,8 @@ def test_identical_members_make_the_estimate_exact():
     S = keys.shape[1]
     kw = dict(num_heads=2, head_dim=16, value_dim=8, segment=1024, cluster_size=64, sinks=0, window=0,
               open_step=1024)
-    exact_cache = KVCache(**kw, n_probe=2, selector="cluster")
-    est_cache = KVCache(**kw, n_probe=2, estimate=1000, selector="cluster")
+    exact_cache = KVCache(selector="cluster", **group_options(kw, n_probe=2))
+    est_cache = KVCache(selector="cluster", **group_options(kw, n_probe=2, estimate=1000))
     for c in (exact_cache, est_cache):
         c.append(keys, vals)
     rng = np.random.default_rng(1)
@@ -64,7 +64,8 @@ def test_every_cluster_routed_equals_dense_with_or_without_estimate():
     rng = np.random.default_rng(2)
     k, v = rng.standard_normal((2, 2, 3000, 16)).astype(np.float32)
     q = rng.standard_normal((2, 1, 16)).astype(np.float32)
-    c = KVCache(2, 16, segment=1024, cluster_size=64, n_probe=10_000, estimate=5, selector="cluster")
+    c = KVCache(2, 16, selector="cluster", layout=Layout(segment=1024, cluster_size=64),
+                budget=Budget(n_probe=10_000, estimate=5))
     c.append(k, v)
     np.testing.assert_allclose(c.attend(q), dense64(q, k, v, 0.25), atol=2e-5)
     assert c.stats["clusters_estimated_per_query"] == 0
@@ -79,7 +80,8 @@ def test_estimate_lowers_error_on_clustered_keys():
     q = (centres[:, rng.integers(0, 64, 4)] + 0.3 * rng.standard_normal((2, 4, 32))).astype(np.float32)
     errs = {}
     for n_est in (0, 8, 64):
-        c = KVCache(2, 32, value_dim=16, segment=4096, cluster_size=64, n_probe=4, estimate=n_est, selector="cluster")
+        c = KVCache(2, 32, value_dim=16, selector="cluster", layout=Layout(segment=4096, cluster_size=64),
+                    budget=Budget(n_probe=4, estimate=n_est))
         c.append(k, v)
         errs[n_est] = rel_err(c.attend(q), dense_rows(q, k, v))
     assert errs[64] < 0.5 * errs[0], errs
@@ -111,7 +113,9 @@ def test_estimated_clusters_never_carry_later_values():
     q = rng.standard_normal((1, T, 16)).astype(np.float32)
     outs = []
     for v in (v1, v2):
-        c = KVCache(1, 16, value_dim=8, segment=1024, cluster_size=32, n_probe=4, estimate=64, window=16, selector="cluster")
+        c = KVCache(1, 16, value_dim=8, selector="cluster", retention=Retention(window=16),
+                    layout=Layout(segment=1024, cluster_size=32),
+                    budget=Budget(n_probe=4, estimate=64))
         c.append(k, v)
         outs.append(c.attend(q))
     np.testing.assert_array_equal(outs[0][:, :11], outs[1][:, :11])
@@ -119,6 +123,6 @@ def test_estimated_clusters_never_carry_later_values():
 
 def test_estimate_bad_values_are_named():
     with pytest.raises(ValueError, match="estimate"):
-        KVCache(2, 16, estimate=-1, selector="cluster")
+        KVCache(2, 16, selector="cluster", budget=Budget(estimate=-1))
     with pytest.raises(ValueError, match="estimate"):
-        KVCache(2, 16, selector="pages", estimate=4)
+        KVCache(2, 16, selector="pages", budget=Budget(estimate=4))

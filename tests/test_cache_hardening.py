@@ -9,7 +9,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from sparseattn import KVCache
+from sparseattn.cache import KVCache, Retention
 
 
 def _dense64(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
@@ -43,7 +43,7 @@ def test_values_near_float32_max_are_exact_or_refused() -> None:
 
 @pytest.mark.parametrize("head", [5, 2, -1])
 def test_kv_head_out_of_range_is_a_named_error(head: int) -> None:
-    c = KVCache(4, 8, num_kv_heads=2, policy="h2o", max_keys=100)
+    c = KVCache(4, 8, num_kv_heads=2, retention=Retention(policy="h2o", max_keys=100))
     c.append(np.zeros((2, 3, 8)), np.zeros((2, 3, 8)))
     with pytest.raises(ValueError, match=r"kv_head must be (<= 1|>= 0); got"):
         c.positions(head)
@@ -88,7 +88,7 @@ def test_key_array_passed_as_k_is_refused_in_one_line() -> None:
 
 def test_stats_keep_cumulative_counters_and_the_last_call() -> None:
     rng = np.random.default_rng(1)
-    c = KVCache(2, 8, selector="window", sinks=2, window=10)
+    c = KVCache(2, 8, selector="window", retention=Retention(sinks=2, window=10))
     c.append(rng.standard_normal((2, 100, 8)), rng.standard_normal((2, 100, 8)))
     c.attend(rng.standard_normal((2, 1, 8)).astype(np.float32))  # 12 keys per row, 2 rows
     c.attend(rng.standard_normal((2, 3, 8)).astype(np.float32), selector="dense")  # 98..100 keys, 6 rows

@@ -13,7 +13,7 @@ from helpers import dense64
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparseattn.cache import KVCache
+from sparseattn.cache import Budget, KVCache, Layout, Retention, group_options
 from sparseattn.kernels.decode import EVICTED
 
 H, HKV, E, EV = 4, 2, 16, 8
@@ -57,7 +57,8 @@ def test_h2o_keeps_the_heavy_hitters_hand_case() -> None:
     k[0, [2, 5]] = [3.0, 0.0, 0.0, 0.0]
     v = np.arange(n, dtype=np.float32).reshape(1, n, 1).repeat(2, axis=2)
     q = np.array([[[2.0, 0.0, 0.0, 0.0]]], np.float32)
-    cache = KVCache(1, 4, value_dim=2, selector="dense", sinks=1, window=2, max_keys=5, policy="h2o")
+    cache = KVCache(1, 4, value_dim=2, selector="dense",
+                    retention=Retention(sinks=1, window=2, max_keys=5, policy="h2o"))
     for i in range(n):
         cache.append(k[:, i:i + 1], v[:, i:i + 1])
         cache.attend(q)
@@ -96,8 +97,9 @@ def test_h2o_matches_float64_simulation(name: str) -> None:
     n, cap = 90, 30
     k, v = _kv(n, seed=5)
     qs = np.random.default_rng(6).standard_normal((H, n, E)).astype(np.float32) * 2
-    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=name, sinks=2, window=4, max_keys=cap,
-                    policy="h2o", segment=16, page_size=16)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=name,
+                    retention=Retention(sinks=2, window=4, max_keys=cap, policy="h2o"),
+                    layout=Layout(segment=16, page_size=16))
     for i in range(n):
         cache.append(k[:, i:i + 1], v[:, i:i + 1])
         cache.attend(qs[:, i:i + 1], k=10_000)
@@ -134,7 +136,7 @@ def test_evicted_keys_are_never_read(policy: str, kw: dict) -> None:
     qs = np.random.default_rng(8).standard_normal((H, n - n0 + 1, E)).astype(np.float32)
     common = dict(num_kv_heads=HKV, value_dim=EV, sinks=4, window=16, max_keys=120, policy=policy,
                   segment=SEG, **kw)
-    a = KVCache(H, E, **common)
+    a = KVCache(H, E, **group_options(common))
     outs_a, evicted_at = [], {}
     a.append(k[:, :n0], v[:, :n0])
     outs_a.append(a.attend(qs[:, :1], k=16))
@@ -150,7 +152,7 @@ def test_evicted_keys_are_never_read(policy: str, kw: dict) -> None:
     p = victims[len(victims) // 2]
     v2 = v.copy()
     v2[0, p] += 1e6
-    outs_b = _decode_run(KVCache(H, E, **common), k, v2, qs, n0)
+    outs_b = _decode_run(KVCache(H, E, **group_options(common)), k, v2, qs, n0)
     s = evicted_at[p]
     rep = H // HKV
     for step in range(s, len(outs_a)):
@@ -164,8 +166,9 @@ def test_h2o_with_cluster_full_probe_equals_dense_over_survivors() -> None:
     n0, n = 300, 400
     k, v = _kv(n, seed=9)
     qs = np.random.default_rng(10).standard_normal((H, n, E)).astype(np.float32)
-    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=10_000,
-                sinks=4, window=16, max_keys=150, policy="h2o", selector="cluster")
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="cluster",
+                retention=Retention(sinks=4, window=16, max_keys=150, policy="h2o"),
+                layout=Layout(segment=SEG, cluster_size=8), budget=Budget(n_probe=10_000))
     c.append(k[:, :n0], v[:, :n0])
     for i in range(n0, n):
         c.append(k[:, i:i + 1], v[:, i:i + 1])
@@ -204,8 +207,9 @@ def test_compaction_recomputes_cluster_statistics(policy: str) -> None:
     n0, n = 200, 330
     k, v = _kv(n, seed=26)
     qs = np.random.default_rng(27).standard_normal((H, n, E)).astype(np.float32)
-    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3, estimate=1000,
-                sinks=4, window=16, max_keys=120, policy=policy, selector="cluster")
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="cluster",
+                retention=Retention(sinks=4, window=16, max_keys=120, policy=policy),
+                layout=Layout(segment=SEG, cluster_size=8), budget=Budget(n_probe=3, estimate=1000))
     c.append(k[:, :n0], v[:, :n0])
     seen = 0
     for i in range(n0, n):
@@ -231,7 +235,8 @@ INDEX_SPECS = ["faiss-flat", "faiss-hnsw:M=16", "faiss-ivf:nprobe=4"]
 def test_index_selector_full_k_equals_exact_and_grows_with_add(spec: str) -> None:
     n = 700
     k, v = _kv(n, seed=12)
-    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=spec, sinks=4, window=16)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=spec,
+                    retention=Retention(sinks=4, window=16))
     cache.append(k[:, :500], v[:, :500])
     first = cache.debug_view()["indexes"][0]
     for a in range(500, n, 50):
@@ -247,7 +252,8 @@ def test_index_selector_full_k_equals_exact_and_grows_with_add(spec: str) -> Non
 def test_index_selector_small_k_reads_sinks_window_and_k(spec: str) -> None:
     n = 600
     k, v = _kv(n, seed=14)
-    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=spec, sinks=4, window=16)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=spec,
+                    retention=Retention(sinks=4, window=16))
     cache.append(k, v)
     q = _q(1, seed=15)
     out = cache.attend(q, k=20)
@@ -270,7 +276,8 @@ def test_index_selector_small_k_reads_sinks_window_and_k(spec: str) -> None:
 def test_index_selector_waits_for_enough_keys() -> None:
     """An IVF index of 64 lists cannot be trained on fewer keys: until it can, every key is read exactly."""
     k, v = _kv(300, seed=28)
-    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="faiss-ivf:nlist=64,nprobe=64", window=8)
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="faiss-ivf:nlist=64,nprobe=64",
+                retention=Retention(window=8))
     c.append(k[:, :40], v[:, :40])
     q = _q(2, seed=29)
     assert c.debug_view()["indexes"][0] is None
@@ -294,13 +301,13 @@ def test_index_selector_causal_multi_token(spec: str) -> None:
     q = _q(T, seed=17)
     outs = []
     for kk, vv in ((k, v), (k2, v2)):
-        cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=spec, window=4)
+        cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=spec, retention=Retention(window=4))
         cache.append(kk[:, :n - T], vv[:, :n - T])
         cache.append(kk[:, n - T:], vv[:, n - T:])
         outs.append(cache.attend(q, k=8))
     np.testing.assert_array_equal(outs[0][:, :T - 2], outs[1][:, :T - 2])
     assert not np.allclose(outs[0][:, T - 1], outs[1][:, T - 1])
-    full = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=spec, window=4)
+    full = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=spec, retention=Retention(window=4))
     full.append(k, v)
     np.testing.assert_allclose(full.attend(q, k=10_000), oracle(q, k, v, n), atol=1e-5)
 
@@ -310,8 +317,9 @@ def test_index_selector_under_cap_equals_dense_over_survivors(policy: str) -> No
     n0, n = 300, 460
     k, v = _kv(n, seed=18)
     qs = np.random.default_rng(19).standard_normal((H, n, E)).astype(np.float32)
-    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="faiss-hnsw:M=8", sinks=4, window=16,
-                max_keys=100, policy=policy, segment=32)
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="faiss-hnsw:M=8",
+                retention=Retention(sinks=4, window=16, max_keys=100, policy=policy),
+                layout=Layout(segment=32))
     c.append(k[:, :n0], v[:, :n0])
     for i in range(n0, n):
         c.append(k[:, i:i + 1], v[:, i:i + 1])
@@ -327,8 +335,9 @@ def test_top_p_one_without_cap_equals_exact() -> None:
     n = 5 * SEG + 70
     k, v = _kv(n, seed=21)
     q = _q(3, seed=22)
-    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, top_p=1.0,
-                top_p_max_keys=10**9, selector="cluster")
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="cluster",
+                layout=Layout(segment=SEG, cluster_size=8),
+                budget=Budget(top_p=1.0, top_p_max_keys=10**9))
     c.append(k, v)
     np.testing.assert_allclose(c.attend(q), oracle(q, k, v, n), atol=2e-5)
     assert c.stats["keys_read_max"] == n
@@ -351,7 +360,7 @@ def test_top_p_reads_few_keys_on_a_peaky_query_and_follows_p() -> None:
     flat = (0.05 * np.random.default_rng(24).standard_normal((1, 1, 32))).astype(np.float32)
     reads, errs = {}, {}
     for p in (0.5, 0.9, 0.99, 1.0):
-        c = KVCache(1, 32, top_p=p, top_p_max_keys=10**9, **kw, selector="cluster")
+        c = KVCache(1, 32, selector="cluster", **group_options(kw, top_p=p, top_p_max_keys=10**9))
         c.append(k, v)
         for name, q in (("peaky", peaky), ("flat", flat)):
             out = c.attend(q)
@@ -370,16 +379,17 @@ def test_top_p_floor_and_cap_in_routed_keys() -> None:
     k, v, centres = _clustered(n, seed=25)
     q = (3.0 * centres[:, 7:8]).astype(np.float32)
     kw = dict(value_dim=8, segment=4096, cluster_size=64, window=16, top_p=0.5, selector="cluster")
-    base = KVCache(1, 32, **kw)
+    base = KVCache(1, 32, **group_options(kw))
     base.append(k, v)
     base.attend(q)
     exact_part = 4 + base.stats["tail_keys"]
-    floor = KVCache(1, 32, top_p_min_keys=2000, top_p_max_keys=10**9, **kw)
+    floor = KVCache(1, 32, **group_options(kw, top_p_min_keys=2000, top_p_max_keys=10**9))
     floor.append(k, v)
     floor.attend(q)
     assert floor.stats["keys_read_per_query"] >= exact_part + 2000
-    cap = KVCache(1, 32, top_p=1.0, value_dim=8, segment=4096, cluster_size=64, window=16,
-                  top_p_max_keys=300, selector="cluster")
+    cap = KVCache(1, 32, value_dim=8, selector="cluster", retention=Retention(window=16),
+                  layout=Layout(segment=4096, cluster_size=64),
+                  budget=Budget(top_p=1.0, top_p_max_keys=300))
     cap.append(k, v)
     cap.attend(q)
     assert exact_part < cap.stats["keys_read_per_query"] <= exact_part + 300
@@ -405,7 +415,7 @@ def test_top_p_floor_and_cap_in_routed_keys() -> None:
 ])
 def test_bad_arguments_are_named(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        KVCache(H, E, **{"selector": "cluster", **kwargs})
+        KVCache(H, E, **group_options({"selector": "cluster", **kwargs}))
 
 
 def test_heavy_hitter_weights_need_h2o() -> None:
@@ -418,8 +428,10 @@ def test_reserve_avoids_reallocation_and_changes_nothing() -> None:
     n0, n = 100, 260
     k, v = _kv(n, seed=40)
     qs = _q(1, seed=41)
-    a = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3, selector="cluster")
-    b = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3, selector="cluster")
+    a = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="cluster",
+                layout=Layout(segment=SEG, cluster_size=8), budget=Budget(n_probe=3))
+    b = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="cluster",
+                layout=Layout(segment=SEG, cluster_size=8), budget=Budget(n_probe=3))
     for c in (a, b):
         c.append(k[:, :n0], v[:, :n0])
     b.reserve(n - n0)
@@ -436,7 +448,8 @@ def test_reserve_avoids_reallocation_and_changes_nothing() -> None:
         b.reserve(2 ** 31)
     with pytest.raises((TypeError, ValueError), match="n_tokens"):
         b.reserve(2.5)
-    capped = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, max_keys=100, window=8)
+    capped = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, retention=Retention(max_keys=100, window=8),
+                     layout=Layout(segment=SEG))
     capped.append(k[:, :10], v[:, :10])
     capped.reserve(10 ** 9)  # bounded by what the cap can ever hold
     assert capped.store.cap <= 100 + 2 * SEG + 8 + 4 + capped.page_size
@@ -448,8 +461,10 @@ def test_one_token_append_same_as_general_path(dtype: object) -> None:
     path (float64 input rounded to the storage dtype), same errors."""
     n = 150
     k, v = _kv(n, seed=42)
-    a = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3, dtype=dtype, selector="cluster")
-    b = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=3, dtype=dtype, selector="cluster")
+    a = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, dtype=dtype, selector="cluster",
+                layout=Layout(segment=SEG, cluster_size=8), budget=Budget(n_probe=3))
+    b = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, dtype=dtype, selector="cluster",
+                layout=Layout(segment=SEG, cluster_size=8), budget=Budget(n_probe=3))
     sd = a.store.sdtype
     for i in range(n):
         ki, vi = k[:, i:i + 1], v[:, i:i + 1]
@@ -492,7 +507,8 @@ def test_one_token_append_finds_one_bad_element_in_a_strided_view(bad: float, wh
 
 def test_tail_and_estimation_zone_are_refused_together() -> None:
     k, v = _kv(300, seed=44)
-    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=2, estimate=4, selector="cluster")
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="cluster",
+                layout=Layout(segment=SEG, cluster_size=8), budget=Budget(n_probe=2, estimate=4))
     c.append(k, v)
     with pytest.raises(ValueError, match="tail= and estimate=4"):
         c.attend(_q(1), tail=16)
@@ -520,7 +536,8 @@ def test_concurrent_attends_on_one_cache_equal_serial() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     k, v = _kv(2000, seed=45)
-    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=256, cluster_size=16, n_probe=4, selector="cluster")
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="cluster",
+                layout=Layout(segment=256, cluster_size=16), budget=Budget(n_probe=4))
     c.append(k, v)
     qs = [_q(1, seed=100 + i) for i in range(16)]
     serial = [c.attend(q) for q in qs]
@@ -536,8 +553,8 @@ def test_parallel_and_serial_steps_agree_bitwise(selector: str) -> None:
     override, GQA and T_q = 3 (the default picks one of the two by the step's work)."""
     n = 700
     k, v = _kv(n, seed=41)
-    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=selector, segment=SEG, cluster_size=8,
-                n_probe=4, window=16)
+    c = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector=selector, retention=Retention(window=16),
+                layout=Layout(segment=SEG, cluster_size=8), budget=Budget(n_probe=4))
     c.append(k, v)
     q = _q(3, seed=42)
     for sel in (None, "dense", "topk", "window"):
@@ -562,8 +579,9 @@ def test_streaming_cap_on_clusters_keeps_exactly_sinks_and_newest(cap: int, segm
     cap = max(cap, sinks + window)  # the smallest cap the cache accepts
     n = sum(chunks)
     k, v = _kv(n, seed=n)
-    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, sinks=sinks, window=window, max_keys=cap,
-                    segment=segment, open_step=open_step, cluster_size=4)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV,
+                    retention=Retention(sinks=sinks, window=window, max_keys=cap),
+                    layout=Layout(segment=segment, open_step=open_step, cluster_size=4))
     done = 0
     for t in chunks:
         cache.append(k[:, done:done + t], v[:, done:done + t])
@@ -589,8 +607,8 @@ def test_streaming_cap_decode_loop_evicts_every_old_key(segment: int, open_step:
     append evicts the oldest non-sink key, including after a clustering pass reordered the slots the
     eviction scan starts from."""
     k, v = _kv(n, seed=3, hkv=1)
-    cache = KVCache(1, E, value_dim=EV, max_keys=cap, window=window, segment=segment, open_step=open_step,
-                    cluster_size=4)
+    cache = KVCache(1, E, value_dim=EV, retention=Retention(max_keys=cap, window=window),
+                    layout=Layout(segment=segment, open_step=open_step, cluster_size=4))
     for i in range(n):
         cache.append(k[:, i:i + 1], v[:, i:i + 1])
         assert len(cache) == cache.positions(0).size == min(i + 1, cap)
@@ -634,7 +652,7 @@ def test_append_and_attend_from_threads_take_turns() -> None:
 
     n0, n = 600, 1400
     k, v = _kv(n, seed=5)
-    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, layout=Layout(segment=SEG, cluster_size=8))
     cache.append(k[:, :n0], v[:, :n0])
     errors: list[BaseException] = []
     done = threading.Event()
@@ -663,7 +681,7 @@ def test_append_and_attend_from_threads_take_turns() -> None:
     for t in threads:
         t.join()
     assert not errors, errors
-    ref = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8)
+    ref = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, layout=Layout(segment=SEG, cluster_size=8))
     ref.append(k[:, :n0], v[:, :n0])
     for i in range(n0, n):
         ref.append(k[:, i:i + 1], v[:, i:i + 1])
@@ -675,7 +693,7 @@ def test_cache_pickles_with_its_own_lock() -> None:
     import pickle
 
     k, v = _kv(300)
-    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, layout=Layout(segment=SEG, cluster_size=8))
     cache.append(k, v)
     copy = pickle.loads(pickle.dumps(cache))
     assert copy._lock is not cache._lock
@@ -699,15 +717,16 @@ def test_cache_pickles_with_its_own_lock() -> None:
 ])
 def test_constructor_refuses_out_of_range_values_naming_them(kw: dict, exc: type, text: str) -> None:
     with pytest.raises(exc, match=text):
-        KVCache(H, E, num_kv_heads=HKV, selector="cluster", **kw)
+        KVCache(H, E, num_kv_heads=HKV, selector="cluster", **group_options(kw))
 
 
 def test_budgets_beyond_the_cache_read_everything_without_allocating_them() -> None:
     """n_probe / estimate / k far beyond the clusters or keys held: the step reads what there is (equal to
     the dense step) instead of sizing per-row heaps by the request."""
     k, v = _kv(300)
-    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8, n_probe=2**30,
-                    estimate=2**30, selector="cluster")
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="cluster",
+                    layout=Layout(segment=SEG, cluster_size=8),
+                    budget=Budget(n_probe=2**30, estimate=2**30))
     cache.append(k, v)
     q = _q(2)
     dense = cache.attend(q, selector="dense")
@@ -718,7 +737,7 @@ def test_budgets_beyond_the_cache_read_everything_without_allocating_them() -> N
 
 def test_attend_and_selected_slots_refuse_bad_arguments_naming_them() -> None:
     k, v = _kv(100)
-    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, segment=SEG, cluster_size=8)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, layout=Layout(segment=SEG, cluster_size=8))
     cache.append(k, v)
     q = _q(1)
     with pytest.raises(TypeError, match="return_lse must be a bool"):
@@ -743,7 +762,8 @@ def test_index_selector_that_cannot_train_under_the_cap_reads_everything(spec: s
     step reads every live key exactly (equal to the dense step) instead of a stale index."""
     pytest.importorskip("faiss")
     rng = np.random.default_rng(0)
-    cache = KVCache(1, E, value_dim=EV, selector=spec, max_keys=cap, segment=64, sinks=2, window=8)
+    cache = KVCache(1, E, value_dim=EV, selector=spec, retention=Retention(max_keys=cap, sinks=2, window=8),
+                    layout=Layout(segment=64))
     for i in range(1000):
         cache.append(rng.standard_normal((1, 1, E)), rng.standard_normal((1, 1, EV)))
         assert len(cache) == min(i + 1, cap)
@@ -761,7 +781,8 @@ def test_prefill_rows_route_only_to_clusters_they_can_see() -> None:
     k = rng.standard_normal((1, 1024, 8)).astype(np.float32)
     k[0, 512:] += 4 * d
     v = rng.standard_normal((1, 1024, 8)).astype(np.float32)
-    cache = KVCache(1, 8, segment=64, cluster_size=8, sinks=0, window=1, n_probe=4, selector="cluster")
+    cache = KVCache(1, 8, selector="cluster", retention=Retention(sinks=0, window=1),
+                    layout=Layout(segment=64, cluster_size=8), budget=Budget(n_probe=4))
     cache.append(k, v)
     out, lse = cache.attend(np.tile(3 * d, (1, 512, 1)), return_lse=True)
     assert np.isfinite(lse).all()
@@ -773,7 +794,8 @@ def test_tail_samples_beyond_the_keys_cost_no_more_than_the_keys() -> None:
     from sparseattn.attention.tail import Tail
 
     k, v = _kv(10)
-    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="window", window=2, sinks=1)
+    cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV, selector="window",
+                    retention=Retention(window=2, sinks=1))
     cache.append(k, v)
     q = _q(2)
     dense = cache.attend(q, selector="dense")

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import sparseattn as sa
 from sparseattn.attention.cache_tail import cache_tail
-from sparseattn.cache import KVCache
+from sparseattn.cache import KVCache, Retention, group_options
 from sparseattn.kernels.decode import EVICTED
 
 E, EV = 16, 8
@@ -48,7 +48,7 @@ def dense_oracle(cache: KVCache, q: np.ndarray) -> tuple[np.ndarray, np.ndarray,
 
 def filled(n: int, *, H: int = 2, H_kv: int = 2, seed: int = 0, **kw) -> tuple[KVCache, np.random.Generator]:
     rng = np.random.default_rng(seed)
-    cache = KVCache(H, E, num_kv_heads=H_kv, value_dim=EV, **kw)
+    cache = KVCache(H, E, num_kv_heads=H_kv, value_dim=EV, **group_options(kw))
     cache.append(rng.standard_normal((H_kv, n, E)).astype(np.float32),
                  rng.standard_normal((H_kv, n, EV)).astype(np.float32))
     return cache, rng
@@ -293,7 +293,7 @@ def test_inconsistent_read_counts_raise_instead_of_hanging() -> None:
     """Rejection sampling draws a bounded number of times: recorded ranges that cover every key while
     nread claims none was read end in a RuntimeError, not an endless loop."""
 
-    c = KVCache(2, 8, selector="window", window=4, sinks=0)
+    c = KVCache(2, 8, selector="window", retention=Retention(window=4, sinks=0))
     rng = np.random.default_rng(3)
     c.append(rng.standard_normal((2, 400, 8)), rng.standard_normal((2, 400, 8)))
     q = rng.standard_normal((2, 1, 8)).astype(np.float32)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparseattn import KVCache
+from sparseattn.cache import Budget, KVCache, group_options
 from sparseattn.kernels import sketch as ks
 
 E = 16
@@ -27,7 +27,7 @@ def _cache(n: int, *, hk: int = 2, h: int = 2, seed: int = 0, selector: str = "s
     rng = np.random.default_rng(seed)
     K = rng.standard_normal((hk, n, E)).astype(np.float32)
     V = rng.standard_normal((hk, n, E)).astype(np.float32)
-    c = KVCache(h, E, num_kv_heads=hk, selector=selector, **{**KW, **kw})
+    c = KVCache(h, E, num_kv_heads=hk, selector=selector, **group_options({**KW, **kw}))
     for a in range(0, n, 300):  # uneven appends cross segment boundaries
         c.append(K[:, a:a + 300], V[:, a:a + 300])
     return c, K, V
@@ -71,7 +71,7 @@ def test_planted_keys_found_at_every_depth(depth: float) -> None:
     K2 = K.copy()
     j = int(depth * (n - 100)) + 3
     K2[0, j] = q * 1.2
-    c2 = KVCache(1, E, selector="sketch:candidates=256", **KW)  # 256 of ~2,900 routed keys: the scan decides
+    c2 = KVCache(1, E, selector="sketch:candidates=256", **group_options(KW))  # 256 of ~2,900 routed keys: the scan decides
     c2.append(K2, V)
     sel = c2.selected_slots(q, 0)
     top = c2.selected_slots(q, 0, k=16, selector="topk")
@@ -141,7 +141,8 @@ def test_full_candidates_match_dense_any_shape(n: int, t: int, mag: float, seed:
     rng = np.random.default_rng(seed)
     K = (rng.standard_normal((1, n, E)) * mag).astype(np.float32)
     V = rng.standard_normal((1, n, E)).astype(np.float32)
-    c = KVCache(1, E, selector="sketch:candidates=100000", scale=1.0 / mag**2 if mag > 1 else None, **KW)
+    c = KVCache(1, E, selector="sketch:candidates=100000", scale=1.0 / mag**2 if mag > 1 else None,
+                **group_options(KW))
     c.append(K, V)
     t = min(t, n)
     q = (rng.standard_normal((1, t, E)) * mag).astype(np.float32)
@@ -165,9 +166,9 @@ def test_bad_options_are_named(spec: str, word: str) -> None:
 
 def test_estimate_and_top_p_refused() -> None:
     with pytest.raises(ValueError, match="estimate"):
-        KVCache(1, E, selector="sketch", estimate=4)
+        KVCache(1, E, selector="sketch", budget=Budget(estimate=4))
     with pytest.raises(ValueError, match="top_p"):
-        KVCache(1, E, selector="sketch", top_p=0.9)
+        KVCache(1, E, selector="sketch", budget=Budget(top_p=0.9))
 
 
 def test_small_cache_reads_every_key() -> None:
@@ -202,7 +203,7 @@ def test_long_multi_token_attend_runs_in_blocks() -> None:
     rng = np.random.default_rng(4)
     K = rng.standard_normal((1, n, E)).astype(np.float32)
     V = rng.standard_normal((1, n, E)).astype(np.float32)
-    c = KVCache(1, E, selector="sketch:candidates=100000", policy="h2o", **KW)
+    c = KVCache(1, E, selector="sketch:candidates=100000", **group_options(KW, policy="h2o"))
     assert c.debug_view()["sketch_plan_rows"] == 41  # the block size this test is about (1 head)
     c.append(K, V)
     q = rng.standard_normal((1, T, E)).astype(np.float32)
@@ -231,7 +232,7 @@ def test_audit_against_brute_force() -> None:
         assert rep["keys_read"][h] == slots.size
         assert rep["recall"][h] == pytest.approx(np.isin(top, read_pos).mean())
         assert rep["mass"][h] == pytest.approx(w[read_pos].sum(), rel=1e-9)
-    dense = KVCache(2, E, num_kv_heads=1, selector="dense", **KW)
+    dense = KVCache(2, E, num_kv_heads=1, selector="dense", **group_options(KW))
     dense.append(K, V)
     full = dense.audit(q[:, None, :])
     assert (full["keys_read"] == 2500).all() and (full["recall"] == 1).all()

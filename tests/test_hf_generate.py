@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from sparseattn import Budget, Layout, Retention  # noqa: E402
 from sparseattn.hf import SparseCache, register_cache  # noqa: E402
 
 VOCAB = 128
@@ -74,8 +75,8 @@ def test_sparse_prefill_with_every_cluster_probed_equals_dense(model):
     # rows and decode steps through clusters) must reproduce dense attention exactly
     ids = torch.randint(1, VOCAB, (1, 300), generator=torch.Generator().manual_seed(2))
     ref = _generate(model, ids, impl="sdpa", do_sample=False, n=5)
-    cache = SparseCache(model, prefill="sparse", selector="cluster", segment=64, cluster_size=16, n_probe=64,
-                        window=16, sinks=4)
+    cache = SparseCache(model, prefill="sparse", selector="cluster", retention=Retention(window=16, sinks=4),
+                        layout=Layout(segment=64, cluster_size=16), budget=Budget(n_probe=64))
     out = _generate(model, ids, cache, impl=register_cache(), do_sample=False, n=5)
     _assert_same(ref, out, ids.shape[1])
     assert cache.kv_caches()[0].stats["segments"] >= 3  # keys were clustered: the routed path ran
@@ -86,8 +87,9 @@ def test_sparse_prefill_with_every_sketch_candidate_equals_dense(model):
     # blocks and decode steps through the 1-bit scan) must reproduce dense attention exactly
     ids = torch.randint(1, VOCAB, (1, 300), generator=torch.Generator().manual_seed(4))
     ref = _generate(model, ids, impl="sdpa", do_sample=False, n=5)
-    cache = SparseCache(model, prefill="sparse", selector="sketch:candidates=100000", segment=64, cluster_size=16,
-                        window=16, sinks=4)
+    cache = SparseCache(model, prefill="sparse", selector="sketch:candidates=100000",
+                        retention=Retention(window=16, sinks=4),
+                        layout=Layout(segment=64, cluster_size=16))
     out = _generate(model, ids, cache, impl=register_cache(), do_sample=False, n=5)
     _assert_same(ref, out, ids.shape[1])
     assert cache.kv_caches()[0].stats["segments"] >= 3  # keys were clustered and coded: the scan ran
@@ -102,7 +104,8 @@ def test_default_short_context_runs(model, ids):
 
 def test_sparse_path_reads_fewer_keys_on_long_context(model):
     ids = torch.randint(1, VOCAB, (1, 600), generator=torch.Generator().manual_seed(3))
-    cache = SparseCache(model, selector="cluster", segment=128, cluster_size=16, n_probe=2, window=16, sinks=4)
+    cache = SparseCache(model, selector="cluster", retention=Retention(window=16, sinks=4),
+                        layout=Layout(segment=128, cluster_size=16), budget=Budget(n_probe=2))
     out = _generate(model, ids, cache, impl=register_cache(), do_sample=False, n=4)
     assert torch.isfinite(torch.stack(out.logits)).all()
     st = cache.stats()
@@ -172,7 +175,7 @@ def test_bad_keywords_refused(model):
     with pytest.raises(ValueError, match="prefill must be one of"):
         SparseCache(model, prefill="fast")
     with pytest.raises(ValueError, match="n_probe"):
-        SparseCache(model, n_probe=0)
+        SparseCache(model, budget=Budget(n_probe=0))
     with pytest.raises(ValueError, match=r"scale .* differs"):
         _generate(model, torch.randint(1, VOCAB, (1, 5)), SparseCache(model, scale=0.5, selector="dense"),
                   impl=register_cache())

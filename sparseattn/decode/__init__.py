@@ -82,15 +82,17 @@ The parts (each in its own module; the data path of a step goes down this list):
 * :mod:`.eviction` -- the ``streaming`` and ``h2o`` memory-cap policies;
 * :mod:`.plan` -- :class:`StepPlan`: a strategy's choice as the ranges and estimates the decode kernel
   (:mod:`sparseattn.kernels.decode`) reads, and the kernel call;
+* :mod:`.options` -- :class:`Retention`, :class:`Layout`, :class:`Budget`: the grouped options;
 * :mod:`.kvcache` -- :class:`KVCache`, the façade (validation, the lock, counters).
 """
 
 from .config import CacheConfig
 from .eviction import EvictionPolicy, H2OPolicy, StreamingPolicy
 from .kvcache import KVCache
+from .options import Budget, Layout, Retention, group_options
 from .plan import PARALLEL_MIN_KEYS, StepPlan, StepResult, run_plan
 from .routing import Routing, register_routing, routing_classes
 from .store import SlotStore
 
-__all__ = ["PARALLEL_MIN_KEYS", "CacheConfig", "EvictionPolicy", "H2OPolicy", "KVCache", "Routing", "SlotStore",
-           "StepPlan", "StepResult", "StreamingPolicy", "register_routing", "routing_classes", "run_plan"]
+__all__ = ["PARALLEL_MIN_KEYS", "Budget", "CacheConfig", "EvictionPolicy", "H2OPolicy", "KVCache", "Layout", "Retention", "Routing", "SlotStore",
+           "StepPlan", "StepResult", "StreamingPolicy", "group_options", "register_routing", "routing_classes", "run_plan"]

@@ -54,14 +54,14 @@ class CacheConfig:
         self.max_keys = None if max_keys is None else check_positive_int(max_keys, "max_keys", maximum=big)
         if self.max_keys is not None and self.max_keys < self.sinks + max(self.window, 1):
             raise ValueError(f"max_keys ({self.max_keys}) must be >= sinks + window "
-                             f"({self.sinks} + {self.window}); raise max_keys or lower window.")
+                             f"({self.sinks} + {self.window}); raise Retention.max_keys or lower Retention.window.")
         self.estimate = check_positive_int(estimate, "estimate", minimum=0, maximum=big)
         if self.estimate and "estimate" not in routing_cls.supports:
             raise ValueError(f"estimate applies to selector='cluster' only; got selector={selector!r} with "
-                             f"estimate={self.estimate}. Pass estimate=0, or selector='cluster'.")
+                             f"estimate={self.estimate}. Pass Budget(estimate=0), or selector='cluster'.")
         if n_probe is not None and "n_probe" not in routing_cls.supports and not routing_cls.any_cache:
             raise ValueError(f"n_probe applies to selector='cluster' (clusters) and 'pages' (pages) only; got "
-                             f"selector={selector!r} with n_probe={n_probe!r}. Drop n_probe (the sketch selector's "
+                             f"selector={selector!r} with n_probe={n_probe!r}. Drop Budget.n_probe (the sketch selector's "
                              f"budget is 'sketch:candidates=N'), or pass selector='cluster'.")
         self.n_probe = routing_cls.default_probe if n_probe is None else check_positive_int(
             n_probe, "n_probe", maximum=big)
@@ -71,7 +71,7 @@ class CacheConfig:
                 raise ValueError(f"top_p must be a float in (0, 1] (or None: fixed n_probe); got {top_p!r}.")
             if "top_p" not in routing_cls.supports:
                 raise ValueError(f"top_p applies to selector='cluster' only (it ranks clusters by estimated "
-                                 f"mass); got selector={selector!r}. Pass top_p=None or selector='cluster'.")
+                                 f"mass); got selector={selector!r}. Pass Budget(top_p=None) or selector='cluster'.")
             self.top_p = float(top_p)
         self.top_p_min_keys = check_positive_int(top_p_min_keys, "top_p_min_keys", minimum=0, maximum=big)
         self.top_p_max_keys = (min(4 * max(self.n_probe, 1) * self.cluster_size, big) if top_p_max_keys is None

@@ -15,6 +15,7 @@ from ..inputs import check_bool, check_positive_int, overflow_message
 from . import checks as ck
 from .config import CacheConfig
 from .eviction import enforce_cap, make_policy
+from .options import Budget, Layout, Retention, resolve_options
 from .plan import StepResult, run_strategy
 from .report import CacheReport
 from .routing import Routing, routing_class, routing_classes
@@ -62,52 +63,26 @@ class KVCache(CacheReport):
     dtype : numpy.float32, numpy.float16 or "bfloat16", default float32
         Storage of keys and values (bfloat16 is held as uint16 bit patterns); scores and sums are
         float32 in every case.  Appended inputs are rounded to it.
-    sinks : int, default 4
-        The first ``sinks`` positions are always attended exactly (and never evicted).
-    window : int, default 64
-        The newest ``window`` positions are always attended exactly (and never evicted).
-    max_keys : int, optional
-        Memory cap in keys: at most ``max_keys`` keys stay attendable (``policy`` says which).  Must be
-        >= ``sinks + window``.
-    policy : {"streaming", "h2o"}, default "streaming"
-        Which keys the cap keeps besides sinks and window: the newest (``"streaming"``) or those with
-        the largest accumulated attention weight (``"h2o"``); see the module docstring.
-    segment : int, default 4096
-        Keys clustered together once the tail holds ``segment + window`` keys (multiple of
-        ``page_size``; 4,096-16,384 recommended).  The exact tail averages ``segment / 2 + window`` keys.
-    open_step : int, optional
-        Granularity of the open segment (default ``segment // 2``): once the tail holds ``open_step +
-        window`` keys beyond it, the open segment (the newest, not yet full segment) is re-clustered with
-        them, so the exact tail stays below ``open_step + window`` keys; a full segment is closed and
-        never clustered again.  ``open_step = segment`` turns the open segment off.  Each re-clustering
-        runs a k-means over the whole open segment, so a small ``open_step`` multiplies the append cost
-        (up to ``segment / open_step`` k-means runs per segment instead of about two).
-    n_probe : int, optional
-        Clusters (``"cluster"``, default 32) or pages (``"pages"``, default 128) attended per query; other
-        selectors refuse it.
-    estimate : int, default 0
-        ``"cluster"`` only: clusters per query estimated from their statistics after the routed ones
-        (see the module docstring); 0 = off.
-    top_p : float in (0, 1], optional
-        ``"cluster"`` only: mass-driven budget instead of ``n_probe`` (see the module docstring); 1.0
-        reads every cluster with a visible key (within ``top_p_max_keys``).
-    top_p_min_keys : int, default 0
-        ``top_p`` only: floor of routed keys read per query (the walk goes on past ``top_p`` until it is
-        reached).  Sinks and the exact tail are read on top.
-    top_p_max_keys : int, optional
-        ``top_p`` only: cap of routed keys read per query (default ``4 * n_probe * cluster_size``, four
-        times the fixed budget); the walk stops before a cluster that would pass it.
-    cluster_size : int, default 64
-        Mean keys per cluster: each segment gets ``segment // cluster_size`` clusters.
-    page_size : int, default 16
-        Keys per page of the ``"pages"`` selector.
+    retention : Retention, optional
+        ``Retention(sinks=4, window=64, max_keys=None, policy="streaming")``: the positions always read
+        exactly and the memory cap with its eviction policy.
+    layout : Layout, optional
+        ``Layout(segment=4096, open_step=None, cluster_size=64, page_size=16, seed=0)``: how keys are
+        clustered in segments (and paged for ``"pages"``).
+    budget : Budget, optional
+        ``Budget(n_probe=None, estimate=0, top_p=None, top_p_min_keys=0, top_p_max_keys=None)``: clusters
+        or pages read per query, the estimation zone and the mass-driven budget (``"cluster"`` /
+        ``"pages"``).
     scale : float, optional
         Score scale, > 0 (default ``1 / sqrt(E)``).
-    seed : int, default 0
-        Seed of the k-means of every segment (the same keys always give the same clusters).
     parallel : bool, optional
         Run the step's rows (heads x tokens) on Numba's threads (``True``) or on one thread (``False``);
         default: parallel when the step scores at least ``PARALLEL_MIN_KEYS`` keys in total.
+    **legacy
+        The flat keywords of the three groups (``sinks=``, ``segment=``, ``n_probe=``, ...): deprecated,
+        accepted for one release with a ``DeprecationWarning``.
+
+    Every option is also an attribute of the cache (``cache.segment``, ``cache.n_probe``, ...).
 
     Threads: one cache may be used from several threads; ``append``, ``reserve``, ``attend``,
     ``selected_slots`` and ``positions`` hold the cache's lock, so calls on one cache take turns (each
@@ -116,9 +91,9 @@ class KVCache(CacheReport):
     Examples
     --------
     >>> import numpy as np
-    >>> from sparseattn.cache import KVCache
+    >>> from sparseattn import KVCache, Layout
     >>> rng = np.random.default_rng(0)
-    >>> cache = KVCache(num_heads=4, head_dim=16, segment=256, cluster_size=16)
+    >>> cache = KVCache(num_heads=4, head_dim=16, layout=Layout(segment=256, cluster_size=16))
     >>> cache.append(rng.standard_normal((4, 1000, 16)), rng.standard_normal((4, 1000, 16)))
     >>> out = cache.attend(rng.standard_normal((4, 1, 16)).astype(np.float32))
     >>> len(cache), out.shape, out.dtype
@@ -127,19 +102,11 @@ class KVCache(CacheReport):
 
     def __init__(self, num_heads: int, head_dim: int, *, num_kv_heads: int | None = None,
                  value_dim: int | None = None, selector: str = "sketch", dtype: object = np.float32,
-                 sinks: int = 4, window: int = 64, max_keys: int | None = None, policy: str = "streaming",
-                 segment: int = 4096, open_step: int | None = None, n_probe: int | None = None,
-                 estimate: int = 0, top_p: float | None = None, top_p_min_keys: int = 0,
-                 top_p_max_keys: int | None = None, cluster_size: int = 64,
-                 page_size: int = 16, scale: float | None = None, seed: int = 0,
-                 parallel: bool | None = None) -> None:
-        cfg = CacheConfig(num_heads, head_dim, num_kv_heads=num_kv_heads, value_dim=value_dim,
-                          selector=selector, routing_cls=routing_class(selector), dtype=dtype, sinks=sinks,
-                          window=window, max_keys=max_keys, policy=policy, segment=segment,
-                          open_step=open_step, n_probe=n_probe, estimate=estimate, top_p=top_p,
-                          top_p_min_keys=top_p_min_keys, top_p_max_keys=top_p_max_keys,
-                          cluster_size=cluster_size, page_size=page_size, scale=scale, seed=seed,
-                          parallel=parallel)
+                 retention: Retention | None = None, layout: Layout | None = None, budget: Budget | None = None,
+                 scale: float | None = None, parallel: bool | None = None, **legacy: Any) -> None:
+        opts = resolve_options({"retention": retention, "layout": layout, "budget": budget}, legacy)
+        cfg = CacheConfig(num_heads, head_dim, num_kv_heads=num_kv_heads, value_dim=value_dim, selector=selector,
+                          routing_cls=routing_class(selector), dtype=dtype, scale=scale, parallel=parallel, **opts)
         self.__dict__.update(cfg.public())
         self._cfg = cfg
         self._store = SlotStore(cfg.num_kv_heads, cfg.head_dim, cfg.value_dim, dtype, sinks=cfg.sinks,
