@@ -19,6 +19,11 @@ Layout per kv head (slots of one contiguous array, each slot holding one key, it
   best clusters, and computes one online softmax over sinks + tail (exact) + the chosen clusters: every
   key counted exactly once, since the routed segments and the exact part hold disjoint positions.  The
   whole step (all heads, all query tokens) is one Numba call.
+* A multi-token ``attend`` (a prompt attended through the cache) is strictly causal: a row whose position
+  lies inside a clustered segment (or a Quest page) that also holds later keys reads that segment's
+  visible keys exactly and routes over the earlier segments only, since the segment's clusters, means and
+  codes (or the page's bounds) were made with keys the row may not see.  Such rows are planned in blocks of
+  their own; a decode step's row is the newest position and never meets one.
 
 Other selectors share the storage: ``"pages"`` (Quest: per page of ``page_size`` keys the element-wise
 min and max, updated on append; the ``n_probe`` pages of largest bound ``sum_e max(q_e min_e, q_e max_e)``

@@ -160,16 +160,15 @@ def run_plan(store: SlotStore, plan: StepPlan, q: np.ndarray, qpos: np.ndarray, 
 
 def run_strategy(store: SlotStore, strategy: Any, q: np.ndarray, qpos: np.ndarray, k: int, *, scale: float,
                  parallel: bool | None, record: bool = False, weights: np.ndarray | None = None) -> StepResult:
-    """Plan and run the queries ``q`` (H, T, E) float32 at ``qpos`` (T,) with a routing ``strategy``, in
-    blocks of at most ``strategy.max_tokens(H)`` tokens (a long prefill's plan stays bounded)."""
-    T = q.shape[1]
-    step = strategy.max_tokens(q.shape[0]) or T
-    if step >= T:  # one block (every decode step)
+    """Plan and run the queries ``q`` (H, T, E) float32 at ``qpos`` (T,) with a routing ``strategy``, in the
+    token blocks of ``strategy.token_blocks`` (a long prefill's plan stays bounded; rows that need another
+    plan, such as rows inside the clustered part, get their own)."""
+    blocks = strategy.token_blocks(qpos, q.shape[0])
+    if len(blocks) == 1:  # one block (every decode step)
         return run_plan(store, strategy.plan(q, qpos, k), q, qpos, scale=scale, parallel=parallel, record=record,
                         weights=weights)
-    parts = [run_plan(store, strategy.plan(q[:, a:a + step], qpos[a:a + step], k), q[:, a:a + step],
-                      qpos[a:a + step], scale=scale, parallel=parallel, record=record, weights=weights)
-             for a in range(0, T, step)]
+    parts = [run_plan(store, strategy.plan(q[:, a:b], qpos[a:b], k), q[:, a:b], qpos[a:b], scale=scale,
+                      parallel=parallel, record=record, weights=weights) for a, b in blocks]
     return parts[0] if len(parts) == 1 else concat_results(parts)
 
 

@@ -119,6 +119,24 @@ class Routing:
         """Query tokens one plan may hold (None: any number); the cache runs longer calls in blocks."""
         return None
 
+    def token_blocks(self, qpos: np.ndarray, num_heads: int) -> list[tuple[int, int]]:
+        """Token ranges ``[a, b)`` of the queries at ``qpos`` (T,) int64, ascending, each planned on its own:
+        blocks of at most :meth:`max_tokens` tokens, cut where :meth:`straddle_ids` changes."""
+        T = qpos.shape[0]
+        step = self.max_tokens(num_heads) or T
+        cuts = set(range(0, T, step))
+        if not (T == 1 and qpos[0] == self.store.n - 1):  # a decode step's row is the newest position
+            cuts |= set((np.flatnonzero(np.diff(self.straddle_ids(qpos))) + 1).tolist())
+        edges = sorted(cuts | {T})
+        return list(zip(edges[:-1], edges[1:], strict=True))
+
+    def straddle_ids(self, qpos: np.ndarray) -> np.ndarray:
+        """Per position of ``qpos`` (T,) int64, the index of the indexed region (a segment, a page) holding
+        keys both at or before it and after it, or -1: a row must not rank through such a region (its
+        summary was made with keys the row may not see); rows with the same index share a plan.  (T,)
+        int64; the default: no region."""
+        return np.full(qpos.shape[0], -1, np.int64)
+
     def selected(self, q: np.ndarray, g: int, k: int) -> list[np.ndarray]:
         """Slots (unsorted parts, may repeat or hold evicted slots) the step of one query ``q`` (E,) float32
         of kv head ``g`` at the newest position reads."""

@@ -54,9 +54,29 @@ class ClusterRouting(Routing):
         return [a for a, _ in self.layout.segments] + [self.layout.seg_end, self.layout.open_end]
 
     # ---------------------------------------------------------------------------------- a step
+    def straddle_ids(self, qpos: np.ndarray) -> np.ndarray:
+        return self.layout.straddle_ids(qpos)
+
+    def scope(self, qpos: np.ndarray) -> tuple[int, int, np.ndarray]:
+        """(first exact slot, stop slot, routed clusters per kv head) of a block of rows at ``qpos`` (one
+        block of :meth:`token_blocks`).
+
+        Rows after every clustered key route over all clusters and read the tail exactly.  Rows inside a
+        clustered region (a multi-token attend over keys appended with it) read that region's visible keys
+        exactly and route over the regions before it only (:meth:`ClusterLayout.straddle_ids`: strict
+        causality, up to the float32 rounding of the region's summation order).  Later regions and the
+        tail hold only later keys, so they are not scanned."""
+        st, lay = self.store, self.layout
+        i = int(lay.straddle_ids(qpos[:1])[0]) if qpos.shape[0] and qpos[0] < st.n - 1 else -1
+        if i < 0:
+            return lay.open_end, st.slots, lay.n_cent
+        _, _, a, b, first = lay.spans()[i]
+        return a, b, np.minimum(first, lay.n_cent)
+
     def plan(self, q: np.ndarray, qpos: np.ndarray, k: int) -> StepPlan:
         st, cfg, lay = self.store, self.cfg, self.layout
-        n_cmax = int(lay.n_cent.max(initial=0))
+        ex_lo, stop, n_cent = self.scope(qpos)
+        n_cmax = int(n_cent.max(initial=0))
         n_probe = min(cfg.n_probe, n_cmax)
         mode, n_ranges = kd.MODE_CLUSTER, 2 + n_probe
         if cfg.top_p is not None:
@@ -65,9 +85,12 @@ class ClusterRouting(Routing):
         # the routing scan: one int8 vector of E bytes per cluster, counted in keys' bytes
         key_bytes = (cfg.head_dim + cfg.value_dim) * st.sdtype.itemsize
         route = n_cmax * cfg.head_dim // max(key_bytes, 1)
-        work = (st.slots - lay.open_end + st.s0 + budget + route) * q.shape[0] * q.shape[1]
-        return StepPlan(mode, st.s0, lay.open_end, st.slots, work=work, n_probe=n_probe,
-                        n_est=min(cfg.estimate, n_cmax), n_ranges=n_ranges, clusters=lay.kernel_arrays(),
+        work = (stop - ex_lo + st.s0 + budget + route) * q.shape[0] * q.shape[1]
+        clusters = lay.kernel_arrays()
+        if n_cent is not lay.n_cent:
+            clusters = clusters[:3] + (np.ascontiguousarray(n_cent, np.int64),) + clusters[4:]
+        return StepPlan(mode, st.s0, ex_lo, stop, work=work, n_probe=n_probe,
+                        n_est=min(cfg.estimate, n_cmax), n_ranges=n_ranges, clusters=clusters,
                         top_p=cfg.top_p if cfg.top_p is not None else 1.0, tp_min=cfg.top_p_min_keys,
                         tp_max=cfg.top_p_max_keys)
 

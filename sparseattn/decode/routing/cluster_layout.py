@@ -94,6 +94,7 @@ class ClusterLayout:
         self.cminpos = np.zeros((hk, 0), np.int32)
         self.cmaxpos = np.zeros((hk, 0), np.int32)
         self.segments_clustered = 0
+        self._spans: list[tuple[int, int, int, int, np.ndarray]] | None = None  # see straddled()
 
     def kernel_arrays(self) -> tuple[np.ndarray, ...]:
         """(cent, cscale, cptr, n_cent, ccount, cvmean, cminpos, cmaxpos) as the kernel reads them."""
@@ -165,6 +166,7 @@ class ClusterLayout:
         go to the end of its last cluster's range.  Heads run on worker threads (FAISS and numpy's
         copies and reductions release the GIL)."""
         hk = self.store.num_kv_heads
+        self._spans = None
         firsts = self.closed_cent.copy()
         self.n_cent[:] = self.closed_cent  # the open segment's routing vectors are recomputed
         self.store.evict_from = min(self.store.evict_from, a)  # slots [a, b) are reordered below
@@ -223,6 +225,41 @@ class ClusterLayout:
         """Slot bounds of the regions: each closed segment, the open segment, the tail (to ``slots``)."""
         return [a for a, _ in self.segments] + [self.seg_end, self.open_end, self.store.slots]
 
+    def spans(self) -> list[tuple[int, int, int, int, np.ndarray]]:
+        """Per clustered region (closed segments, then the open segment) holding a live key: (smallest and
+        largest live position over the kv heads, first slot, stop slot, its first cluster per kv head),
+        in position order.  Cached until the layout changes (evictions only narrow the true ranges)."""
+        if self._spans is None:
+            bounds = self.region_bounds()[:-1]  # closed segments and the open segment, not the tail
+            firsts = [f for _, f in self.segments] + [self.closed_cent]
+            spans = []
+            for ri in range(len(bounds) - 1):
+                a, b = bounds[ri], bounds[ri + 1]
+                pos = self.store.pos[:, a:b]
+                live = pos[pos != EVICTED]
+                if live.size:
+                    spans.append((int(live.min()), int(live.max()), a, b, firsts[ri].copy()))
+            self._spans = spans
+        return self._spans
+
+    def straddle_ids(self, qpos: np.ndarray) -> np.ndarray:
+        """For each position of ``qpos`` (T,) int64, the index in :meth:`spans` of the clustered region holding
+        keys both at or before it and after it, or -1; (T,) int64.
+
+        A row must not route through such a region: its clusters (members, means, codes) were made with
+        keys the row may not see, so which of its visible keys are read would depend on later keys.  Only
+        rows of a multi-token attend inside the clustered part meet one (a decode step's row is the newest
+        position).  Regions are in position order, so at most one straddles a position."""
+        spans = self.spans()
+        out = np.full(qpos.shape[0], -1, np.int64)
+        if spans:
+            lo = np.array([s[0] for s in spans], np.int64)
+            hi = np.array([s[1] for s in spans], np.int64)
+            i = np.searchsorted(lo, qpos, side="right") - 1  # the last region starting at or before qp
+            ok = (i >= 0) & (qpos < hi[np.maximum(i, 0)])
+            out[ok] = i[ok]
+        return out
+
     def nbytes(self) -> int:
         """Bytes of the routing vectors and cluster statistics."""
         return int(self.n_cent.sum()) * (self.store.head_dim + 4 + 8 + 8 + 8 + 4 * self.store.value_dim)
@@ -235,6 +272,7 @@ class ClusterLayout:
         region keeps as many slots as its fullest kv head needs.  Updates the layout to the new slots."""
         st = self.store
         hk = st.num_kv_heads
+        self._spans = None
         w0 = w = st.s0
         bounds = self.region_bounds()
         n_regions = len(bounds) - 1  # closed segments, open segment, tail

@@ -91,18 +91,49 @@ class PagesRouting(Routing):
     def compacted(self) -> None:
         self.update(self.store.s0, self.store.slots)
 
+    def _page_spans(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids of the pages holding a live key, their smallest and largest live position over the kv heads),
+        int64, in position order (pages never reorder slots)."""
+        st, P, s0 = self.store, self.cfg.page_size, self.store.s0
+        n = self.n_pages()
+        pos = st.pos[:, s0:min(s0 + n * P, st.slots)]
+        if pos.shape[1] < n * P:
+            pos = np.concatenate([pos, np.full((pos.shape[0], n * P - pos.shape[1]), kd.EVICTED, pos.dtype)], axis=1)
+        pos = pos.reshape(pos.shape[0], n, P).astype(np.int64)
+        live = pos != kd.EVICTED
+        hi = np.where(live, pos, -1).max(axis=(0, 2), initial=-1)
+        ids = np.flatnonzero(hi >= 0)
+        lo = np.where(live, pos, INT32_MAX).min(axis=(0, 2), initial=INT32_MAX)
+        return ids, lo[ids], hi[ids]
+
+    def straddle_ids(self, qpos: np.ndarray) -> np.ndarray:
+        """The page holding keys both at or before each position and after it (its bound was taken over
+        keys the row may not see), or -1."""
+        ids, lo, hi = self._page_spans()
+        out = np.full(qpos.shape[0], -1, np.int64)
+        if ids.size:
+            i = np.searchsorted(lo, qpos, side="right") - 1
+            ok = (i >= 0) & (qpos < hi[np.maximum(i, 0)])
+            out[ok] = ids[i[ok]]
+        return out
+
     def _exact_lo(self) -> int:
         st = self.store
         return max(st.s0, st.slots - self.cfg.window)
 
     def plan(self, q: np.ndarray, qpos: np.ndarray, k: int) -> StepPlan:
         st, cfg = self.store, self.cfg
-        ex_lo = self._exact_lo()
+        ex_lo, stop = self._exact_lo(), st.slots
         n_pages = self.n_pages()
-        n_probe = min(cfg.n_probe, n_pages)
         hi = int(st.pos[0, ex_lo]) if ex_lo < st.slots else INT32_MAX
-        work = (cfg.window + st.s0 + cfg.n_probe * cfg.page_size + n_pages // 8) * q.shape[0] * q.shape[1]
-        return StepPlan(kd.MODE_PAGES, st.s0, ex_lo, st.slots, work=work, hi=hi, n_probe=n_probe,
+        page = int(self.straddle_ids(qpos[:1])[0]) if qpos.shape[0] and qpos[0] < st.n - 1 else -1
+        if page >= 0:  # rows inside a page with later keys: it is read exactly, the pages before it ranked
+            ex_lo = st.s0 + page * cfg.page_size
+            stop = min(ex_lo + cfg.page_size, st.slots)
+            n_pages, hi = page, INT32_MAX
+        n_probe = min(cfg.n_probe, n_pages)
+        work = (stop - ex_lo + st.s0 + cfg.n_probe * cfg.page_size + n_pages // 8) * q.shape[0] * q.shape[1]
+        return StepPlan(kd.MODE_PAGES, st.s0, ex_lo, stop, work=work, hi=hi, n_probe=n_probe,
                         n_ranges=2 + n_probe, pages=(self.pmin, self.pmax, self.pminpos), page_size=cfg.page_size)
 
     def selected(self, q: np.ndarray, g: int, k: int) -> list[np.ndarray]:

@@ -147,7 +147,8 @@ class SketchRouting(ClusterRouting):
         frac = self.options.get("fraction", DEFAULT_FRACTION)
         return max(MIN_CANDIDATES, math.ceil(frac * routed))
 
-    def _scan(self, q: np.ndarray, qpos: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray]:
+    def _scan(self, q: np.ndarray, qpos: np.ndarray, R: int, n_cent: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
         st, lay, cfg = self.store, self.layout, self.cfg
         rows = np.empty((q.shape[0] * q.shape[1], R), np.int64)
         scanned = np.empty(q.shape[0] * q.shape[1], np.int64)
@@ -160,7 +161,8 @@ class SketchRouting(ClusterRouting):
             if self._est.shape[0] < P or self._est.shape[1] < need:
                 shape = (max(P, self._est.shape[0]), max(need, self._est.shape[1]))
                 self._est, self._ids = np.empty(shape, np.float64), np.empty(shape, np.int64)
-            fn(q, qpos, cfg.rep, self.rot, lay.cent, lay.cscale, lay.cptr, lay.n_cent, self.rad, st.sketch_codes,
+            fn(q, qpos, cfg.rep, self.rot, lay.cent, lay.cscale, lay.cptr, lay.n_cent if n_cent is None else n_cent,
+               self.rad, st.sketch_codes,
                st.sketch_fac, st.pos, R, rows, scanned, self._est[:P], self._ids[:P])
         return rows, scanned
 
@@ -172,16 +174,17 @@ class SketchRouting(ClusterRouting):
         return int(self.layout.n_cent.max(initial=0)) == 0 or DENSE_RATIO * self.candidates() >= routed
 
     def plan(self, q: np.ndarray, qpos: np.ndarray, k: int) -> StepPlan:
-        st, lay = self.store, self.layout
+        st = self.store
         R_rows = q.shape[0] * q.shape[1]
         if self.reads_all():
             return StepPlan(kd.MODE_NONE, st.s0, st.s0, st.slots, work=st.slots * R_rows)
         R = self.candidates()
-        rows, scanned = self._scan(q, qpos, R)
+        ex_lo, stop, n_cent = self.scope(qpos)
+        rows, scanned = self._scan(q, qpos, R, n_cent)
         self.scanned += int(scanned.sum())
         self.steps += R_rows
-        work = (st.s0 + st.slots - lay.open_end + R) * R_rows
-        return StepPlan(kd.MODE_LIST, st.s0, lay.open_end, st.slots, work=work, n_ranges=2 + R, rows_sel=rows)
+        work = (st.s0 + stop - ex_lo + R) * R_rows
+        return StepPlan(kd.MODE_LIST, st.s0, ex_lo, stop, work=work, n_ranges=2 + R, rows_sel=rows)
 
     def max_tokens(self, num_heads: int) -> int | None:
         # a plan lists R candidate slots per row (int64): at most PLAN_BYTES of them per block of tokens
