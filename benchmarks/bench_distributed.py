@@ -132,7 +132,7 @@ def start_cluster(n_workers: int, threads: int, memory_limit: str | int = 0):
 
 def empty_call_seconds(store, repeats: int = 30) -> float:
     """Median round trip of an actor call that does nothing (scheduling + comms floor)."""
-    actor = store._actors[0][0]
+    actor = store.actor(0)
     ts = []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -214,7 +214,8 @@ def test_window_causal_with_position_gaps_equals_single_process(client, data) ->
     spec = "window:width=48"
     with ShardedKeyStore(client, K, V, n_shards=4, selector=spec, key_positions=kpos) as store:
         out, lse = store.attend(Q, k=48, batch_size=50, **kw)
-        expected_calls = sum(int((qpos[lo:lo + 50, None] >= store._first[None, :]).any(axis=0).sum())
+        first = np.array([s.first_position for s in store.shards])
+        expected_calls = sum(int((qpos[lo:lo + 50, None] >= first[None, :]).any(axis=0).sum())
                              for lo in range(0, L, 50))
         assert store.stats["calls"] == expected_calls < 4 * 4  # early batches skip the later shards
     ref, ref_lse = sa.sparse_attention(Q, K, V, spec, k=48, key_positions=kpos, return_lse=True, **kw)
@@ -332,7 +333,7 @@ def test_store_scope_rejects_positional_selectors(client, data) -> None:
 def test_shard_that_raises_gives_a_clear_error(client, data) -> None:
     Q, K, V = data
     with ShardedKeyStore(client, K[:2000], V[:2000], n_shards=2) as store:
-        store._actors[1][0].clear().result()  # shard 1 loses its state: its computation now raises
+        store.actor(1, 0).clear().result()  # shard 1 loses its state: its computation now raises
         with pytest.raises(ShardError, match=r"shard 1 .*not built"):
             store.attend(Q, k=8)
 
@@ -383,10 +384,10 @@ def test_timeout_then_good_calls(client, data, replicas) -> None:
 def test_stalled_worker_fails_over_and_is_kept(client, data, monkeypatch) -> None:
     """A stopped (not dead) worker: the call times out there and is answered by the other replica; the
     stalled replica is not dropped, so it answers when the other one stalls in turn."""
-    import sparseattn.distributed as sd
+    import sparseattn.distributed.replicas as replicas
 
     Q, K, V = data
-    monkeypatch.setattr(sd, "PING_TIMEOUT", 1.0)
+    monkeypatch.setattr(replicas, "PING_TIMEOUT", 1.0)
     truth, _ = dense64(Q, K[:2000], V[:2000])
     with ShardedKeyStore(client, K[:2000], V[:2000], n_shards=1, replicas=2) as store:
         bounded(lambda: store.attend(Q, k=8))
