@@ -309,6 +309,24 @@ def load(name: str, *, layer: int | None = None, head: int | None = None, window
         raise ValueError(f"unknown fixture {name!r}; available: {sorted(files)}. "
                          f"For synthetic data use sparseattn.data.synthetic('synthetic:n=...,d=...,kind=...').")
     entry = files[name]
+    path = _fixture_path(d, entry, verify)
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    meta = json.loads(str(arrays.pop("meta").reshape(-1)[0])) if "meta" in arrays else dict(entry.get("meta", {}))
+    q, k, v = arrays.pop("q"), arrays.pop("k"), arrays.pop("v")
+    ids = arrays
+    selection: dict[str, int | None] = {"layer": layer, "head": head, "window": window}
+    q, k, v, ids = _select(name, meta, q, k, v, ids, layer, head, window)
+    if dt is not None:
+        q, k, v = (np.ascontiguousarray(a, dtype=dt) for a in (q, k, v))
+    else:
+        q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
+    meta = dict(meta, selection=selection, sha256=entry["sha256"])
+    return Trace(name=name, q=q, k=k, v=v, meta=meta, token_ids=ids, path=path)
+
+
+def _fixture_path(d: Path, entry: dict[str, Any], verify: bool) -> Path:
+    """The fixture file of a manifest ``entry`` in ``d``, its sha256 checked when ``verify``."""
     path = d / entry["file"]
     if not path.is_file():
         raise FileNotFoundError(f"fixture file {path} listed in {d / MANIFEST} is missing. "
@@ -319,13 +337,14 @@ def load(name: str, *, layer: int | None = None, head: int | None = None, window
             raise ValueError(f"sha256 mismatch for {path}: manifest expects {entry['sha256']}, file has {got}. "
                              f"The file is corrupt or was regenerated without updating {MANIFEST}; "
                              f"regenerate with: {_REGENERATE} (or pass verify=False).")
-    with np.load(path, allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files}
-    meta = json.loads(str(arrays.pop("meta").reshape(-1)[0])) if "meta" in arrays else dict(entry.get("meta", {}))
-    q, k, v = arrays.pop("q"), arrays.pop("k"), arrays.pop("v")
-    ids = arrays
+    return path
+
+
+def _select(name: str, meta: dict[str, Any], q: np.ndarray, k: np.ndarray, v: np.ndarray, ids: dict[str, Any],
+            layer: int | None, head: int | None, window: int | None) -> tuple[Any, ...]:
+    """(q, k, v, token ids) of a fixture narrowed to the ``layer`` / ``head`` / ``window`` asked for (that
+    axis dropped); ValueError naming a selection the fixture does not have."""
     kind = meta.get("kind", name)
-    selection: dict[str, int | None] = {"layer": layer, "head": head, "window": window}
     if kind == "window":
         layers = list(meta.get("layers", range(q.shape[1])))
         heads = list(meta.get("heads", range(q.shape[2])))
@@ -348,12 +367,7 @@ def load(name: str, *, layer: int | None = None, head: int | None = None, window
             heads = [int(h) for h in meta["heads"]]
             i = heads.index(_check_index(head, "head", heads, "store's heads"))
             q, k, v = q[i], k[i], v[i]
-    if dt is not None:
-        q, k, v = (np.ascontiguousarray(a, dtype=dt) for a in (q, k, v))
-    else:
-        q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
-    meta = dict(meta, selection=selection, sha256=entry["sha256"])
-    return Trace(name=name, q=q, k=k, v=v, meta=meta, token_ids=ids, path=path)
+    return q, k, v, ids
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -992,6 +1006,88 @@ def _passkey_background(background: object, n: int, d: int, heads: int, nq: int,
         Q[h] = _spread_queries((u * float(np.median(np.linalg.norm(K[h], axis=1)))).astype(np.float32), nq)
     return K, V, Q
 
+def _passkey_args(n: Any, d: Any, heads: Any, n_planted: Any, depth: Any, mass: Any, margin: Any, n_queries: Any,
+                  dv: Any, scale: Any) -> tuple[Any, ...]:
+    """:func:`passkey`'s arguments checked: (n, d, heads, n_planted, n_queries, dv, mass, margin, scale, and
+    the band [a, b) of positions the planted keys go to); TypeError / ValueError naming the argument."""
+    n_ = check_positive_int(n, "n")
+    d_ = check_positive_int(d, "d")
+    H = check_positive_int(heads, "heads")
+    npl = check_positive_int(n_planted, "n_planted")
+    nq = check_positive_int(n_queries, "n_queries")
+    dv_ = d_ if dv is None else check_positive_int(dv, "dv")
+    frac = _check_real(mass, "mass", low=0.0, high=1.0)
+    if not 0.0 < frac < 1.0:
+        raise ValueError(f"mass must be in (0, 1) (the planted keys' minimum softmax share); got {frac}.")
+    gap = _check_real(margin, "margin", low=0.0)
+    if scale is None:
+        sc = 1.0 / np.sqrt(d_)
+    else:
+        sc = _check_real(scale, "scale", low=0.0)
+        if sc <= 0:
+            raise ValueError(f"scale must be > 0 (or None: 1/sqrt(d)); got {sc}.")
+    if not isinstance(depth, (tuple, list)) or len(depth) != 2:
+        raise TypeError(f"depth must be a pair (low, high) of fractions in [0, 1]; got {depth!r}.")
+    lo = _check_real(depth[0], "depth[0]", low=0.0, high=1.0)
+    hi = _check_real(depth[1], "depth[1]", low=0.0, high=1.0)
+    if lo > hi:
+        raise ValueError(f"depth must be (low, high) with low <= high; got {tuple(depth)}.")
+    need = nq * npl
+    a = min(int(lo * n_), n_ - need) if need <= n_ else 0
+    b = max(int(np.ceil(hi * n_)), a + need)
+    if need > n_ or b > n_:
+        raise ValueError(f"n_queries * n_planted = {nq} * {npl} = {need} planted keys do not fit in the "
+                         f"depth band {tuple(depth)} of n={n_} keys; lower n_planted or n_queries, or "
+                         f"widen depth.")
+    return n_, d_, H, npl, nq, dv_, frac, gap, sc, a, b
+
+
+
+def _plant(Kh: np.ndarray, Qh: np.ndarray, p: np.ndarray, sc: float, frac: float, gap: float, h: int) -> np.ndarray:
+    """Plant one head's keys in place: Kh (n, d) float32 background keys, Qh (nq, d) queries, p (nq, npl)
+    sorted positions per query; every planted key of query t gets the same logit, raised until the planted
+    keys hold >= ``frac`` of t's softmax and lead every other key by ``gap`` (see :func:`passkey`).
+    Returns the planted mass per query (nq,) float64."""
+    n_ = Kh.shape[0]
+    npl = p.shape[1]
+    q64 = Qh.astype(np.float64)
+    qn = np.linalg.norm(q64, axis=1)
+    if not (qn > 0).all():
+        raise ValueError(f"a query of head {h} is zero; planted keys need a direction to point at.")
+    qhat = q64 / qn[:, None]
+    planted = np.zeros(n_, bool)
+    planted[p.ravel()] = True
+    base = Kh[p].astype(np.float64)  # (nq, npl, d): keep the orthogonal part
+    base -= np.einsum("tpd,td->tp", base, qhat)[:, :, None] * qhat[:, None, :]
+    bg = Kh[~planted].astype(np.float64) @ q64.T * sc  # (n - need, nq) background logits
+    m = bg.max(axis=0)
+    z = np.exp(bg - m).sum(axis=0)  # background sum relative to its max
+    del bg
+    # logit L with npl*e^L >= frac/(1-frac) * Z_bg and L >= max_bg + margin
+    L = np.maximum(m + np.log(frac / (1 - frac) * z / npl), m + gap)
+    for _ in range(50):
+        Kh[p] = (base + (L / (sc * qn))[:, None, None] * qhat[:, None, :]).astype(np.float32)
+        lg = Kh.astype(np.float64) @ q64.T * sc  # (n, nq)
+        mx = lg.max(axis=0)
+        w = np.exp(lg - mx)
+        tot = w.sum(axis=0)
+        own = np.take_along_axis(w, p.T, axis=0).sum(axis=0)  # (nq,)
+        got = own / tot
+        rest = lg.copy()
+        np.put_along_axis(rest, p.T, -np.inf, axis=0)  # every key but the query's own planted ones
+        short = gap - (np.take_along_axis(lg, p.T, axis=0).min(axis=0) - rest.max(axis=0))
+        del rest
+        ok = (got >= frac) & (short <= gap * 1e-6)
+        del lg, w
+        if ok.all():
+            break
+        # raise the failing queries' logits by the mass deficit or the missing gap (at least a little)
+        deficit = np.maximum(np.log(frac / (1 - frac) * (tot - own) / np.maximum(own, 1e-300)), short)
+        L = np.where(ok, L, L + np.maximum(deficit, 0.05))
+    else:  # pragma: no cover - the logits grow geometrically; 50 rounds always suffice in float32 range
+        raise RuntimeError(f"passkey: could not reach mass {frac} for head {h}; lower mass or n_planted.")
+    return got
+
 
 def passkey(n: int, d: int, *, heads: int = 8, n_planted: int = 4, depth: tuple[float, float] = (0.0, 1.0),
             mass: float = 0.5, margin: float = 2.0, background: object = "clustered", n_queries: int = 16,
@@ -1053,35 +1149,9 @@ def passkey(n: int, d: int, *, heads: int = 8, n_planted: int = 4, depth: tuple[
     >>> w.keys.shape, w.queries.shape, w.positions.shape, bool((w.mass >= 0.5).all())
     ((2, 4096, 32), (2, 3, 32), (2, 3, 2), True)
     """
-    n_ = check_positive_int(n, "n")
-    d_ = check_positive_int(d, "d")
-    H = check_positive_int(heads, "heads")
-    npl = check_positive_int(n_planted, "n_planted")
-    nq = check_positive_int(n_queries, "n_queries")
-    dv_ = d_ if dv is None else check_positive_int(dv, "dv")
-    frac = _check_real(mass, "mass", low=0.0, high=1.0)
-    if not 0.0 < frac < 1.0:
-        raise ValueError(f"mass must be in (0, 1) (the planted keys' minimum softmax share); got {frac}.")
-    gap = _check_real(margin, "margin", low=0.0)
-    if scale is None:
-        sc = 1.0 / np.sqrt(d_)
-    else:
-        sc = _check_real(scale, "scale", low=0.0)
-        if sc <= 0:
-            raise ValueError(f"scale must be > 0 (or None: 1/sqrt(d)); got {sc}.")
-    if not isinstance(depth, (tuple, list)) or len(depth) != 2:
-        raise TypeError(f"depth must be a pair (low, high) of fractions in [0, 1]; got {depth!r}.")
-    lo = _check_real(depth[0], "depth[0]", low=0.0, high=1.0)
-    hi = _check_real(depth[1], "depth[1]", low=0.0, high=1.0)
-    if lo > hi:
-        raise ValueError(f"depth must be (low, high) with low <= high; got {tuple(depth)}.")
+    n_, d_, H, npl, nq, dv_, frac, gap, sc, a, b = _passkey_args(n, d, heads, n_planted, depth, mass, margin,
+                                                                 n_queries, dv, scale)
     need = nq * npl
-    a = min(int(lo * n_), n_ - need) if need <= n_ else 0
-    b = max(int(np.ceil(hi * n_)), a + need)
-    if need > n_ or b > n_:
-        raise ValueError(f"n_queries * n_planted = {nq} * {npl} = {need} planted keys do not fit in the "
-                         f"depth band {tuple(depth)} of n={n_} keys; lower n_planted or n_queries, or "
-                         f"widen depth.")
     ss = np.random.SeedSequence(_rng(seed).integers(0, 2**63))
     seeds = [int(x) for x in ss.generate_state(2 * H, dtype=np.uint64)]
     K, V, Q = _passkey_background(background, n_, d_, H, nq, dv_, seeds[:H])
@@ -1092,40 +1162,5 @@ def passkey(n: int, d: int, *, heads: int = 8, n_planted: int = 4, depth: tuple[
         p = (a + rng.choice(b - a, size=need, replace=False)).reshape(nq, npl)
         p.sort(axis=1)
         pos[h] = p
-        q64 = Q[h].astype(np.float64)
-        qn = np.linalg.norm(q64, axis=1)
-        if not (qn > 0).all():
-            raise ValueError(f"a query of head {h} is zero; planted keys need a direction to point at.")
-        qhat = q64 / qn[:, None]
-        planted = np.zeros(n_, bool)
-        planted[p.ravel()] = True
-        base = K[h][p].astype(np.float64)  # (nq, npl, d): keep the orthogonal part
-        base -= np.einsum("tpd,td->tp", base, qhat)[:, :, None] * qhat[:, None, :]
-        bg = K[h][~planted].astype(np.float64) @ q64.T * sc  # (n - need, nq) background logits
-        m = bg.max(axis=0)
-        z = np.exp(bg - m).sum(axis=0)  # background sum relative to its max
-        del bg
-        # logit L with npl*e^L >= frac/(1-frac) * Z_bg and L >= max_bg + margin
-        L = np.maximum(m + np.log(frac / (1 - frac) * z / npl), m + gap)
-        for _ in range(50):
-            K[h][p] = (base + (L / (sc * qn))[:, None, None] * qhat[:, None, :]).astype(np.float32)
-            lg = K[h].astype(np.float64) @ q64.T * sc  # (n, nq)
-            mx = lg.max(axis=0)
-            w = np.exp(lg - mx)
-            tot = w.sum(axis=0)
-            own = np.take_along_axis(w, p.T, axis=0).sum(axis=0)  # (nq,)
-            got[h] = own / tot
-            rest = lg.copy()
-            np.put_along_axis(rest, p.T, -np.inf, axis=0)  # every key but the query's own planted ones
-            short = gap - (np.take_along_axis(lg, p.T, axis=0).min(axis=0) - rest.max(axis=0))
-            del rest
-            ok = (got[h] >= frac) & (short <= gap * 1e-6)
-            del lg, w
-            if ok.all():
-                break
-            # raise the failing queries' logits by the mass deficit or the missing gap (at least a little)
-            deficit = np.maximum(np.log(frac / (1 - frac) * (tot - own) / np.maximum(own, 1e-300)), short)
-            L = np.where(ok, L, L + np.maximum(deficit, 0.05))
-        else:  # pragma: no cover - the logits grow geometrically; 50 rounds always suffice in float32 range
-            raise RuntimeError(f"passkey: could not reach mass {frac} for head {h}; lower mass or n_planted.")
+        got[h] = _plant(K[h], Q[h], p, sc, frac, gap, h)
     return Passkey(keys=K, values=V, queries=Q, positions=pos, mass=got, scale=float(sc), margin=gap)
