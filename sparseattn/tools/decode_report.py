@@ -30,6 +30,7 @@ trace or a synthetic spec), :func:`exact_step` (the float64 reference of one ste
 from __future__ import annotations
 
 import html
+import importlib
 import json
 import os
 import subprocess
@@ -393,7 +394,6 @@ def run_decode(wl: DecodeWorkload, selectors: Sequence[str] = DEFAULT_SELECTORS,
     ``recall`` / ``recall_min`` (means and worst over steps and heads), ``per_step`` (lists of the
     per-step means), ``speedup_vs_dense`` and ``speedup_vs_sdpa``.
     """
-    from ..cache import KVCache
     from . import bench
 
     if dtype not in DTYPES:
@@ -402,42 +402,19 @@ def run_decode(wl: DecodeWorkload, selectors: Sequence[str] = DEFAULT_SELECTORS,
         raise ValueError(f"k must be an integer >= 1; got {k!r}.")
     names = ["dense", *check_selectors(selectors)]
     say = progress or (lambda msg: None)
-    torch = None
-    if sdpa and bench.prepare_torch():  # imported and warmed before any Numba kernel of the run
-        import torch
+    torch = importlib.import_module("torch") if sdpa and bench.prepare_torch() else None  # before any Numba kernel
     H, n, steps, E = wl.heads, wl.length, wl.steps, wl.k.shape[2]
     storage: object = {"float32": np.float32, "float16": np.float16}.get(dtype, dtype)
     say("prefill")
-    rng = np.random.default_rng(0)
-    for name in names:  # untimed warm-up on a tiny cache: compiles (or loads) the k-means and step kernels
-        try:
-            tiny = KVCache(1, E, value_dim=wl.v.shape[2], selector=name, dtype=storage, sinks=4, window=8,
-                           segment=64, cluster_size=16, page_size=16)
-            tiny.append(rng.standard_normal((1, 200, E)), rng.standard_normal((1, 200, wl.v.shape[2])))
-            tiny.attend(rng.standard_normal((1, 1, E)).astype(np.float32), k=k)
-        except (ValueError, TypeError):  # a selector that rejects the tiny layout: warmed by the real prefill
-            pass
-    caches: dict[str, Any] = {}
-    prefill: dict[str, float] = {}
-    for name in names:
-        c = KVCache(H, E, value_dim=wl.v.shape[2], selector=name, dtype=storage, scale=wl.scale)
-        t0 = time.perf_counter()
-        c.append(wl.k[:, :n], wl.v[:, :n])
-        prefill[name] = time.perf_counter() - t0
-        caches[name] = c
+    caches, prefill = _fill_caches(names, wl, storage, k)
     times: dict[str, list[float]] = {name: [] for name in names}
     acc: dict[str, dict[str, list[np.ndarray]]] = {name: {"err": [], "mass": [], "recall": []} for name in names}
     reads: dict[str, list[float]] = {name: [] for name in names}
-    sdpa_times: list[float] = []
-    sdpa_err: list[np.ndarray] = []
+    sdpa_times, sdpa_err = [], []  # SDPA seconds and per-head errors per step
     for name in names:  # warm-up: JIT (or the kernel cache) and first-touch of the caches
         caches[name].attend(wl.q[:, :1], k=k)
     if torch is not None:
-        tk, tv = torch.from_numpy(wl.k)[None], torch.from_numpy(wl.v)[None]
-        tq = torch.from_numpy(wl.q)[None]  # (1, H, steps, E)
-        with torch.no_grad():
-            torch.nn.functional.scaled_dot_product_attention(tq[:, :, :1], tk[:, :, :n], tv[:, :, :n],
-                                                             scale=wl.scale)
+        tq, tk, tv = _sdpa_inputs(torch, wl)
     # the float64 reference reads float64 copies made once, up to _WIDE_MAX bytes (else the float32
     # arrays, widened block by block in exact_step)
     wide = 8 * (wl.k.size + wl.v.size) <= _WIDE_MAX
@@ -471,39 +448,100 @@ def run_decode(wl: DecodeWorkload, selectors: Sequence[str] = DEFAULT_SELECTORS,
             if torch is not None:
                 sdpa_err.append(step_accuracy(o[0, :, 0].numpy(), None, ref_out, ref_lse)[0])
             for name in names:
-                out, lse = outs[name]
-                err, mass = step_accuracy(out[:, 0], lse[:, 0], ref_out, ref_lse)
-                a = acc[name]
-                a["err"].append(err)
-                a["mass"].append(mass)
-                if name == "topk" or reads_all[name]:  # the exact top-k itself, or every key: recall 1
-                    a["recall"].append(np.ones(H))
-                else:
-                    a["recall"].append(step_recall(caches[name], q, k))
-    results = []
+                _score(acc[name], outs[name], name == "topk" or reads_all[name], caches[name], q, k, ref_out,
+                       ref_lse)
+    results = [_summary(name, caches[name], times[name], acc[name], reads[name], n, steps) for name in names]
+    for row in results:
+        row["prefill_s"] = prefill[row["selector"]]
+    sdpa_rec, fair = _sdpa_record(wl, torch is not None, sdpa, fairness, sdpa_times, sdpa_err, say)
+    for r in results:
+        r["speedup_vs_dense"] = results[0]["p50_ms"] / r["p50_ms"] if r["p50_ms"] else None
+        r["speedup_vs_sdpa"] = sdpa_rec["p50_ms"] / r["p50_ms"] if sdpa_rec and r["p50_ms"] else None
+    return {"schema": SCHEMA, "data": wl.data,
+            "workload": {"description": wl.description, "heads": H, "length": n, "steps": steps, "E": int(E),
+                         "Ev": int(wl.v.shape[2]), "scale": float(wl.scale), "queries": wl.queries},
+            "k": int(k), "dtype": dtype, "machine": bench.machine_info(), "sdpa": sdpa_rec, "fairness": fair,
+            "results": results, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _score(a: dict[str, list[np.ndarray]], res: tuple[np.ndarray, np.ndarray], exact: bool, cache: Any,
+           q: np.ndarray, k: int, ref_out: np.ndarray, ref_lse: np.ndarray) -> None:
+    """Append one step's per-head output error, softmax mass and recall@k (1 when ``exact``: the exact
+    top-k itself, or a step that read every key) of a cache's result ``res = (out, lse)`` to ``a``."""
+    out, lse = res
+    err, mass = step_accuracy(out[:, 0], lse[:, 0], ref_out, ref_lse)
+    a["err"].append(err)
+    a["mass"].append(mass)
+    a["recall"].append(np.ones(out.shape[0]) if exact else step_recall(cache, q, k))
+
+
+def _sdpa_inputs(torch: Any, wl: DecodeWorkload) -> tuple[Any, Any, Any]:
+    """The workload as torch tensors (1, H, T, E) (queries, keys, values), after one untimed SDPA step."""
+    tk, tv = torch.from_numpy(wl.k)[None], torch.from_numpy(wl.v)[None]
+    tq = torch.from_numpy(wl.q)[None]  # (1, H, steps, E)
+    n = wl.length
+    with torch.no_grad():
+        torch.nn.functional.scaled_dot_product_attention(tq[:, :, :1], tk[:, :, :n], tv[:, :, :n], scale=wl.scale)
+    return tq, tk, tv
+
+
+def _fill_caches(names: list[str], wl: DecodeWorkload, storage: object, k: int
+                 ) -> tuple[dict[str, Any], dict[str, float]]:
+    """One :class:`KVCache` per selector filled with the workload's prompt (after an untimed warm-up on a
+    tiny cache that compiles or loads the k-means and step kernels): (caches, prefill seconds)."""
+    from ..cache import KVCache, Layout, Retention
+
+    H, n, E = wl.heads, wl.length, wl.k.shape[2]
+    rng = np.random.default_rng(0)
+    for name in names:  # untimed warm-up on a tiny cache: compiles (or loads) the k-means and step kernels
+        try:
+            tiny = KVCache(1, E, value_dim=wl.v.shape[2], selector=name, dtype=storage,
+                           retention=Retention(sinks=4, window=8),
+                           layout=Layout(segment=64, cluster_size=16, page_size=16))
+            tiny.append(rng.standard_normal((1, 200, E)), rng.standard_normal((1, 200, wl.v.shape[2])))
+            tiny.attend(rng.standard_normal((1, 1, E)).astype(np.float32), k=k)
+        except (ValueError, TypeError):  # a selector that rejects the tiny layout: warmed by the real prefill
+            pass
+    caches: dict[str, Any] = {}
+    prefill: dict[str, float] = {}
     for name in names:
-        c, a = caches[name], acc[name]
-        st = c.stats
-        err, mass, rec = (np.stack(a[key]) for key in ("err", "mass", "recall"))  # (steps, H)
-        row: dict[str, Any] = {"selector": name, **latency_summary(times[name]),
-                               "step_ms": [round(1e3 * t, 4) for t in times[name]],
-                               "prefill_s": prefill[name], "append_us_per_token": float(st["append_us_per_token"]),
-                               "kv_bytes": int(c.kv_nbytes), "index_bytes": int(c.index_nbytes),
-                               "index_over_kv": c.index_nbytes / c.kv_nbytes if c.kv_nbytes else None,
-                               "keys_read": float(np.mean(reads[name])),
-                               "read_fraction": float(np.mean(reads[name])) / (n + steps),
-                               "rel_err": float(err.mean()), "rel_err_max": float(err.max()),
-                               "mass": float(mass.mean()), "mass_min": float(mass.min()),
-                               "recall": float(rec.mean()), "recall_min": float(rec.min()),
-                               "per_step": {"rel_err": err.mean(axis=1).tolist(), "mass": mass.mean(axis=1).tolist(),
-                                            "recall": rec.mean(axis=1).tolist()}}
-        results.append(row)
+        c = KVCache(H, E, value_dim=wl.v.shape[2], selector=name, dtype=storage, scale=wl.scale)
+        t0 = time.perf_counter()
+        c.append(wl.k[:, :n], wl.v[:, :n])
+        prefill[name] = time.perf_counter() - t0
+        caches[name] = c
+    return caches, prefill
+
+
+def _summary(name: str, c: Any, times: list[float], a: dict[str, list[np.ndarray]], reads: list[float], n: int,
+             steps: int) -> dict[str, Any]:
+    """The result row of one selector (see :func:`run_decode`): latency, memory, keys read, accuracy."""
+    st = c.stats
+    err, mass, rec = (np.stack(a[key]) for key in ("err", "mass", "recall"))  # (steps, H)
+    return {"selector": name, **latency_summary(times), "step_ms": [round(1e3 * t, 4) for t in times],
+            "prefill_s": None, "append_us_per_token": float(st["append_us_per_token"]),
+            "kv_bytes": int(c.kv_nbytes), "index_bytes": int(c.index_nbytes),
+            "index_over_kv": c.index_nbytes / c.kv_nbytes if c.kv_nbytes else None,
+            "keys_read": float(np.mean(reads)), "read_fraction": float(np.mean(reads)) / (n + steps),
+            "rel_err": float(err.mean()), "rel_err_max": float(err.max()),
+            "mass": float(mass.mean()), "mass_min": float(mass.min()),
+            "recall": float(rec.mean()), "recall_min": float(rec.min()),
+            "per_step": {"rel_err": err.mean(axis=1).tolist(), "mass": mass.mean(axis=1).tolist(),
+                         "recall": rec.mean(axis=1).tolist()}}
+
+
+def _sdpa_record(wl: DecodeWorkload, timed: bool, sdpa: bool, fairness: bool, sdpa_times: list[float],
+                 sdpa_err: list[np.ndarray], say: Callable[[str], None]) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(the SDPA baseline's record or None, the fairness check) of a :func:`run_decode` run: the in-run
+    timings, re-timed in a fresh process when ``fairness``; the faster of the two is the baseline."""
+    from . import bench
+
     sdpa_rec: dict[str, Any] | None = None
     fair: dict[str, Any]
     status = _numba_setup.threading_status()
     extra = {"threading_layer": status["layer"], "tbb_preloaded": status["tbb_preloaded"],
              "tbb_preload": status["preload"]}
-    if torch is None:
+    if not timed:
         why = "SDPA not timed (sdpa=False, --no-sdpa)" if not sdpa else "torch is not installed: no SDPA baseline"
         fair = {**bench.fairness_flag(None, None), **extra, "reason": why, "baseline": None}
     else:
@@ -540,15 +578,7 @@ def run_decode(wl: DecodeWorkload, selectors: Sequence[str] = DEFAULT_SELECTORS,
         fair["baseline"] = "fresh" if use_fresh else "in_run"
         sdpa_rec.update(p50_ms=base["p50_ms"], p99_ms=base["p99_ms"], mean_ms=base["mean_ms"],
                         baseline=fair["baseline"])
-    dense_p50 = results[0]["p50_ms"]
-    for r in results:
-        r["speedup_vs_dense"] = dense_p50 / r["p50_ms"] if r["p50_ms"] else None
-        r["speedup_vs_sdpa"] = sdpa_rec["p50_ms"] / r["p50_ms"] if sdpa_rec and r["p50_ms"] else None
-    return {"schema": SCHEMA, "data": wl.data,
-            "workload": {"description": wl.description, "heads": H, "length": n, "steps": steps, "E": int(E),
-                         "Ev": int(wl.v.shape[2]), "scale": float(wl.scale), "queries": wl.queries},
-            "k": int(k), "dtype": dtype, "machine": bench.machine_info(), "sdpa": sdpa_rec, "fairness": fair,
-            "results": results, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return sdpa_rec, fair
 
 
 # -------------------------------------------------------------------------------------------- render
