@@ -677,6 +677,39 @@ def _load_manifest(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text(encoding="utf-8"))
     return {"format": TRACE_FORMAT, "files": {}}
 
+def _check_trace_args(kind: str, n_windows: Any, n_keys: Any, n_queries: Any, seed: Any, layer: Any) -> None:
+    """TypeError / ValueError naming a bad argument of :func:`generate_traces`."""
+    if kind not in TRACE_KINDS:
+        raise ValueError(f"kind must be one of {TRACE_KINDS}; got {kind!r}.")
+    for arg, val in (("n_windows", n_windows), ("n_keys", n_keys), ("n_queries", n_queries), ("seed", seed),
+                     ("layer", layer)):
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
+            raise TypeError(f"{arg} must be an int; got {val!r} ({type(val).__name__}).")
+        if int(val) < (0 if arg in ("seed", "layer") else 1):
+            raise ValueError(f"{arg} must be {'>= 0' if arg in ('seed', 'layer') else '>= 1'}; got {val}.")
+
+
+
+def _record(manifest_path: Path, stem: str, path: Path, digest: str, arrays: dict[str, np.ndarray],
+            meta: dict[str, Any], kind: str) -> None:
+    """Add (or replace) the entry ``stem`` of the written trace ``path`` in ``manifest_path``: its sha256,
+    size, array shapes and dtypes and metadata (and, for ``window``, the per-head norm profiles); written
+    atomically."""
+    manifest = _load_manifest(manifest_path)
+    manifest.setdefault("files", {})[stem] = {
+        "file": path.name,
+        "sha256": digest,
+        "bytes": path.stat().st_size,
+        "arrays": {k: {"shape": list(a.shape), "dtype": str(a.dtype)} for k, a in arrays.items() if k != "meta"},
+        "meta": meta,
+    }
+    if kind == "window":
+        manifest["norm_profiles"] = dict(norm_profiles(arrays["q"], arrays["k"]), source=stem)
+    tmp = manifest_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(manifest_path)
+
+
 
 def generate_traces(out_dir: str | os.PathLike[str], kind: str, *, n_windows: int = 2, n_keys: int = 16384,
                     n_queries: int = 2048, layer: int = 3, heads: Sequence[int] | int | None = None,
@@ -730,14 +763,7 @@ def generate_traces(out_dir: str | os.PathLike[str], kind: str, *, n_windows: in
         generate_traces("data", "window", n_windows=2, seed=0)
         generate_traces("data", "store", n_keys=16384, n_queries=2048, layer=3, heads=[0, 1, 2, 3], seed=0)
     """
-    if kind not in TRACE_KINDS:
-        raise ValueError(f"kind must be one of {TRACE_KINDS}; got {kind!r}.")
-    for arg, val in (("n_windows", n_windows), ("n_keys", n_keys), ("n_queries", n_queries), ("seed", seed),
-                     ("layer", layer)):
-        if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
-            raise TypeError(f"{arg} must be an int; got {val!r} ({type(val).__name__}).")
-        if int(val) < (0 if arg in ("seed", "layer") else 1):
-            raise ValueError(f"{arg} must be {'>= 0' if arg in ('seed', 'layer') else '>= 1'}; got {val}.")
+    _check_trace_args(kind, n_windows, n_keys, n_queries, seed, layer)
     say = progress or (lambda msg: None)
     say("loading the model")
     model, tokenizer = load_model()
@@ -773,18 +799,5 @@ def generate_traces(out_dir: str | os.PathLike[str], kind: str, *, n_windows: in
     path = out / f"{stem}.npz"
     say(f"writing {path}")
     digest = write_npz(path, arrays)
-    manifest_path = out / "manifest.json"
-    manifest = _load_manifest(manifest_path)
-    manifest.setdefault("files", {})[stem] = {
-        "file": path.name,
-        "sha256": digest,
-        "bytes": path.stat().st_size,
-        "arrays": {k: {"shape": list(a.shape), "dtype": str(a.dtype)} for k, a in arrays.items() if k != "meta"},
-        "meta": meta,
-    }
-    if kind == "window":
-        manifest["norm_profiles"] = dict(norm_profiles(arrays["q"], arrays["k"]), source=stem)
-    tmp = manifest_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(manifest_path)
+    _record(out / "manifest.json", stem, path, digest, arrays, meta, kind)
     return path
