@@ -710,7 +710,6 @@ def _record(manifest_path: Path, stem: str, path: Path, digest: str, arrays: dic
     tmp.replace(manifest_path)
 
 
-
 def generate_traces(out_dir: str | os.PathLike[str], kind: str, *, n_windows: int = 2, n_keys: int = 16384,
                     n_queries: int = 2048, layer: int = 3, heads: Sequence[int] | int | None = None,
                     seed: int = 0, name: str | None = None, text: str | None = None,
