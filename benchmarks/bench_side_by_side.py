@@ -62,7 +62,11 @@ elif op == "decode":
     H = 8
     K = np.stack([np.roll(k, h * 997, axis=0) for h in range(H)])
     V = np.stack([np.roll(v, h * 997, axis=0) for h in range(H)])
-    cache = sa.KVCache(num_heads=H, head_dim=k.shape[1], **case["cache"])
+    try:  # grouped options where the revision has them; flat keywords before
+        from sparseattn.cache import group_options
+    except ImportError:
+        group_options = dict
+    cache = sa.KVCache(num_heads=H, head_dim=k.shape[1], **group_options(case["cache"]))
     cache.append(K, V)
     qs = np.stack([q[-1 - h] for h in range(H)])[:, None, :].astype(np.float32)
     def run():
