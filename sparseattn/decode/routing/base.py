@@ -123,10 +123,11 @@ class Routing:
         """Token ranges ``[a, b)`` of the queries at ``qpos`` (T,) int64, ascending, each planned on its own:
         blocks of at most :meth:`max_tokens` tokens, cut where :meth:`straddle_ids` changes."""
         T = qpos.shape[0]
+        if T == 1:  # a decode step
+            return [(0, 1)]
         step = self.max_tokens(num_heads) or T
         cuts = set(range(0, T, step))
-        if not (T == 1 and qpos[0] == self.store.n - 1):  # a decode step's row is the newest position
-            cuts |= set((np.flatnonzero(np.diff(self.straddle_ids(qpos))) + 1).tolist())
+        cuts |= set((np.flatnonzero(np.diff(self.straddle_ids(qpos))) + 1).tolist())
         edges = sorted(cuts | {T})
         return list(zip(edges[:-1], edges[1:], strict=True))
 
