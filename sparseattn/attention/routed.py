@@ -72,7 +72,7 @@ from ..kernels import estimate as ek
 from ..kernels.merge import merge_partials
 from ..threads import run_jobs, worker_threads
 
-__all__ = ["CLAMP", "mass_routes", "queries_values", "routed_attention"]
+__all__ = ["CLAMP", "mass_routes", "prefix_attention", "queries_values", "routed_attention"]
 
 # Elements (not bytes) of the per-block buffers: queries are processed in blocks so the gathered query
 # copies and the partial results stay near 2**24 elements (64 MiB in float32).
@@ -321,8 +321,7 @@ def _attend_prefix(index, q, values, scale, rows, qpos, kpos, order, out, lse, n
     """Exact causal attention for the rows that see few keys (``exact_prefix``), over raw keys.
 
     Each such row sees at most ``index.prefix_budget()`` keys, a prefix of the keys in position order
-    (:func:`~sparseattn.kernels.cluster.attend_prefix_rows_f32`); rows split over the worker threads by
-    their number of keys; ``order`` is ``argsort(kpos)`` (stable).  Called inside ``worker_threads``."""
+    (:func:`prefix_attention`); ``order`` is ``argsort(kpos)`` (stable).  Called inside ``worker_threads``."""
     dtype = q.dtype
     n_vis = np.searchsorted(kpos[order], qpos[rows], side="right").astype(np.int64)
     B = int(n_vis.max())
@@ -330,24 +329,53 @@ def _attend_prefix(index, q, values, scale, rows, qpos, kpos, order, out, lse, n
     ck.gather_rows(np.ascontiguousarray(index.keys_, dtype=dtype), order[:B], Ks)
     Vs = np.empty((B, values.shape[1]), dtype=dtype)
     ck.gather_rows(np.ascontiguousarray(values, dtype=dtype), order[:B], Vs)
-    Qs = q[rows] * dtype.type(scale)
-    o = np.empty((rows.size, Vs.shape[1]), dtype=dtype)
-    lse_r = np.empty(rows.size, dtype=dtype)
-    kernel = ck.attend_prefix_rows_f32 if dtype == np.float32 else ck.attend_prefix_rows_f64
-    clamp = CLAMP[dtype.type]
-    # Contiguous row shares of about equal work (sum of prefix lengths).
-    T = max(1, min(n_threads, rows.size // 16))
-    cost = np.cumsum(n_vis)
-    cuts = [0] + [int(np.searchsorted(cost, cost[-1] * t / T)) for t in range(1, T)] + [rows.size]
-    shares = [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
-
-    def work(t: int) -> None:
-        a, b = shares[t]
-        kernel(Qs[a:b], n_vis[a:b], Ks, Vs, clamp, np.empty(B, dtype=dtype), o[a:b], lse_r[a:b])
-
-    run_jobs(work, range(len(shares)), n_threads)
+    o, lse_r = prefix_attention(q[rows] * dtype.type(scale), n_vis, Ks, Vs, n_threads)
     out[rows] = o
     lse[rows] = lse_r
+
+
+def prefix_attention(Qs: np.ndarray, n_vis: np.ndarray, Ks: np.ndarray, Vs: np.ndarray, n_threads: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Exact attention of each row over a prefix of one block of keys: row r over ``Ks[:n_vis[r]]``.
+
+    Qs (R, E) scaled queries in float32 or float64, n_vis (R,) int64 in [0, B], Ks (B, E) / Vs (B, Ev) the
+    keys and values in position order, same dtype.  Returns (out (R, Ev), lse (R,)): zeros / ``-inf`` for
+    ``n_vis = 0``.  Rows are sorted by ``n_vis`` and cut into tiles that follow the triangle
+    (:func:`~sparseattn.kernels.cluster.prefix_tiles`, fixed by the rows, so the result does not depend on
+    the thread count), and runs of whole tiles of about equal work go to ``n_threads`` workers
+    (:func:`~sparseattn.kernels.cluster.attend_prefix_tiles_f32`: BLAS products per tile).  Call inside
+    ``worker_threads``."""
+    dtype = Qs.dtype
+    R, Ev, B = Qs.shape[0], Vs.shape[1], Ks.shape[0]
+    kernel = ck.attend_prefix_tiles_f32 if dtype == np.float32 else ck.attend_prefix_tiles_f64
+    clamp = CLAMP[dtype.type]
+    by_len = np.argsort(n_vis, kind="stable")
+    Qs, n_sorted = np.ascontiguousarray(Qs[by_len]), np.ascontiguousarray(n_vis[by_len], dtype=np.int64)
+    o = np.empty((R, Ev), dtype=dtype)
+    lse = np.empty(R, dtype=dtype)
+    bounds = ck.prefix_tiles(n_sorted, max(_TILE, B))  # at least one whole row of keys per tile
+    sizes = np.diff(bounds)
+    work_per = sizes * n_sorted[bounds[1:] - 1]
+    most = int((sizes * np.maximum(n_sorted[bounds[1:] - 1], 1)).max(initial=1))
+    rows_most = int(sizes.max(initial=1))
+    # contiguous runs of whole tiles of about equal work, one per worker
+    T = max(1, min(n_threads, sizes.size))
+    cost = np.cumsum(work_per)
+    cuts = [0] + [int(np.searchsorted(cost, cost[-1] * t / T)) for t in range(1, T)] + [sizes.size]
+    shares = [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
+    kpos = np.arange(B, dtype=np.int64)
+
+    def work(t: int) -> None:
+        t0, t1 = shares[t]
+        kernel(Qs, n_sorted, bounds, t0, t1, Ks, Vs, clamp, kpos, np.empty(most, dtype=dtype),
+               np.empty(rows_most * Ev, dtype=dtype), o, lse)
+
+    run_jobs(work, range(len(shares)), n_threads)
+    out = np.empty_like(o)
+    out[by_len] = o
+    lse_out = np.empty_like(lse)
+    lse_out[by_len] = lse
+    return out, lse_out
 
 
 def _shares(qptr: np.ndarray, kptr: np.ndarray, n_threads: int) -> list[np.ndarray]:

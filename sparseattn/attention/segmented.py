@@ -2,7 +2,7 @@
 
 Each query's visible prefix is its exact part (the exact tail, or the whole prefix for a short one with
 ``exact_prefix``) plus whole dyadic segments (:meth:`SegmentedClusterIndex.cover`).  The exact part is
-one exact softmax over those keys (:func:`sparseattn.kernels.cluster.attend_prefix_rows_f32`); each
+one exact softmax over those keys (:func:`sparseattn.attention.routed.prefix_attention`); each
 segment is a plain, non-causal :func:`~sparseattn.attention.routed.routed_attention` over the segment's
 own index (the query sees all of the segment), with the same ``estimate`` / ``top_p`` options applied per
 segment; the parts are merged by log-sum-exp (:func:`sparseattn.attention.merge.merge_pair`).  Every
@@ -20,9 +20,9 @@ from ..index.routing import check_budget, segment_routes
 from ..index.segments import SegmentedClusterIndex
 from ..inputs import check_lse, check_scale, positions, result_dtype, unscale_output, value_scaling
 from ..kernels import cluster as ck
-from ..threads import run_jobs, worker_threads
+from ..threads import worker_threads
 from .merge import merge_pair
-from .routed import CLAMP, queries_values, routed_attention
+from .routed import prefix_attention, queries_values, routed_attention
 
 __all__ = ["segment_routes", "segmented_attention"]
 
@@ -124,8 +124,6 @@ def _attend_exact(q: np.ndarray, keys: np.ndarray, v: np.ndarray, scale: float, 
     written into ``out`` / ``lse`` (rows with an empty exact part are left alone).  Rows sharing a start
     share one gathered key block; inside ``worker_threads``."""
     dtype = q.dtype
-    kernel = ck.attend_prefix_rows_f32 if dtype == np.float32 else ck.attend_prefix_rows_f64
-    clamp = CLAMP[dtype.type]
     live = visible > exact_from
     keys = np.ascontiguousarray(keys, dtype=dtype)
     for lo in np.unique(exact_from[live]):
@@ -137,19 +135,6 @@ def _attend_exact(q: np.ndarray, keys: np.ndarray, v: np.ndarray, scale: float, 
         ck.gather_rows(keys, ids, Ks)
         Vs = np.empty((B, v.shape[1]), dtype=dtype)
         ck.gather_rows(v, ids, Vs)
-        Qs = q[rows] * dtype.type(scale)
-        o = np.empty((rows.size, v.shape[1]), dtype=dtype)
-        lr = np.empty(rows.size, dtype=dtype)
-        # contiguous row shares of about equal work (sum of exact-part lengths)
-        T = max(1, min(n_threads, rows.size // 16))
-        cost = np.cumsum(n_vis)
-        cuts = [0] + [int(np.searchsorted(cost, cost[-1] * j / T)) for j in range(1, T)] + [rows.size]
-        shares = [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
-
-        def work(j: int, Qs=Qs, n_vis=n_vis, Ks=Ks, Vs=Vs, o=o, lr=lr, shares=shares, B=B) -> None:
-            a, b = shares[j]
-            kernel(Qs[a:b], n_vis[a:b], Ks, Vs, clamp, np.empty(B, dtype=dtype), o[a:b], lr[a:b])
-
-        run_jobs(work, range(len(shares)), n_threads)
+        o, lr = prefix_attention(q[rows] * dtype.type(scale), n_vis, Ks, Vs, n_threads)
         out[rows] = o
         lse[rows] = lr

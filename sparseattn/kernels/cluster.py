@@ -498,6 +498,73 @@ def _attend_prefix_rows(Qs, n_vis, Ks, Vs, clamp, buf, out, lse):
         lse[r] = m + np.log(tot)
 
 
+@njit(cache=True)
+def prefix_tiles(n_vis, tile_elems):
+    """Tile boundaries over rows sorted by ``n_vis`` (R,) int64 ascending: (T + 1,) int64 ``bounds`` with
+    tile t the rows ``[bounds[t], bounds[t + 1])``, each as many rows as keep ``rows * n_use <= tile_elems``
+    (``n_use``: the tile's largest ``n_vis``; at least one row).  Fixed by the rows alone, not by how
+    they are shared over threads, so every product has the same shape whatever the thread count."""
+    R = n_vis.shape[0]
+    out = np.empty(R + 1, dtype=np.int64)
+    t = 0
+    a = 0
+    while a < R:
+        out[t] = a
+        t += 1
+        b = a + 1
+        while b < R and (b + 1 - a) * n_vis[b] <= tile_elems:
+            b += 1
+        a = b
+    out[t] = R
+    return out[:t + 1].copy()
+
+
+def _attend_prefix_tiles(Qs, n_vis, bounds, t0, t1, Ks, Vs, clamp, kpos, buf, obuf, out, lse):
+    """Exact attention of row r over the first ``n_vis[r]`` keys of ``Ks``, tile by tile with BLAS.
+
+    Qs (R, E) scaled queries and ``n_vis`` (R,) int64 ascending (each in [0, B]); tiles ``t0 <= t < t1``
+    of :func:`prefix_tiles` ``bounds``; Ks (B, E) / Vs (B, Ev) the keys and values in position order; kpos
+    (B,) int64 ``arange(B)``; buf (>= the largest tile's rows x n_use) and obuf (>= its rows x Ev) scratch
+    in Qs's dtype; writes out (R, Ev) and lse (R,) of the tiles' rows (zeros / -inf for ``n_vis = 0``).
+    Per tile of rows [a, b) reading ``n_use = n_vis[b - 1]`` keys: ``s = Qs_tile @ Ks[:n_use]^T`` (BLAS),
+    per row its exact maximum over its visible keys and one ``_exp_row`` pass (masked past ``n_vis[r]``),
+    the row normalised, then ``s @ Vs[:n_use]`` (BLAS).  Serial and ``nogil``: each worker thread runs
+    one call on its own tiles (BLAS pinned to one thread by the caller's ``worker_threads``).
+    """
+    Ev = Vs.shape[1]
+    for t in range(t0, t1):
+        a = bounds[t]
+        b = bounds[t + 1]
+        n_use = n_vis[b - 1]
+        if n_use == 0:
+            for r in range(a, b):
+                out[r, :] = 0.0
+                lse[r] = -np.inf
+            continue
+        sc = buf[:(b - a) * n_use].reshape((b - a, n_use))
+        np.dot(Qs[a:b], Ks[:n_use].T, sc)
+        for r in range(b - a):
+            n = n_vis[a + r]
+            if n == 0:
+                sc[r, :] = 0.0
+                lse[a + r] = -np.inf
+                continue
+            m = sc[r, 0]
+            for j in range(1, n):
+                if sc[r, j] > m:
+                    m = sc[r, j]
+            tot = _exp_row(sc[r], n_use, m, clamp, True, n - 1, kpos)
+            lse[a + r] = m + np.log(tot)
+            sc[r, :] *= 1.0 / tot  # normalised weights: the product below is the output
+        o = obuf[:(b - a) * Ev].reshape((b - a, Ev))
+        np.dot(sc, Vs[:n_use], o)
+        out[a:b] = o
+
+
+attend_prefix_tiles_f32 = serial_and_parallel(_attend_prefix_tiles, constants={"_exp_row": _exp_row_f32},
+                                              suffix="_f32", fastmath=FASTMATH, nogil=True)[0]
+attend_prefix_tiles_f64 = serial_and_parallel(_attend_prefix_tiles, constants={"_exp_row": _exp_row_f64},
+                                              suffix="_f64", fastmath=FASTMATH, nogil=True)[0]
 attend_prefix_rows_f32 = serial_and_parallel(_attend_prefix_rows, constants={"_exp_row": _exp_row_f32},
                                              suffix="_f32", fastmath=FASTMATH, nogil=True)[0]
 attend_prefix_rows_f64 = serial_and_parallel(_attend_prefix_rows, constants={"_exp_row": _exp_row_f64},
