@@ -8,12 +8,12 @@ For each size (synthetic clustered keys, d = 64, L = S queries) and causal / not
 recomputed in float64 (recall@64, softmax mass, output error); then one extra run under ``cProfile`` splits
 the time into stages by the functions that do them:
 
-* build: ``kmeans`` (FAISS training), ``assign`` (every key to a centroid), ``order`` (cluster order,
-  routing vectors, radii) and ``stats`` (estimation sums);
+* ``build`` (the cluster index, or the strict-causal segment indexes), of which ``kmeans`` (FAISS
+  training) and ``assign`` (every key to a centroid) as seen on the calling thread;
 * ``route`` (every query's clusters), ``gather`` (pairs grouped by cluster, queries gathered),
   ``kernels`` (the per-cluster GEMM + exp + GEMM workers, wall time), ``merge`` (log-sum-exp of each
-  query's partials), ``refine`` (pairs recomputed with a tighter shift), ``prefix`` (causal rows served
-  exactly), ``other`` (the rest: validation, segments, Python).
+  query's partials, and of the segments' results), ``exact`` (rows or exact tails read exactly),
+  ``other`` (the rest: validation, cover, refinement, Python).
 
 The stage seconds are the profiled run's (cProfile adds a little to the Python parts); ``share`` is of
 that run's total.  ``gemm_floor_s`` is the two products of the keys read (``4 L k E`` flops for k keys
@@ -36,20 +36,19 @@ from sparseattn.tools import bench
 from sparseattn.tools.args import OneLineParser, positive_int
 
 SPEC = "cluster:mode=block"
-# stage -> (file suffix, function name) whose cumulative time is the stage
+# stage -> (file suffix, function names) whose cumulative time is the stage
 STAGES = {
-    "kmeans": ("index/kmeans.py", "train_kmeans"),
-    "assign": ("index/kmeans.py", "assign_keys"),
-    "order": ("index/cluster.py", "cluster_order"),
-    "stats": ("index/cluster.py", "_init_stats"),
-    "route": ("index/cluster.py", "route_rows"),
-    "gather": ("kernels/cluster.py", "gather_pairs"),
-    "group": ("kernels/cluster.py", "group_pairs"),
-    "kernels": ("threads.py", "run_jobs"),
-    "merge": ("kernels/merge.py", "merge_partials"),
-    "refine": ("attention/routed.py", "_refine"),
-    "prefix": ("attention/routed.py", "_attend_prefix"),
+    "build": (("index/cluster.py", "build"), ("index/segments.py", "prepare")),
+    "kmeans": (("index/kmeans.py", "train_kmeans"),),
+    "assign": (("index/kmeans.py", "assign_keys"),),
+    "route": (("index/cluster.py", "route_rows"),),
+    "gather": (("kernels/cluster.py", "gather_pairs"), ("kernels/cluster.py", "group_pairs")),
+    "kernels": (("threads.py", "run_jobs"),),
+    "merge": (("kernels/merge.py", "merge_partials"), ("kernels/merge.py", "_merge_partials"),
+              ("attention/merge.py", "merge_pair")),
+    "exact": (("attention/segmented.py", "_attend_exact"), ("attention/routed.py", "_attend_prefix")),
 }
+TOP = ("build", "route", "gather", "kernels", "merge", "exact")  # disjoint: "other" is the rest
 
 
 def gemm_peak() -> float:
@@ -65,16 +64,22 @@ def gemm_peak() -> float:
 
 
 def stage_seconds(prof: cProfile.Profile) -> dict[str, float]:
-    """Cumulative seconds per stage from a profile (a stage's function nested in another stage's is
-    counted once, in the innermost: ``run_jobs`` inside ``assign_keys`` / ``route_rows`` is not a kernel)."""
+    """Cumulative seconds per stage from a profile.  ``build`` is the index builds not made inside a
+    segment preparation (counted there) plus the strict-causal segment preparation; ``kernels`` only the
+    workers of the attention blocks (``run_jobs`` called by ``_attend_block``); ``kmeans`` and ``assign``
+    are parts of ``build`` (on the calling thread only: segments built on worker threads are not seen)."""
     st = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
     out = dict.fromkeys(STAGES, 0.0)
     for (path, _, name), (_, _, _, ct, callers) in st.items():
-        for stage, (suffix, fn) in STAGES.items():
-            if name == fn and path.replace(os.sep, "/").endswith(suffix):
-                if stage == "kernels":  # only the workers of the attention blocks
-                    ct = sum(c[3] for (cp, _, cn), c in callers.items() if cn in ("_attend_block",))
-                out[stage] += ct
+        path = path.replace(os.sep, "/")
+        for stage, fns in STAGES.items():
+            if not any(name == fn and path.endswith(suffix) for suffix, fn in fns):
+                continue
+            if stage == "kernels":
+                ct = sum(c[3] for (_, _, cn), c in callers.items() if cn == "_attend_block")
+            elif stage == "build" and name == "build":
+                ct = sum(c[3] for (_, _, cn), c in callers.items() if cn not in ("segment", "prepare"))
+            out[stage] += ct
     return out
 
 
@@ -92,19 +97,19 @@ def profile_case(data: str, causal: bool) -> dict[str, float]:
     prof.disable()
     total = time.perf_counter() - t0
     stages = stage_seconds(prof)
-    stages["gather"] += stages.pop("group")
-    stages["other"] = max(total - sum(stages.values()), 0.0)
+    stages["other"] = max(total - sum(stages[n] for n in TOP), 0.0)
     stages["total"] = total
     return stages
 
 
 def write_md(result: dict, path: str) -> None:
-    names = ["kmeans", "assign", "order", "stats", "route", "gather", "kernels", "merge", "refine", "prefix", "other"]
+    names = ["build", "kmeans", "assign", "route", "gather", "kernels", "merge", "exact", "other"]
     lines = [f"Command: `{result['command']}` ({result['created']}; load average {result['load']}; "
              f"GEMM peak {result['gemm_gflops']:.0f} GFLOP/s float32 on {result['threads']} threads).", "",
              "| keys | causal | SDPA s | block s | x SDPA | recall@64 | mass | out err | keys/q | GEMM floor s "
              "(x SDPA) | " + " | ".join(names) + " |",
              "|" + "---|" * (10 + len(names))]
+    # kmeans and assign are parts of build: shares of the total like the others
     for r in result["rows"]:
         st = r["stages"]
         tot = st["total"]
