@@ -340,43 +340,27 @@ def prefix_attention(Qs: np.ndarray, n_vis: np.ndarray, Ks: np.ndarray, Vs: np.n
 
     Qs (R, E) scaled queries in float32 or float64, n_vis (R,) int64 in [0, B], Ks (B, E) / Vs (B, Ev) the
     keys and values in position order, same dtype.  Returns (out (R, Ev), lse (R,)): zeros / ``-inf`` for
-    ``n_vis = 0``.  Rows are sorted by ``n_vis`` and cut into tiles that follow the triangle
-    (:func:`~sparseattn.kernels.cluster.prefix_tiles`, fixed by the rows, so the result does not depend on
-    the thread count), and runs of whole tiles of about equal work go to ``n_threads`` workers
-    (:func:`~sparseattn.kernels.cluster.attend_prefix_tiles_f32`: BLAS products per tile).  Call inside
-    ``worker_threads``."""
+    ``n_vis = 0``.  Rows split over ``n_threads`` workers in contiguous shares of about equal work
+    (:func:`~sparseattn.kernels.cluster.attend_prefix_rows_f32`: plain loops, so the result does not
+    depend on the thread count; a BLAS product here changed its last bit with OpenBLAS's own thread
+    count, which a call from a non-main thread cannot pin).  Call inside ``worker_threads``."""
     dtype = Qs.dtype
     R, Ev, B = Qs.shape[0], Vs.shape[1], Ks.shape[0]
-    kernel = ck.attend_prefix_tiles_f32 if dtype == np.float32 else ck.attend_prefix_tiles_f64
+    kernel = ck.attend_prefix_rows_f32 if dtype == np.float32 else ck.attend_prefix_rows_f64
     clamp = CLAMP[dtype.type]
-    by_len = np.argsort(n_vis, kind="stable")
-    Qs, n_sorted = np.ascontiguousarray(Qs[by_len]), np.ascontiguousarray(n_vis[by_len], dtype=np.int64)
     o = np.empty((R, Ev), dtype=dtype)
     lse = np.empty(R, dtype=dtype)
-    bounds = ck.prefix_tiles(n_sorted, max(_TILE, B))  # at least one whole row of keys per tile
-    sizes = np.diff(bounds)
-    work_per = sizes * n_sorted[bounds[1:] - 1]
-    most = int((sizes * np.maximum(n_sorted[bounds[1:] - 1], 1)).max(initial=1))
-    rows_most = int(sizes.max(initial=1))
-    # contiguous runs of whole tiles of about equal work, one per worker
-    T = max(1, min(n_threads, sizes.size))
-    cost = np.cumsum(work_per)
-    cuts = [0] + [int(np.searchsorted(cost, cost[-1] * t / T)) for t in range(1, T)] + [sizes.size]
+    T = max(1, min(n_threads, R // 16))
+    cost = np.cumsum(n_vis)
+    cuts = [0] + [int(np.searchsorted(cost, cost[-1] * t / T)) for t in range(1, T)] + [R]
     shares = [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
-    kpos = np.arange(B, dtype=np.int64)
 
     def work(t: int) -> None:
-        t0, t1 = shares[t]
-        kernel(Qs, n_sorted, bounds, t0, t1, Ks, Vs, clamp, kpos, np.empty(most, dtype=dtype),
-               np.empty(rows_most * Ev, dtype=dtype), o, lse)
+        a, b = shares[t]
+        kernel(Qs[a:b], n_vis[a:b], Ks, Vs, clamp, np.empty(B, dtype=dtype), o[a:b], lse[a:b])
 
     run_jobs(work, range(len(shares)), n_threads)
-    out = np.empty_like(o)
-    out[by_len] = o
-    lse_out = np.empty_like(lse)
-    lse_out[by_len] = lse
-    return out, lse_out
-
+    return o, lse
 
 def _shares(qptr: np.ndarray, kptr: np.ndarray, n_threads: int) -> list[np.ndarray]:
     """The clusters with work, split over the worker threads by cost (queries x keys): largest first,
