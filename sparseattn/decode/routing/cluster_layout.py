@@ -94,7 +94,7 @@ class ClusterLayout:
         self.cminpos = np.zeros((hk, 0), np.int32)
         self.cmaxpos = np.zeros((hk, 0), np.int32)
         self.segments_clustered = 0
-        self._spans: list[tuple[int, int, int, int, np.ndarray]] | None = None  # see straddled()
+        self._spans: list[tuple[int, int, int, int, np.ndarray]] | None = None  # see spans()
 
     def kernel_arrays(self) -> tuple[np.ndarray, ...]:
         """(cent, cscale, cptr, n_cent, ccount, cvmean, cminpos, cmaxpos) as the kernel reads them."""

@@ -106,16 +106,23 @@ class PagesRouting(Routing):
         lo = np.where(live, pos, INT32_MAX).min(axis=(0, 2), initial=INT32_MAX)
         return ids, lo[ids], hi[ids]
 
-    def straddle_ids(self, qpos: np.ndarray) -> np.ndarray:
-        """The page holding keys both at or before each position and after it (its bound was taken over
-        keys the row may not see), or -1."""
+    def _straddled(self, qpos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per position of ``qpos`` (T,) int64, the first and the last page holding keys both at or before it
+        and after it (their bounds were taken over keys the row may not see), or -1 and -1.  Usually one page;
+        after an h2o compaction the kv heads' pages cover different positions and a few may overlap."""
         ids, lo, hi = self._page_spans()
-        out = np.full(qpos.shape[0], -1, np.int64)
+        first = np.full(qpos.shape[0], -1, np.int64)
+        last = np.full(qpos.shape[0], -1, np.int64)
         if ids.size:
-            i = np.searchsorted(lo, qpos, side="right") - 1
-            ok = (i >= 0) & (qpos < hi[np.maximum(i, 0)])
-            out[ok] = ids[i[ok]]
-        return out
+            i0 = np.searchsorted(hi, qpos, side="right")  # the first page with a key after qp
+            i1 = np.searchsorted(lo, qpos, side="right") - 1  # the last page with a key at or before qp
+            ok = i0 <= i1
+            first[ok], last[ok] = ids[i0[ok]], ids[i1[ok]]
+        return first, last
+
+    def straddle_ids(self, qpos: np.ndarray) -> np.ndarray:
+        first, last = self._straddled(qpos)
+        return np.where(first >= 0, first * (self.n_pages() + 1) + last, -1)
 
     def _exact_lo(self) -> int:
         st = self.store
@@ -126,11 +133,11 @@ class PagesRouting(Routing):
         ex_lo, stop = self._exact_lo(), st.slots
         n_pages = self.n_pages()
         hi = int(st.pos[0, ex_lo]) if ex_lo < st.slots else INT32_MAX
-        page = int(self.straddle_ids(qpos[:1])[0]) if qpos.shape[0] and qpos[0] < st.n - 1 else -1
-        if page >= 0:  # rows inside a page with later keys: it is read exactly, the pages before it ranked
-            ex_lo = st.s0 + page * cfg.page_size
-            stop = min(ex_lo + cfg.page_size, st.slots)
-            n_pages, hi = page, INT32_MAX
+        first, last = self._straddled(qpos[:1]) if qpos.shape[0] and qpos[0] < st.n - 1 else ((-1,), (-1,))
+        if first[0] >= 0:  # rows inside pages with later keys: those are read exactly, the pages before ranked
+            ex_lo = st.s0 + int(first[0]) * cfg.page_size
+            stop = min(st.s0 + (int(last[0]) + 1) * cfg.page_size, st.slots)
+            n_pages, hi = int(first[0]), INT32_MAX
         n_probe = min(cfg.n_probe, n_pages)
         work = (stop - ex_lo + st.s0 + cfg.n_probe * cfg.page_size + n_pages // 8) * q.shape[0] * q.shape[1]
         return StepPlan(kd.MODE_PAGES, st.s0, ex_lo, stop, work=work, hi=hi, n_probe=n_probe,
