@@ -30,6 +30,7 @@ class PagesRouting(Routing):
         self.pmin = np.zeros((hk, 0, E), store.sdtype)
         self.pmax = np.zeros((hk, 0, E), store.sdtype)
         self.pminpos = np.zeros((hk, 0), np.int32)  # per page: smallest live position (EVICTED: none)
+        self._spans: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # see _page_spans()
 
     def n_pages(self) -> int:
         """Pages holding slots in use."""
@@ -49,6 +50,7 @@ class PagesRouting(Routing):
 
     def update(self, a: int, b: int) -> None:
         """Recompute the min/max and smallest position of the pages holding slots [a, b)."""
+        self._spans = None
         st = self.store
         s0 = self.cfg.sinks  # pages start at slot `sinks`
         a = max(a, s0)
@@ -81,6 +83,7 @@ class PagesRouting(Routing):
 
     def evict(self, kill: np.ndarray) -> None:
         super().evict(kill)
+        self._spans = None
         st, s0, P = self.store, self.store.s0, self.cfg.page_size
         for g in range(st.num_kv_heads):
             kg = kill[g]
@@ -93,7 +96,9 @@ class PagesRouting(Routing):
 
     def _page_spans(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ids of the pages holding a live key, their smallest and largest live position over the kv heads),
-        int64, in position order (pages never reorder slots)."""
+        int64, in position order (pages never reorder slots); cached until an append, eviction or compaction."""
+        if getattr(self, "_spans", None) is not None:
+            return self._spans
         st, P, s0 = self.store, self.cfg.page_size, self.store.s0
         n = self.n_pages()
         pos = st.pos[:, s0:min(s0 + n * P, st.slots)]
@@ -104,7 +109,8 @@ class PagesRouting(Routing):
         hi = np.where(live, pos, -1).max(axis=(0, 2), initial=-1)
         ids = np.flatnonzero(hi >= 0)
         lo = np.where(live, pos, INT32_MAX).min(axis=(0, 2), initial=INT32_MAX)
-        return ids, lo[ids], hi[ids]
+        self._spans = (ids, lo[ids], hi[ids])
+        return self._spans
 
     def _straddled(self, qpos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per position of ``qpos`` (T,) int64, the first and the last page holding keys both at or before it
