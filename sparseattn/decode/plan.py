@@ -167,8 +167,11 @@ def run_strategy(store: SlotStore, strategy: Any, q: np.ndarray, qpos: np.ndarra
     if len(blocks) == 1:  # one block (every decode step)
         return run_plan(store, strategy.plan(q, qpos, k), q, qpos, scale=scale, parallel=parallel, record=record,
                         weights=weights)
-    parts = [run_plan(store, strategy.plan(q[:, a:b], qpos[a:b], k), q[:, a:b], qpos[a:b], scale=scale,
-                      parallel=parallel, record=record, weights=weights) for a, b in blocks]
+    parts = []
+    for a, b in blocks:  # a C-contiguous copy per block: a strided view compiles (and runs) a slower kernel
+        qb = np.ascontiguousarray(q[:, a:b])
+        parts.append(run_plan(store, strategy.plan(qb, qpos[a:b], k), qb, qpos[a:b], scale=scale, parallel=parallel,
+                              record=record, weights=weights))
     return parts[0] if len(parts) == 1 else concat_results(parts)
 
 
