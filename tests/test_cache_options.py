@@ -60,6 +60,8 @@ def test_group_options_gathers_flat_settings_kept_as_data() -> None:
     assert group_options({"segment": 64}, segment=128) == {"layout": Layout(segment=128)}  # keywords win
     with pytest.raises(ValueError, match="segment inside layout=Layout"):
         group_options({"layout": Layout(), "segment": 64})
+    with pytest.raises(TypeError, match="options must be a dict"):
+        group_options([("segment", 64)])  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [

@@ -295,12 +295,7 @@ def _attend_routed(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refined
     q_norm = np.sqrt(np.einsum("ij,ij->i", q, q, dtype=np.float64))  # for the score bounds
     kptr = index.cluster_ptr_
     if is_causal:
-        kpos_p = kpos[index.perm_]
-        nonempty = np.diff(kptr) > 0
-        kmin = np.zeros(index.n_clusters_, dtype=np.int64)
-        kmax = np.zeros(index.n_clusters_, dtype=np.int64)
-        kmin[nonempty] = np.minimum.reduceat(kpos_p, kptr[:-1][nonempty])
-        kmax[nonempty] = np.maximum.reduceat(kpos_p, kptr[:-1][nonempty])
+        kpos_p, kmin, kmax = _key_spans(index, kpos)
         # perm_ keeps the original order inside a cluster: sorted positions stay sorted there
         kpos_sorted = bool(np.all(kpos[1:] >= kpos[:-1]))
     else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,7 +133,7 @@ def resolve_options(groups: dict[str, Any], legacy: dict[str, Any]) -> dict[str,
     return out
 
 
-def group_options(options: dict[str, Any] | None = None, /, **more: Any) -> dict[str, Any]:
+def group_options(options: Mapping[str, Any] | None = None, /, **more: Any) -> dict[str, Any]:
     """KVCache keywords from flat options kept as data (a JSON config, a CLI flag, a benchmark setting).
 
     ``options`` and ``more`` (merged, ``more`` winning) may hold any :class:`~sparseattn.KVCache` keyword;
@@ -142,6 +143,8 @@ def group_options(options: dict[str, Any] | None = None, /, **more: Any) -> dict
     ``KVCache(H, E, selector="cluster", budget=Budget(n_probe=64))``.  A group given whole and one of its
     fields given flat at once is refused (ValueError naming both).
     """
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(f"options must be a dict of KVCache keywords (or None); got {type(options).__name__}.")
     flat = {**(options or {}), **more}
     out = {k: v for k, v in flat.items() if k not in _GROUP_OF}
     for gname, cls in _GROUPS.items():
