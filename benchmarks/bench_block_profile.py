@@ -32,6 +32,7 @@ import time
 
 import numpy as np
 
+from sparseattn.threads import get_num_threads
 from sparseattn.tools import bench
 from sparseattn.tools.args import OneLineParser, positive_int
 
@@ -159,7 +160,7 @@ def main() -> None:
     result = {"command": "python benchmarks/bench_block_profile.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
               "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": round(load, 2),
-              "gemm_gflops": peak / 1e9, "threads": bench.get_num_threads(), "machine": bench.machine_info(),
+              "gemm_gflops": peak / 1e9, "threads": get_num_threads(), "machine": bench.machine_info(),
               "rows": rows}
     with open(args.out + ".json", "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1, default=bench.json_default)
