@@ -12,6 +12,7 @@ import numpy as np
 
 from ..attention.tail import as_tail
 from ..inputs import check_bool, check_positive_int, overflow_message
+from ..kernels.decode import step_summary
 from . import checks as ck
 from .config import CacheConfig
 from .eviction import enforce_cap, make_policy
@@ -334,19 +335,22 @@ class KVCache(CacheReport):
                              f"use one: a cache with estimate=0, or tail=None.")
         res = self._run(q, qpos, k, strategy, record=tail is not None)
         out, lse, nread = res.out, res.lse, res.nread
-        if lse.max() == np.inf:
+        status, n_keys, n_est = step_summary(out, lse, nread, res.nest)  # one pass: checks and counts
+        if status == 1:
             raise ValueError(overflow_message(np.float32, self.scale, ck.OVERFLOW_FIX))
-        ck.check_output(out)
+        if status == 2:
+            ck.check_output(out)
         if tail is not None:
             from ..attention.cache_tail import cache_tail
 
             out, lse, n_tail = cache_tail(self, q, qpos, out, lse, res.rec, res.n_rec, nread, tail)
             nread = nread + n_tail
+            n_keys += int(n_tail.sum())
             self._stats["tail_samples_per_query"] = float(n_tail.mean())
         self._stats["attends"] += 1
         self._stats["queries"] += nread.size
-        self._stats["keys_read"] += int(nread.sum())
-        self._stats["clusters_estimated"] += int(res.nest.sum())
+        self._stats["keys_read"] += int(n_keys)
+        self._stats["clusters_estimated"] += int(n_est)
         self._last_read = (nread, res.nest)  # summarised by ``stats`` (not per step: a decode step is short)
         if squeeze:
             out, lse = out[:, 0], lse[:, 0]

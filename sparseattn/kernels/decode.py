@@ -43,9 +43,10 @@ window is never counted twice.  Storage is float32, float16, or bfloat16 (uint16
 ``lse = -inf``; a visible key's score of ``+inf``, ``-inf`` or NaN (finite inputs: the float32 dot product
 overflowed) sets ``lse = +inf`` (the caller raises the overflow error).
 
-Layout of the code: the routing of each mode is in :mod:`sparseattn.kernels.decode_route` (one function
-per mode, and the mass walk), the range order in ``_fixed_range``, the online softmax over one slot range
-in ``_score_range``, the estimation zone in ``_estimate_zone``; ``_row`` strings them together.
+Layout of the code: the routing of a row is in :mod:`sparseattn.kernels.decode_route` (``route_row``: one
+function per mode, and the mass walk), the range order in ``_fixed_range``, the reading of every range
+with one online softmax in ``_sweep``, the estimation zone in ``_estimate_zone``; ``_row`` strings them
+together.
 
 With ``rec`` of nonzero length the kernel records, per row, the slot ranges it scored (``rec[r, i] =
 (first, stop, hi)``, ``n_rec[r]`` of them); ``accumulate_serial`` / ``accumulate_parallel`` (:mod:`sparseattn.kernels.decode_weights`) replay them
@@ -68,11 +69,8 @@ from .decode_route import (
     MODE_TOPK,
     mass_next,
     mass_open,
-    route_clusters,
-    route_pages_bf16,
-    route_pages_f32,
-    route_topk_bf16,
-    route_topk_f32,
+    route_row_bf16,
+    route_row_f32,
 )
 from .decode_weights import (
     accumulate_parallel,
@@ -93,12 +91,11 @@ from .storage import (
     widen_bf16,
     widen_f16,
 )
-from .topk import ORDER_BEST, heap_finish
 
 __all__ = ["CHUNK", "EVICTED", "MODE_CLUSTER", "MODE_LIST", "MODE_MASS", "MODE_NONE", "MODE_PAGES", "MODE_TOPK",
            "accumulate_parallel", "accumulate_parallel_bf16", "accumulate_serial", "accumulate_serial_bf16",
            "decode_parallel", "decode_parallel_bf16", "decode_serial", "decode_serial_bf16", "float32_bits",
-           "narrow_f16", "page_bounds", "store_token_bf16", "store_token_f16", "store_token_f32", "widen_bf16",
+           "narrow_f16", "page_bounds", "step_summary", "store_token_bf16", "store_token_f16", "store_token_f32", "widen_bf16",
            "widen_f16"]
 
 CHUNK = 128  # keys scored before one softmax update (scratch per row: CHUNK floats)
@@ -157,69 +154,16 @@ def _prefetch_range(rr, mode, g, hb, n_sel, cptr, n_sinks, ex_lo, page_size):
     return 0, 0
 
 
-# ------------------------------------------------------------------------------------------ scoring
-def _score_range(Kg, Vg, pg, qi, a, b, lim, qp, scale, pf_a, pf_b, sc, acc, m_run, l_run, idx):
-    """Online softmax over slots [a, b) visible to the row (``pos <= qp`` and ``pos < lim``), in chunks of
-    ``CHUNK``; one row of the next range [pf_a, pf_b) is prefetched per row scored.  In the ``LISTED``
-    variants the slots are ``idx[a:b]`` instead (int64; each row prefetched ``LIST_AHEAD`` ahead).
-    Returns (maximum, sum, keys read, overflow)."""
-    E = qi.shape[0]
-    Ev = acc.shape[0] if Vg.shape[1] > 0 else 0
-    kbytes = Kg.shape[1] * Kg.itemsize  # bytes of one key row / value row
-    vbytes = Vg.shape[1] * Vg.itemsize
-    n_read = 0
-    start = a
-    while start < b:
-        stop = min(start + CHUNK, b)
-        n = stop - start
-        # scores of the whole chunk (a plain loop that vectorises), then the position masks
-        for j in range(start, stop):
-            if LISTED:
-                if j + LIST_AHEAD < b:
-                    nxt = idx[j + LIST_AHEAD]
-                    for off in range(0, kbytes, 64):
-                        prefetch_l2(Kg, nxt, off)
-                    for off in range(0, vbytes, 64):
-                        prefetch_l2(Vg, nxt, off)
-            elif pf_a + (j - a) < pf_b:
-                for off in range(0, kbytes, 64):
-                    prefetch_l2(Kg, pf_a + (j - a), off)
-                for off in range(0, vbytes, 64):
-                    prefetch_l2(Vg, pf_a + (j - a), off)
-            kj = Kg[idx[j] if LISTED else j]
-            s = np.float32(0.0)
-            for e in range(E):
-                s += qi[e] * (widen_bf16(kj[e]) if BF16 else widen_f16(kj[e]))
-            sc[j - start] = s * scale
-        cmax = np.float32(-np.inf)
-        cnt = 0
-        for u in range(n):
-            p = pg[idx[start + u] if LISTED else start + u]
-            if p > qp or p >= lim:
-                sc[u] = -np.inf
-            else:
-                cnt += 1
-                x = sc[u]
-                if x > cmax:
-                    cmax = x
-                elif not (x > -np.inf):  # -inf or NaN from finite inputs: the score overflowed
-                    cmax = np.inf
-        first = start
-        start = stop
-        if cnt == 0:
-            continue
-        n_read += cnt
-        if cmax == np.inf:
-            return m_run, l_run, n_read, True
-        m_run, l_run = _raise_max(m_run, cmax, l_run, acc)
-        exp_shifted_f32(sc, n, m_run, sc)  # masked keys: exp(-inf) = 0
-        for u in range(n):
-            w = sc[u]
-            l_run += w
-            vj = Vg[idx[first + u] if LISTED else first + u]
-            for e in range(Ev):
-                acc[e] += w * (widen_bf16(vj[e]) if BF16 else widen_f16(vj[e]))
-    return m_run, l_run, n_read, False
+# ------------------------------------------------------------------------------------------ reading
+@njit(cache=True, inline="always")
+def _record(rec, r, n_recorded, a, b, lim):
+    """Record the range [a, b) (limit ``lim``) a row scores, when recording; returns the count."""
+    if rec.shape[0] > 0 and b > a:
+        rec[r, n_recorded, 0] = a
+        rec[r, n_recorded, 1] = b
+        rec[r, n_recorded, 2] = lim
+        n_recorded += 1
+    return n_recorded
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -248,6 +192,24 @@ def _estimate_zone(zone, scores, n_zone, g, qp, scale, ccount, cmaxpos, cvmean, 
     return m_run, l_run, n_used, False
 
 
+@njit(cache=True)
+def _estimate(mode, n_est, n_zone, n_probe, hs, hb, order, walk, la, qc, g, qp, scale, ccount, cmaxpos, cvmean, acc,
+              m_run, l_run):
+    """The estimation zone of a row: ``hb[n_probe:n_probe + n_zone]`` (``MODE_CLUSTER``) or the ``n_est``
+    clusters after the last one the mass walk read (``MODE_MASS``); (maximum, sum, clusters used, overflow)."""
+    if mode == MODE_CLUSTER and n_zone > 0:
+        return _estimate_zone(hb[n_probe:], hs[n_probe:], n_zone, g, qp, scale, ccount, cmaxpos, cvmean, acc,
+                              m_run, l_run)
+    nc = la.shape[0]
+    if mode == MODE_MASS and n_est > 0 and walk < nc:
+        zone = order[walk:walk + min(n_est, nc - walk)].copy()
+        for z in range(zone.shape[0]):
+            zone[z] = -1 if la[zone[z]] == -np.inf else zone[z]
+        return _estimate_zone(zone, qc[np.maximum(zone, 0)], zone.shape[0], g, qp, scale, ccount, cmaxpos, cvmean,
+                              acc, m_run, l_run)
+    return m_run, l_run, 0, False
+
+
 @njit(cache=True, inline="always")
 def _finish(out, lse, h, t, acc, m_run, l_run, overflow):
     """Write a row: NaN and ``lse = +inf`` on overflow, zeros and ``-inf`` with no key, else acc / sum."""
@@ -267,82 +229,56 @@ def _finish(out, lse, h, t, acc, m_run, l_run, overflow):
         lse[h, t] = m_run + np.log(l_run)
 
 
-# one variant per storage and per slot source (a range or a list): compile-time constants, so the range
-# variant's loop has no branch of the list's
-_score_range_f32 = njit(cache=True, fastmath=FASTMATH, inline="always")(clone_with(_score_range, "_std", {"BF16": False}))
-_score_range_bf16 = njit(cache=True, fastmath=FASTMATH, inline="always")(clone_with(_score_range, "_bf16", {"BF16": True}))
-_score_list_f32 = njit(cache=True, fastmath=FASTMATH)(clone_with(_score_range, "_list", {"BF16": False,
-                                                                                          "LISTED": True}))
-_score_list_bf16 = njit(cache=True, fastmath=FASTMATH)(clone_with(_score_range, "_list_bf16", {"BF16": True,
-                                                                                                "LISTED": True}))
-ROUTE_PAGES, ROUTE_TOPK, SCORE_RANGE, SCORE_LIST = route_pages_f32, route_topk_f32, _score_range_f32, _score_list_f32
+@njit(cache=True)
+def step_summary(out, lse, nread, nest):
+    """One pass over a step's outputs (out (H, T, Ev) float32, lse (H, T) float32, nread / nest (R,)
+    int64): (status, keys read, clusters estimated); status 1 when a row's scores overflowed (``lse =
+    +inf``), 2 when an output is not finite (its weighted value sum overflowed float32), else 0."""
+    status = 0
+    for h in range(lse.shape[0]):
+        for t in range(lse.shape[1]):
+            if lse[h, t] == np.inf:
+                return 1, 0, 0
+            for e in range(out.shape[2]):
+                if not (out[h, t, e] - out[h, t, e] == 0):
+                    status = 2
+    return status, nread.sum(), nest.sum()
 
 
 # ---------------------------------------------------------------------------------------------- a row
 def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_probe,
          cent, cscale, cptr, n_cent, ccount, pmin, pmax, pminpos, page_size, scale, n_est, cvmean, cminpos, cmaxpos,
          top_p, tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest):
-    """One row (query head h, token t) of the decode kernel: route, read the ranges, estimate, write;
-    see the module docstring."""
-    T = q.shape[1]
-    h = r // T
-    t = r - h * T
-    g = h // rep
-    qi = q[h, t]
-    qp = qpos[t]
-    Kg = K[g]
-    Vg = V[g]
-    pg = pos[g]
-    width = max(n_probe + (n_est if mode == MODE_CLUSTER else 0), 1)
-    sc = np.empty(CHUNK, dtype=np.float32)
-    acc = np.zeros(max(V.shape[2], 1), dtype=np.float32)
-    hs = np.empty(width, dtype=np.float32)
-    hb = np.empty(width, dtype=np.int64)
-    record = rec.shape[0] > 0
-    overflow = False
-    n_sel = 0
-    nc = n_cent[g] if (mode == MODE_CLUSTER or mode == MODE_MASS) else 0
-    qc = np.empty(nc if mode == MODE_MASS else 0, dtype=np.float32)  # MODE_MASS: q . c per cluster
-    la = np.empty(nc if mode == MODE_MASS else 0, dtype=np.float32)  # MODE_MASS: log estimated masses
-    if mode == MODE_CLUSTER or mode == MODE_MASS:
-        n_sel = route_clusters(qi, g, qp, mode, cent, cscale, n_cent, ccount, cminpos, scale, width, hs, hb, qc, la)
-    elif mode == MODE_PAGES:
-        n_sel = ROUTE_PAGES(qi, g, qp, pmin, pmax, pminpos, (ex_lo - n_sinks + page_size - 1) // page_size,
-                            n_probe, hs, hb)
-    elif mode == MODE_TOPK:
-        n_sel, overflow = ROUTE_TOPK(qi, Kg, pg, qp, n_slots, n_probe, hs, hb)
-    elif mode == MODE_LIST:
-        while n_sel < sel.shape[1] and sel[r, n_sel] >= 0:
-            n_sel += 1
-    n_zone = 0  # estimation zone: hb[n_probe:n_sel] after ordering best first
-    if mode == MODE_CLUSTER and n_est > 0 and n_sel > n_probe:
-        heap_finish(hs, hb, n_sel, ORDER_BEST)
-        n_zone = n_sel - n_probe
-        n_sel = n_probe
-    if mode == MODE_CLUSTER or mode == MODE_PAGES:
-        hb[:n_sel].sort()  # read in slot order (clusters and pages are laid out by id): a forward sweep
+    """One row (query head h, token t): route (``ROUTE``), read the ranges (range 0 the sinks, 1 the window,
+    then the routed ranges or the mass walk; in the ``LISTED`` variants range 2 is every slot of ``sel[r]``)
+    with one online softmax in chunks of ``CHUNK`` (one row of the next range prefetched per row scored),
+    estimate, write; see the module docstring.  The reading loop is written out here (~2 % faster)."""
+    h = r // q.shape[1]
+    t, g = r - h * q.shape[1], h // rep
+    qi, qp, Kg, Vg, pg = q[h, t], qpos[t], K[g], V[g], pos[g]
+    E, Ev = qi.shape[0], V.shape[2]
+    kbytes, vbytes = Kg.shape[1] * Kg.itemsize, Vg.shape[1] * Vg.itemsize  # bytes of one key / value row
+    acc, sc = np.zeros(max(Ev, 1), dtype=np.float32), np.empty(CHUNK, dtype=np.float32)
+    idx = sel[r] if LISTED else np.empty(0, dtype=np.int64)  # LISTED: the row's listed slots
+    hs, hb, qc, la, n_sel, n_zone, overflow = ROUTE(r, qi, g, qp, mode, n_probe, n_est, cent, cscale, n_cent, ccount,
+                                                    cminpos, pmin, pmax, pminpos, page_size, n_sinks, ex_lo, Kg,
+                                                    pg, n_slots, sel, scale)
+    nc = la.shape[0]
     order = np.empty(0, dtype=np.int64)  # MODE_MASS walk state
     goal = cum = 0.0
-    mshift = np.float32(0.0)
-    m_run = np.float32(-np.inf)
-    l_run = np.float32(0.0)
+    mshift, m_run, l_run = np.float32(-np.inf), np.float32(-np.inf), np.float32(0.0)
     nk = walk = rr = n_read = n_recorded = 0
-    no_list = np.empty(0, dtype=np.int64)
-    while not overflow:
-        if mode == MODE_LIST and rr == 2 and not record:  # every listed slot in one sweep
-            m_run, l_run, n, overflow = SCORE_LIST(Kg, Vg, pg, qi, 0, n_sel, hi_pos, qp, scale, 0, 0, sc, acc,
-                                                   m_run, l_run, sel[r])
-            n_read += n
-            break
-        if mode == MODE_MASS and rr >= 2:
+    listed = False  # LISTED: set once the listed slots are read
+    while not overflow and not listed:
+        listed = LISTED and rr == 2
+        if listed:
+            a, b, lim = 0, n_sel, hi_pos
+        elif mode == MODE_MASS and rr >= 2:
             if rr == 2:  # the exact part is done: its true mass opens the walk
                 order, mshift, cum, goal = mass_open(la, nc, m_run, l_run, top_p)
-            c = mass_next(order, la, walk, nc, cum, goal, nk, top_p, tp_min, tp_max, cptr, g)
+            c, walk, nk, cum = mass_next(order, la, walk, nc, cum, goal, mshift, nk, top_p, tp_min, tp_max, cptr, g)
             if c < 0:
                 break
-            walk += 1
-            nk += cptr[g, c + 1] - cptr[g, c]
-            cum += np.exp(np.float64(la[c]) - np.float64(mshift))
             a, b, lim = cptr[g, c], cptr[g, c + 1], hi_pos
         else:
             a, b, lim, ok = _fixed_range(rr, mode, r, g, hb, n_sel, sel, cptr, n_sinks, ex_lo, n_slots, page_size,
@@ -351,43 +287,89 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
                 break
         rr += 1
         pf_a, pf_b = _prefetch_range(rr, mode, g, hb, n_sel, cptr, n_sinks, ex_lo, page_size)
-        if record and b > a:
-            rec[r, n_recorded, 0] = a
-            rec[r, n_recorded, 1] = b
-            rec[r, n_recorded, 2] = lim
-            n_recorded += 1
-        m_run, l_run, n, overflow = SCORE_RANGE(Kg, Vg, pg, qi, a, b, lim, qp, scale, pf_a, pf_b, sc, acc,
-                                                m_run, l_run, no_list)
-        n_read += n
+        n_recorded = _record(rec, r, n_recorded, a, b, lim)
+        start = a
+        while start < b:
+            stop = min(start + CHUNK, b)
+            n = stop - start
+            for j in range(start, stop):  # scores of the whole chunk (a plain loop that vectorises)
+                if LISTED and listed:
+                    if j + LIST_AHEAD < b:
+                        for off in range(0, kbytes, 64):
+                            prefetch_l2(Kg, idx[j + LIST_AHEAD], off)
+                        for off in range(0, vbytes, 64):
+                            prefetch_l2(Vg, idx[j + LIST_AHEAD], off)
+                elif pf_a + (j - a) < pf_b:
+                    for off in range(0, kbytes, 64):
+                        prefetch_l2(Kg, pf_a + (j - a), off)
+                    for off in range(0, vbytes, 64):
+                        prefetch_l2(Vg, pf_a + (j - a), off)
+                kj = Kg[idx[j] if LISTED and listed else j]
+                s = np.float32(0.0)
+                for e in range(E):
+                    s += qi[e] * (widen_bf16(kj[e]) if BF16 else widen_f16(kj[e]))
+                sc[j - start] = s * scale
+            cmax = np.float32(-np.inf)  # the position masks
+            cnt = 0
+            for u in range(n):
+                p = pg[idx[start + u] if LISTED and listed else start + u]
+                if p > qp or p >= lim:
+                    sc[u] = -np.inf
+                else:
+                    cnt += 1
+                    x = sc[u]
+                    if x > cmax:
+                        cmax = x
+                    elif not (x > -np.inf):  # -inf or NaN from finite inputs: the score overflowed
+                        cmax = np.inf
+            first = start
+            start = stop
+            if cnt == 0:
+                continue
+            n_read += cnt
+            if cmax == np.inf:
+                overflow = True
+                break
+            m_run, l_run = _raise_max(m_run, cmax, l_run, acc)
+            exp_shifted_f32(sc, n, m_run, sc)  # masked keys: exp(-inf) = 0
+            for u in range(n):
+                w = sc[u]
+                l_run += w
+                vj = Vg[idx[first + u] if LISTED and listed else first + u]
+                for e in range(Ev):
+                    acc[e] += w * (widen_bf16(vj[e]) if BF16 else widen_f16(vj[e]))
     n_used = 0
-    if not overflow and mode == MODE_CLUSTER and n_zone > 0:
-        m_run, l_run, n_used, overflow = _estimate_zone(hb[n_probe:], hs[n_probe:], n_zone, g, qp, scale, ccount,
-                                                        cmaxpos, cvmean, acc, m_run, l_run)
-    elif not overflow and mode == MODE_MASS and n_est > 0 and walk < nc:
-        zone = order[walk:walk + min(n_est, nc - walk)].copy()
-        for z in range(zone.shape[0]):
-            zone[z] = -1 if la[zone[z]] == -np.inf else zone[z]
-        m_run, l_run, n_used, overflow = _estimate_zone(zone, qc[np.maximum(zone, 0)], zone.shape[0], g, qp, scale,
-                                                        ccount, cmaxpos, cvmean, acc, m_run, l_run)
-    nest[r] = n_used
-    nread[r] = n_read
-    if record:
+    if not overflow:
+        m_run, l_run, n_used, overflow = _estimate(mode, n_est, n_zone, n_probe, hs, hb, order, walk, la, qc, g, qp,
+                                                   scale, ccount, cmaxpos, cvmean, acc, m_run, l_run)
+    nest[r], nread[r] = n_used, n_read
+    if rec.shape[0] > 0:
         n_rec[r] = n_recorded
     _finish(out, lse, h, t, acc, m_run, l_run, overflow)
 
 
-# The row body is its own compiled function: a prange loop over a large body compiled ~10x slower.
+# one variant per storage and per slot source (ranges only, or a list in one sweep): compile-time
+# constants, so the range variant's loop has no branch of the list's.  The row body is its own compiled
+# function: a prange loop over a large body compiled ~10x slower.
+ROUTE = route_row_f32
 _row_f32 = njit(cache=True, fastmath=FASTMATH)(clone_with(_row, "_std", {"BF16": False}))
-_row_bf16 = njit(cache=True, fastmath=FASTMATH)(clone_with(_row, "_bf16", {
-    "BF16": True, "ROUTE_PAGES": route_pages_bf16, "ROUTE_TOPK": route_topk_bf16, "SCORE_RANGE": _score_range_bf16,
-    "SCORE_LIST": _score_list_bf16}))
-ROW = _row_f32
+_row_bf16 = njit(cache=True, fastmath=FASTMATH)(clone_with(_row, "_bf16", {"BF16": True, "ROUTE": route_row_bf16}))
+_row_list_f32 = njit(cache=True, fastmath=FASTMATH)(clone_with(_row, "_list", {"BF16": False, "LISTED": True}))
+_row_list_bf16 = njit(cache=True, fastmath=FASTMATH)(clone_with(_row, "_list_bf16", {
+    "BF16": True, "LISTED": True, "ROUTE": route_row_bf16}))
+ROW, ROW_LIST = _row_f32, _row_list_f32
 
 
 def _decode_rows(q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_probe,
                  cent, cscale, cptr, n_cent, ccount, pmin, pmax, pminpos, page_size, scale, n_est, cvmean, cminpos,
                  cmaxpos, top_p, tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest):
+    one_sweep = mode == MODE_LIST and rec.shape[0] == 0  # every listed slot in one sweep
     for r in prange(q.shape[0] * q.shape[1]):
+        if one_sweep:
+            ROW_LIST(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_probe, cent, cscale, cptr,
+                     n_cent, ccount, pmin, pmax, pminpos, page_size, scale, n_est, cvmean, cminpos, cmaxpos, top_p,
+                     tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest)
+            continue
         ROW(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_probe,
             cent, cscale, cptr, n_cent, ccount, pmin, pmax, pminpos, page_size, scale, n_est, cvmean, cminpos, cmaxpos,
             top_p, tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest)
@@ -395,4 +377,4 @@ def _decode_rows(q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode,
 
 decode_serial, decode_parallel = serial_and_parallel(_decode_rows)
 decode_serial_bf16, decode_parallel_bf16 = serial_and_parallel(
-    _decode_rows, constants={"ROW": _row_bf16}, suffix="_bf16")
+    _decode_rows, constants={"ROW": _row_bf16, "ROW_LIST": _row_list_bf16}, suffix="_bf16")

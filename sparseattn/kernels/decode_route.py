@@ -8,11 +8,11 @@ from numba import njit
 
 from .options import FASTMATH
 from .storage import clone_with, widen_bf16, widen_f16
-from .topk import heap_offer
+from .topk import ORDER_BEST, heap_finish, heap_offer
 
 __all__ = ["EVICTED", "MODE_CLUSTER", "MODE_LIST", "MODE_MASS", "MODE_NONE", "MODE_PAGES", "MODE_TOPK",
            "mass_next", "mass_open", "route_clusters", "route_pages_bf16", "route_pages_f32", "route_topk_bf16",
-           "route_topk_f32"]
+           "route_row_bf16", "route_row_f32", "route_topk_f32"]
 
 MODE_NONE = 0
 MODE_CLUSTER = 1
@@ -92,6 +92,41 @@ def _route_topk(qi, Kg, pg, qp, n_slots, n_probe, hs, hb):
     return n_sel, False
 
 
+def _route_row(r, qi, g, qp, mode, n_probe, n_est, cent, cscale, n_cent, ccount, cminpos, pmin, pmax, pminpos,
+               page_size, n_sinks, ex_lo, Kg, pg, n_slots, sel, scale):
+    """The routing step of one row: (hs, hb, qc, la, n_sel, n_zone, overflow).  ``hb[:n_sel]`` are the
+    clusters, pages or slots to read in slot order, ``hb[n_probe:n_probe + n_zone]`` (scores ``hs``) the
+    clusters to estimate, best first (``MODE_CLUSTER``); ``qc``/``la`` the per-cluster scores and log
+    estimated masses of ``MODE_MASS``; ``overflow`` when an exact top-k score overflowed."""
+    width = max(n_probe + (n_est if mode == MODE_CLUSTER else 0), 1)
+    hs = np.empty(width, dtype=np.float32)
+    hb = np.empty(width, dtype=np.int64)
+    routed = mode == MODE_CLUSTER or mode == MODE_MASS
+    nc = n_cent[g] if routed else 0
+    qc = np.empty(nc if mode == MODE_MASS else 0, dtype=np.float32)  # MODE_MASS: q . c per cluster
+    la = np.empty(nc if mode == MODE_MASS else 0, dtype=np.float32)  # MODE_MASS: log estimated masses
+    n_sel = 0
+    overflow = False
+    if routed:
+        n_sel = route_clusters(qi, g, qp, mode, cent, cscale, n_cent, ccount, cminpos, scale, width, hs, hb, qc, la)
+    elif mode == MODE_PAGES:
+        n_sel = ROUTE_PAGES(qi, g, qp, pmin, pmax, pminpos, (ex_lo - n_sinks + page_size - 1) // page_size,
+                            n_probe, hs, hb)
+    elif mode == MODE_TOPK:
+        n_sel, overflow = ROUTE_TOPK(qi, Kg, pg, qp, n_slots, n_probe, hs, hb)
+    elif mode == MODE_LIST:
+        while n_sel < sel.shape[1] and sel[r, n_sel] >= 0:
+            n_sel += 1
+    n_zone = 0
+    if mode == MODE_CLUSTER and n_est > 0 and n_sel > n_probe:
+        heap_finish(hs, hb, n_sel, ORDER_BEST)
+        n_zone = n_sel - n_probe
+        n_sel = n_probe
+    if mode == MODE_CLUSTER or mode == MODE_PAGES:
+        hb[:n_sel].sort()  # read in slot order (clusters and pages are laid out by id): a forward sweep
+    return hs, hb, qc, la, n_sel, n_zone, overflow
+
+
 @njit(cache=True)
 def mass_open(la, nc, m_run, l_run, top_p):
     """The mass walk, once the exact part is read: clusters by decreasing estimated mass, the shift, the
@@ -114,22 +149,28 @@ def mass_open(la, nc, m_run, l_run, top_p):
 
 
 @njit(cache=True, inline="always")
-def mass_next(order, la, walk, nc, cum, goal, nk, top_p, tp_min, tp_max, cptr, g):
-    """The next cluster of the mass walk, or -1 when the walk ends (no cluster left or none visible, the
+def mass_next(order, la, walk, nc, cum, goal, mshift, nk, top_p, tp_min, tp_max, cptr, g):
+    """The next cluster of the mass walk, with the walk's state after reading it: (cluster, clusters walked,
+    keys routed, estimated mass read); cluster -1 when the walk ends (no cluster left or none visible, the
     goal reached with ``tp_min`` keys, or ``tp_max`` keys passed by the next one)."""
     if walk >= nc:
-        return -1
+        return -1, walk, nk, cum
     c = order[walk]
     if la[c] == -np.inf:
-        return -1
+        return -1, walk, nk, cum
     if top_p < 1.0 and cum >= goal and nk >= tp_min:
-        return -1
-    if nk + cptr[g, c + 1] - cptr[g, c] > tp_max:
-        return -1
-    return c
+        return -1, walk, nk, cum
+    size = cptr[g, c + 1] - cptr[g, c]
+    if nk + size > tp_max:
+        return -1, walk, nk, cum
+    return c, walk + 1, nk + size, cum + np.exp(np.float64(la[c]) - np.float64(mshift))
 
 
 route_pages_f32 = njit(cache=True, fastmath=FASTMATH)(clone_with(_route_pages, "_std", {"BF16": False}))
 route_pages_bf16 = njit(cache=True, fastmath=FASTMATH)(clone_with(_route_pages, "_bf16", {"BF16": True}))
 route_topk_f32 = njit(cache=True, fastmath=FASTMATH)(clone_with(_route_topk, "_std", {"BF16": False}))
 route_topk_bf16 = njit(cache=True, fastmath=FASTMATH)(clone_with(_route_topk, "_bf16", {"BF16": True}))
+ROUTE_PAGES, ROUTE_TOPK = route_pages_f32, route_topk_f32
+route_row_f32 = njit(cache=True, fastmath=FASTMATH)(clone_with(_route_row, "_std", {"BF16": False}))
+route_row_bf16 = njit(cache=True, fastmath=FASTMATH)(clone_with(_route_row, "_bf16", {
+    "BF16": True, "ROUTE_PAGES": route_pages_bf16, "ROUTE_TOPK": route_topk_bf16}))

@@ -76,7 +76,7 @@ class ClusterRouting(Routing):
     def plan(self, q: np.ndarray, qpos: np.ndarray, k: int) -> StepPlan:
         st, cfg, lay = self.store, self.cfg, self.layout
         ex_lo, stop, n_cent = self.scope(qpos)
-        n_cmax = int(n_cent.max(initial=0))
+        n_cmax = int(n_cent.max())  # (H_kv,), never empty
         n_probe = min(cfg.n_probe, n_cmax)
         mode, n_ranges = kd.MODE_CLUSTER, 2 + n_probe
         if cfg.top_p is not None:
