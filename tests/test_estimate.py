@@ -18,6 +18,7 @@ from sparseattn.attention.routed import mass_routes, routed_attention
 from sparseattn.index import ClusterIndex
 from sparseattn.kernels import cluster as ck
 from sparseattn.kernels import estimate as ek
+from sparseattn.threads import worker_threads
 
 
 def _clustered(seed: int = 3, S: int = 1500, L: int = 200, E: int = 12, Ev: int = 6, n_cent: int = 24,
@@ -146,6 +147,12 @@ def test_keys_read_matches_routed_clusters():
     qpos = np.arange(q.shape[0]) * 8
     s = {}
     routed_attention(index, q, v, is_causal=True, query_positions=qpos, exact_prefix=False, stats=s)
+    # causal routing: a cluster whose first key (position = key id) is after the row ranks last
+    first = np.array([np.flatnonzero(index.assignment_ == c).min(initial=k.shape[0]) for c in range(20)])
+    first[first == k.shape[0]] = 0  # an empty cluster: visible to every row (it holds nothing to read)
+    with worker_threads(1):
+        ids = index.route_rows(index.validated_queries(q, True), 1, first, qpos.astype(np.int64))[0]
+    assert all((first[ids[i]] <= qpos[i]).all() or (first <= qpos[i]).sum() < 3 for i in range(q.shape[0]))
     brute = [sum(int(np.sum(np.flatnonzero(index.assignment_ == c) <= qpos[i])) for c in ids[i])
              for i in range(q.shape[0])]
     np.testing.assert_array_equal(s["keys_read"], brute)

@@ -11,10 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sparseattn.index.cluster import key_spans
 from sparseattn.kernels import cluster as ck
 from sparseattn.kernels.topk import rows_topk
 from sparseattn.selectors.base import get_selector
 from sparseattn.selectors.cluster import ClusterSelector
+from sparseattn.threads import worker_threads
 from sparseattn.topk import exact_topk
 
 # Output tolerance per dtype (absolute, outputs are O(1)); observed max error: f32 ~3e-7, f64 ~1e-15.
@@ -67,21 +69,34 @@ def oracle_assignment(sel: ClusterSelector, k: np.ndarray) -> np.ndarray:
     return sel.assignment_
 
 
-def oracle_mask(sel: ClusterSelector, q: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """(L, S) bool: key j lies in one of query i's n_probe clusters of largest q.c.
+def oracle_mask(sel: ClusterSelector, q: np.ndarray, k: np.ndarray, qpos: np.ndarray | None = None) -> np.ndarray:
+    """(L, S) bool: key j lies in one of query i's n_probe clusters of largest q.c (with ``qpos``, causal
+    routing: among the clusters holding a key at or before the query, the others only fill a row that
+    sees fewer than n_probe clusters; keys at positions ``arange(S)``).
 
     The routing is checked against a float64 recomputation (the chosen clusters' scores must all be at
     least the best unchosen score, up to float32 rounding), then the mask is built with numpy.
     """
     assignment = oracle_assignment(sel, k)
     scores = q.astype(np.float64) @ sel.centroids_.astype(np.float64).T
-    route = sel.route(q)
+    seen = np.ones_like(scores, dtype=bool)
+    if qpos is None:
+        route = sel.route(q)
+    else:
+        kmin = np.full(sel.n_clusters_, np.iinfo(np.int64).max)
+        np.minimum.at(kmin, assignment, np.arange(k.shape[0]))
+        seen = kmin[None, :] <= qpos[:, None]
+        with worker_threads(1):
+            route = sel.index_.route_rows(sel.index_.validated_queries(q, True), 1, key_spans(
+                sel.index_, np.arange(k.shape[0], dtype=np.int64))[1], qpos.astype(np.int64))[0]
     routed = np.zeros((q.shape[0], sel.n_clusters_), dtype=bool)
     np.put_along_axis(routed, route.astype(np.int64), True, axis=1)
     assert (routed.sum(axis=1) == sel.n_probe_).all()
+    full = seen.sum(axis=1) >= sel.n_probe_
+    assert (routed[full] <= seen[full]).all() and (seen[~full] <= routed[~full]).all()
     if sel.n_probe_ < sel.n_clusters_:
-        worst_chosen = np.where(routed, scores, np.inf).min(axis=1)
-        best_other = np.where(routed, -np.inf, scores).max(axis=1)
+        worst_chosen = np.where(routed & seen, scores, np.inf).min(axis=1)
+        best_other = np.where(routed | ~seen, -np.inf, scores).max(axis=1)
         tol = 1e-5 * (1 + np.abs(scores).max(axis=1))
         np.testing.assert_array_less(best_other - tol, worst_chosen)
     return routed[:, assignment]
@@ -626,7 +641,7 @@ def test_property_row_argmax_and_top_p_match_numpy(n, C, p, ties, f64, seed):
         np.testing.assert_array_equal(fn(s), np.argmax(s, axis=1))
     want = np.argsort(-s, axis=1, kind="stable")[:, :p]
     for fn in (ck.row_top_p, ck.row_top_p_serial):
-        ids, vals = fn(s, p)
+        ids, vals = fn(s, p, ck.NO_POS, ck.NO_POS)
         np.testing.assert_array_equal(ids, want)
         np.testing.assert_array_equal(vals, np.take_along_axis(s, want, axis=1))
 
@@ -643,7 +658,7 @@ def test_top_p_when_chunks_equal_probes(C, p, ties, rng):
     s = s.astype(np.float32)
     want = np.argsort(-s, axis=1, kind="stable")[:, :p]
     for fn in (ck.row_top_p, ck.row_top_p_serial):
-        ids, vals = fn(s, p)
+        ids, vals = fn(s, p, ck.NO_POS, ck.NO_POS)
         np.testing.assert_array_equal(ids, want)
         np.testing.assert_array_equal(vals, np.take_along_axis(s, want, axis=1))
 
@@ -739,7 +754,7 @@ def test_strict_causal_off_routes_over_the_global_index(rng, mode):
     q, k, v = clustered(rng, S, L)
     sel = ClusterSelector(n_clusters=16, n_probe=4, mode=mode, strict_causal=False).build(k)
     visible = causal_mask(L, S)
-    mask = oracle_mask(sel, q, k) & visible
+    mask = oracle_mask(sel, q, k, np.arange(L)) & visible
     if mode == "block":
         few = visible.sum(axis=1) <= 250
         mask[few] = visible[few]
@@ -759,3 +774,22 @@ def test_strict_causal_off_routes_over_the_global_index(rng, mode):
         for i in range(0, L, 50):
             want = np.sort(s[i])[::-1][:min(8, int(mask[i].sum()))]
             np.testing.assert_allclose(np.sort(s[i, got[i]])[::-1][:want.size], want, rtol=1e-5, atol=1e-4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 90), C=st.integers(1, 70), p_frac=st.floats(0.0, 1.0), f64=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_causal_top_p_ranks_later_clusters_last(n, C, p_frac, f64, seed):
+    # Oracle: a stable argsort with the clusters whose first key is after the row scored -inf; the
+    # scores returned are the clusters' own (the score bounds of attention need them finite).
+    rng = np.random.default_rng(seed)
+    p = max(1, min(C, int(round(p_frac * C))))
+    s = rng.standard_normal((n, C)).astype(np.float64 if f64 else np.float32)
+    kmin = rng.integers(0, 50, C).astype(np.int64)
+    qpos = rng.integers(-5, 55, n).astype(np.int64)
+    masked = np.where(kmin[None, :] > qpos[:, None], -np.inf, s)
+    want = np.argsort(-masked, axis=1, kind="stable")[:, :p]
+    for fn in (ck.row_top_p, ck.row_top_p_serial):
+        ids, vals = fn(s, p, kmin, qpos)
+        np.testing.assert_array_equal(ids, want)
+        np.testing.assert_array_equal(vals, np.take_along_axis(s, want, axis=1))

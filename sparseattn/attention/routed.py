@@ -55,7 +55,7 @@ import time
 
 import numpy as np
 
-from ..index.cluster import ClusterIndex, cluster_jobs
+from ..index.cluster import ClusterIndex, cluster_jobs, key_spans
 from ..index.routing import RoutePlanner, check_budget, mass_routes, positions_in_clusters
 from ..inputs import (
     as_float_array,
@@ -284,7 +284,11 @@ def _attend_routed(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refined
     keys_read = np.zeros(L, dtype=np.int64)
     if L == 0:
         return out, lse, keys_read
-    route, route_scores = index.route_rows(q, n_threads)
+    if is_causal:
+        kpos_p, kmin, kmax = key_spans(index, kpos)
+        route, route_scores = index.route_rows(q, n_threads, kmin, qpos)  # clusters of later keys rank last
+    else:
+        route, route_scores = index.route_rows(q, n_threads)
     if want_keys:
         kpos_cs = positions_in_clusters(index, kpos)[1] if is_causal else np.zeros(1, dtype=np.int64)
         ek.routed_visible(route, qpos, index.cluster_ptr_, kpos_cs, is_causal, keys_read)
@@ -295,7 +299,6 @@ def _attend_routed(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refined
     q_norm = np.sqrt(np.einsum("ij,ij->i", q, q, dtype=np.float64))  # for the score bounds
     kptr = index.cluster_ptr_
     if is_causal:
-        kpos_p, kmin, kmax = _key_spans(index, kpos)
         # perm_ keeps the original order inside a cluster: sorted positions stay sorted there
         kpos_sorted = bool(np.all(kpos[1:] >= kpos[:-1]))
     else:
@@ -501,20 +504,6 @@ def queries_values(queries: object, values: object, S: int, E: int, check_finite
 
 
 
-def _key_spans(index: ClusterIndex, kpos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(positions of the keys in cluster order (S,), each cluster's first and last key position (C,)),
-    int64; 0 for an empty cluster."""
-    kptr = index.cluster_ptr_
-    C = kptr.shape[0] - 1
-    kpos_p = kpos[index.perm_]
-    nonempty = np.diff(kptr) > 0
-    kmin = np.zeros(C, dtype=np.int64)
-    kmax = np.zeros(C, dtype=np.int64)
-    kmin[nonempty] = np.minimum.reduceat(kpos_p, kptr[:-1][nonempty])
-    kmax[nonempty] = np.maximum.reduceat(kpos_p, kptr[:-1][nonempty])
-    return kpos_p, kmin, kmax
-
-
 def _value_stats(index: ClusterIndex, Vp: np.ndarray, Kp: np.ndarray, sig2: np.ndarray, dtype: np.dtype
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The value side of the estimate, from the values Vp (S, Ev) and centred keys Kp (S, E) in cluster
@@ -597,7 +586,7 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
     sig2 = plan.sig2
     if is_causal:
         Gv = ek.cluster_prefix(Vp, kptr, plan.order)
-        kpos_p, kmin, kmax = _key_spans(index, kpos)
+        kpos_p, kmin, kmax = key_spans(index, kpos)
         kpos_sorted = bool(np.all(kpos[1:] >= kpos[:-1]))
         vbar = vbar32 = B_T = v_lo = v_hi = None
     else:

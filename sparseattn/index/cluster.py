@@ -429,17 +429,18 @@ class ClusterIndex:
         return np.ascontiguousarray(q, dtype=self.keys_.dtype if dtype is None else dtype)
 
     # ---------------------------------------------------------------------------------------- routing
-    def route_rows(self, q: np.ndarray, n_threads: int) -> tuple[np.ndarray, np.ndarray]:
+    def route_rows(self, q: np.ndarray, n_threads: int, kmin: np.ndarray = ck.NO_POS, qpos: np.ndarray = ck.NO_POS
+                   ) -> tuple[np.ndarray, np.ndarray]:
         """(ids (L, p) int32 best first, scores q.c (L, p) in q's dtype); q (L, E) float32/float64
-        C-contiguous, validated.  Call inside :func:`~sparseattn.threads.worker_threads`."""
-        L = q.shape[0]
-        p = self.n_probe_
-        route = np.empty((L, p), dtype=np.int32)
-        scores = np.empty((L, p), dtype=q.dtype)
+        C-contiguous, validated.  Causal routing with each cluster's first key position ``kmin`` (C,) and
+        ``qpos`` (L,) int64 (:func:`key_spans`): clusters of later keys only rank last.  Call inside
+        :func:`~sparseattn.threads.worker_threads`."""
+        L, p = q.shape[0], self.n_probe_
+        route, scores = np.empty((L, p), dtype=np.int32), np.empty((L, p), dtype=q.dtype)
         cent = self.centroids_.astype(q.dtype, copy=False)
 
         def work(a: int, b: int) -> None:
-            route[a:b], scores[a:b] = ck.row_top_p_serial(q[a:b] @ cent.T, p)
+            route[a:b], scores[a:b] = ck.row_top_p_serial(q[a:b] @ cent.T, p, kmin, qpos[a:b] if kmin.size else qpos)
 
         self.row_chunks(L, work, n_threads)
         return route, scores
@@ -497,8 +498,8 @@ class ClusterIndex:
         qpos = positions(query_positions, q.shape[0], "query_positions")
         kpos = positions(key_positions, S, "key_positions")
         n = self.threads_
-        with worker_threads(n):
-            route = self.route_rows(q, n)[0]
+        with worker_threads(n):  # causal: clusters of later keys rank last
+            route = self.route_rows(q, n, *((key_spans(self, kpos)[1], qpos) if is_causal else ()))[0]
             return self.search_routed(q, route, min(int(k), S), bool(is_causal), qpos, kpos, n)
 
     def search_routed(self, q: np.ndarray, route: np.ndarray, k: int, is_causal: bool, qpos: np.ndarray,
@@ -528,6 +529,20 @@ def cluster_order(centred: np.ndarray, assignment: np.ndarray, centroids: np.nda
     if by_mean:
         centroids = ck.cluster_means(kp, kptr, np.ascontiguousarray(centroids, dtype=kp.dtype))
     return perm, kptr, kp, centroids, ck.cluster_radius(kp, kptr, centroids)
+
+
+def key_spans(index: ClusterIndex, kpos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(positions of the keys in cluster order (S,), each cluster's first and last key position (C,)),
+    int64, from the keys' positions ``kpos`` (S,); 0 for an empty cluster."""
+    kptr = index.cluster_ptr_
+    C = kptr.shape[0] - 1
+    kpos_p = kpos[index.perm_]
+    nonempty = np.diff(kptr) > 0
+    kmin = np.zeros(C, dtype=np.int64)
+    kmax = np.zeros(C, dtype=np.int64)
+    kmin[nonempty] = np.minimum.reduceat(kpos_p, kptr[:-1][nonempty])
+    kmax[nonempty] = np.maximum.reduceat(kpos_p, kptr[:-1][nonempty])
+    return kpos_p, kmin, kmax
 
 
 def routed_topk(q: np.ndarray, route: np.ndarray, Kp: np.ndarray, perm: np.ndarray, kptr: np.ndarray, k: int,

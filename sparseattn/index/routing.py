@@ -169,7 +169,7 @@ class RoutePlanner:
         elif not is_causal and not self.fused:
             ek.log_mass_rows(qmu, q2, self.logn, self.sig2, self.rmu, sc, self.spread, A)
         if top_p is None:
-            ids, scs = ck.row_top_p_serial(sc_c, self.n_cand)
+            ids, scs = ck.row_top_p_serial(sc_c, self.n_cand, ck.NO_POS, ck.NO_POS)
             p = self.p
             route[:] = ids[:, :p]
             rscore[:] = scs[:, :p]
@@ -182,7 +182,7 @@ class RoutePlanner:
             cand = np.empty((R, C), dtype=np.int32)
             ek.rows_sorted_desc(A, cand)
         else:
-            cand = ck.row_top_p_serial(A, self.n_cand)[0]
+            cand = ck.row_top_p_serial(A, self.n_cand, ck.NO_POS, ck.NO_POS)[0]
         sizes = nvis if is_causal else np.broadcast_to(self.count, (R, C))
         n_route = np.empty(R, dtype=np.int64)
         ek.mass_route(A, cand, sizes, top_p, REST_MARGIN, self.min_keys, self.max_keys, self.N, C, route, n_route,

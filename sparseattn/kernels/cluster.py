@@ -117,10 +117,13 @@ def _insert_top(v, c, n_have, p, top_v, top_c):
     return n_have
 
 
-def _row_top_p(scores, p):
+def _row_top_p(scores, p, kmin, qpos):
     """The p largest columns of each row, best first (lower column first on ties).
 
-    scores (L, C) float, 1 <= p <= C; returns ids (L, p) int32 and their scores (L, p).
+    scores (L, C) float, 1 <= p <= C; returns ids (L, p) int32 and their scores (L, p).  With ``kmin``
+    (C,) / ``qpos`` (L,) int64 (causal routing; empty arrays: off) a column with ``kmin[c] > qpos[i]`` (a
+    cluster whose every key is after the row) ranks below every other one: chosen only to fill a row
+    that sees fewer than p clusters; the scores returned are the columns' own (bounds stay valid).
     Per row: (1) the maximum of each chunk of 8 columns (a fixed-width loop that vectorises); the p-th
     largest chunk maximum t is a lower bound of the row's p-th largest score, since p different chunks
     reach it; (2) the columns >= t of the chunks whose maximum is >= t are collected (typically ~2p)
@@ -142,8 +145,14 @@ def _row_top_p(scores, p):
         top_c = np.empty(p, dtype=np.int32)
         chunks = np.empty(n_ch, dtype=np.int32)
         cand = np.empty(C, dtype=np.int32)
+        masked = np.empty(C if kmin.shape[0] > 0 else 0, dtype=scores.dtype)
         for i in range(blk * _ROWS, min(L, blk * _ROWS + _ROWS)):
             row = scores[i]
+            if kmin.shape[0] > 0:  # clusters after the row rank last
+                qp = qpos[i]
+                for c in range(C):
+                    masked[c] = row[c] if kmin[c] <= qp else -np.inf
+                row = masked
             _chunk_max(row, C, cmax)
             t = -np.inf
             if n_ch == p:  # (C = 8p, e.g. 64 clusters and 8 probes): every chunk max counts, t = the least
@@ -179,8 +188,13 @@ def _row_top_p(scores, p):
                     vals[n_have] = row[0]
                     ids[n_have] = 0
                     n_have += 1
+            if kmin.shape[0] > 0:
+                for u in range(p):
+                    vals[u] = scores[i, ids[u]]
     return out, out_s
 
+
+NO_POS = np.zeros(0, dtype=np.int64)  # the kmin / qpos of row_top_p when routing is not causal
 
 # Serial ``nogil`` variants run inside the worker threads (one row chunk each, right after
 # that chunk's BLAS product); the parallel ones serve single calls from Python.

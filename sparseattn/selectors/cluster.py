@@ -69,7 +69,7 @@ from typing import Any, ClassVar
 import numba
 import numpy as np
 
-from ..index.cluster import ASSIGN, ROUTE_BY, ClusterIndex
+from ..index.cluster import ASSIGN, ROUTE_BY, ClusterIndex, key_spans
 from ..index.routing import mass_routes, segment_routes
 from ..index.segments import SegmentedClusterIndex
 from ..inputs import positions
@@ -413,11 +413,12 @@ class ClusterSelector(Selector):
                 kptr = np.append(index.cluster_ptr_, index.cluster_ptr_[-1])  # cluster C: empty padding
                 indptr, indices = ck.routed_pattern(route, kptr, index.perm_, bool(is_causal), qpos, kpos)
                 pattern = SparsePattern(indptr, indices, index.keys_.shape[0], validate=False)
-            elif prm["mode"] == "block":
-                pattern = index.routed_keys(index.route_rows(q, n)[0], is_causal, qpos, kpos)
-            else:
-                return index.search_routed(q, index.route_rows(q, n)[0], min(k, index.keys_.shape[0]), is_causal,
-                                     qpos, kpos, n)
+            else:  # causal: clusters of later keys rank last, as in routed_attention
+                route = index.route_rows(q, n, key_spans(index, kpos)[1], qpos)[0] if is_causal else \
+                    index.route_rows(q, n)[0]
+                if prm["mode"] != "block":
+                    return index.search_routed(q, route, min(k, index.keys_.shape[0]), is_causal, qpos, kpos, n)
+                pattern = index.routed_keys(route, is_causal, qpos, kpos)
             if is_causal and prm["exact_prefix"]:
                 # the rows attend() computes exactly over every visible key
                 pattern = fill_small_rows(pattern, index.prefix_budget(), True, qpos, kpos)
