@@ -1,15 +1,13 @@
 """Strictly causal routed attention over a :class:`~sparseattn.index.segments.SegmentedClusterIndex`.
 
-Each query's visible prefix is its exact part (the keys of the segment it is in, or the whole prefix for
-a short one with ``exact_prefix``) plus the whole segments before it (:meth:`SegmentedClusterIndex.cover`).
-The exact part is one exact softmax over those keys (:func:`sparseattn.attention.routed.prefix_attention`);
-the whole segments are one causal :func:`~sparseattn.attention.routed.routed_attention` over the pooled
-index (every segment's clusters; the query at the last position before its exact part, the keys at their
-segment positions, so it sees the whole segments before it and nothing else), with the ``estimate`` /
-``top_p`` options applied to the pooled clusters it can see; the two parts are merged by log-sum-exp
-(:func:`sparseattn.attention.merge.merge_pair`).  Every visible key is in exactly one part, and no part
-reads or was built from a key after the query: which keys a row reads, and their values, depend only on
-the keys and values at or before its position.
+Each query's visible prefix is its exact part (the exact tail, or the whole prefix for a short one with
+``exact_prefix``) plus whole dyadic segments (:meth:`SegmentedClusterIndex.cover`).  The exact part is
+one exact softmax over those keys (:func:`sparseattn.attention.routed.prefix_attention`); each
+segment is a plain, non-causal :func:`~sparseattn.attention.routed.routed_attention` over the segment's
+own index (the query sees all of the segment), with the same ``estimate`` / ``top_p`` options applied per
+segment; the parts are merged by log-sum-exp (:func:`sparseattn.attention.merge.merge_pair`).  Every
+visible key is in exactly one part, and no part reads or was built from a key after the query: the output
+of a row depends only on the keys and values at or before its position.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ def segmented_attention(index: SegmentedClusterIndex, queries: np.ndarray, value
                         n_threads: int | None = None, check_finite: bool = True, stats: dict | None = None,
                         estimate: int = 0, top_p: float | None = None, min_keys: int = 0,
                         max_keys: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Causal attention of each query over its exact part and its routed clusters of the segments before it.
+    """Causal attention of each query over its exact part and its routed clusters in each of its segments.
 
     Parameters
     ----------
@@ -57,9 +55,9 @@ def segmented_attention(index: SegmentedClusterIndex, queries: np.ndarray, value
     stats : dict, optional
         Receives ``keys_read`` (L,) int64 (keys each query attended to exactly) and ``refined_pairs``.
     estimate, top_p, min_keys, max_keys
-        As for :func:`~sparseattn.attention.routed.routed_attention`, applied to the pooled clusters a
-        query can see (the estimate covers its unread ones; ``min_keys`` / ``max_keys`` bound its routed
-        keys, the exact part not counted).
+        As for :func:`~sparseattn.attention.routed.routed_attention`, applied within each segment (the
+        estimate covers the segment's unread clusters; ``top_p`` is reached in every segment, so also
+        overall; ``min_keys`` / ``max_keys`` bound the keys read per segment).
 
     Returns
     -------
@@ -78,27 +76,30 @@ def segmented_attention(index: SegmentedClusterIndex, queries: np.ndarray, value
     L, Ev = q.shape[0], v.shape[1]
     qpos = positions(query_positions, L, "query_positions")
     n = index.threads_ if n_threads is None else int(n_threads)
-    visible, exact_from = index.cover(qpos, exact_prefix)
+    visible, exact_from, segs = index.cover(qpos, exact_prefix)
     check_budget(index.prefix_budget_, estimate, top_p, min_keys, max_keys)  # once, even with no segment
-    rows = np.flatnonzero(exact_from > 0)
 
     def run(v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         out = np.zeros((L, Ev), dtype=dtype)
         lse = np.full(L, -np.inf, dtype=dtype)
-        keys_read = visible - exact_from
+        keys_read = np.zeros(L, dtype=np.int64)
         refined = 0
         with worker_threads(n):
+            index.prepare(segs, n)
             _attend_exact(q, keys, v, sc, index.order_, visible, exact_from, out, lse, n)
-            if rows.size:
-                pooled, ids, seg_pos = index.pooled(n)
-                st: dict[str, Any] = {}
-                o, lo = routed_attention(pooled, q[rows], v[ids], scale=sc, is_causal=True,
-                                         query_positions=exact_from[rows] - 1, key_positions=seg_pos,
-                                         exact_prefix=False, n_threads=n, check_finite=False, stats=st,
-                                         estimate=estimate, top_p=top_p, min_keys=min_keys, max_keys=max_keys)
-                out[rows], lse[rows] = merge_pair(out[rows], lse[rows], o, lo)
-                keys_read[rows] += st["keys_read"]
-                refined += int(st.get("refined_pairs", 0))
+            keys_read += visible - exact_from
+            for level, blocks in segs:
+                for t, rows in blocks:
+                    seg, ids = index.segment(level, t)
+                    st: dict[str, Any] = {}
+                    o, lo = routed_attention(seg, q[rows], v[ids], scale=sc, n_threads=n, check_finite=False,
+                                             stats=st, estimate=estimate, top_p=top_p, min_keys=min_keys,
+                                             max_keys=max_keys)
+                    acc_o, acc_l = merge_pair(out[rows], lse[rows], o, lo)
+                    out[rows] = acc_o
+                    lse[rows] = acc_l
+                    keys_read[rows] += st["keys_read"]
+                    refined += int(st.get("refined_pairs", 0))
         return out, lse, keys_read, refined
 
     with np.errstate(over="ignore", invalid="ignore"):  # overflowing scores: check_lse; values: below

@@ -251,14 +251,12 @@ class ClusterIndex:
                              f"training key per centroid.")
         return C, p, min(t, S)
 
-    def build(self, keys: np.ndarray, labels: np.ndarray | None = None) -> ClusterIndex:
+    def build(self, keys: np.ndarray) -> ClusterIndex:
         """Cluster the keys and store them in cluster order; returns ``self``.
 
         Parameters
         ----------
         keys : (S, E) float32 or float64 array, S >= 1 (C-contiguous; not copied, kept as ``keys_``)
-        labels : (S,) int64 in ``[0, n_clusters)``, optional
-            The clusters, given (no k-means; routing vectors are the member means; ``split`` unused).
         """
         keys = np.asarray(keys)
         if keys.ndim != 2 or keys.dtype not in (np.float32, np.float64):
@@ -268,16 +266,18 @@ class ClusterIndex:
         S, E = keys.shape
         C, p, n_train = self.sizes(S)
         self.n_clusters_, self.n_probe_ = C, p
-        self.mean_ = keys.mean(axis=0, dtype=np.float64).astype(keys.dtype) if self.center else np.zeros(E, keys.dtype)
+        if self.center:
+            self.mean_ = keys.mean(axis=0, dtype=np.float64).astype(keys.dtype)
+        else:
+            self.mean_ = np.zeros(E, dtype=keys.dtype)
         centred = keys - self.mean_ if self.center else keys
-        given = labels is not None
-        self.centroids_ = np.zeros((C, E), keys.dtype) if given else self._kmeans(centred, C, n_train).astype(keys.dtype)
+        self.centroids_ = self._kmeans(centred, C, n_train).astype(keys.dtype)
         n = self.threads_
         with worker_threads(n):
-            assignment = checked_labels(labels, S, C) if given else assign_keys(centred, self.centroids_, self.assign, n)
+            assignment = assign_keys(centred, self.centroids_, self.assign, n)
             self.coarse_centroids_ = self.centroids_
             self.parent_ = np.arange(C, dtype=np.int64)
-            if self.split > 0 and not given:
+            if self.split > 0:
                 assignment, self.centroids_, self.parent_ = split_large(
                     centred, assignment, self.centroids_, self.split * S / C, S / C, self._kmeans)
                 # n_probe = n_clusters keeps its meaning (every cluster: exact attention).
@@ -286,7 +286,7 @@ class ClusterIndex:
             self.assignment_ = assignment
             self.kmeans_centroids_ = self.centroids_
             self.perm_, self.cluster_ptr_, kp, self.centroids_, self.radius_ = cluster_order(
-                centred, assignment, self.centroids_, self.route_by == "mean" or given)
+                centred, assignment, self.centroids_, self.route_by == "mean")
             self._init_stats(kp)
         self.keys_perm_ = kp
         self._keys_cast: dict[np.dtype, np.ndarray] = {kp.dtype: kp}
@@ -529,15 +529,6 @@ def cluster_order(centred: np.ndarray, assignment: np.ndarray, centroids: np.nda
     if by_mean:
         centroids = ck.cluster_means(kp, kptr, np.ascontiguousarray(centroids, dtype=kp.dtype))
     return perm, kptr, kp, centroids, ck.cluster_radius(kp, kptr, centroids)
-
-
-def checked_labels(labels: object, S: int, C: int) -> np.ndarray:
-    """``labels`` as (S,) int64 in ``[0, C)``; ValueError naming ``labels`` otherwise."""
-    lab = np.asarray(labels)
-    if lab.shape != (S,) or lab.dtype.kind not in "iu" or (S and (lab.min() < 0 or lab.max() >= C)):
-        raise ValueError(f"labels must be an (S,) = ({S},) integer array with values in [0, n_clusters={C}); "
-                         f"got {lab.dtype} {lab.shape}.")
-    return lab.astype(np.int64)
 
 
 def key_spans(index: ClusterIndex, kpos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -19,7 +19,7 @@ from ..inputs import check_bool, check_scale, positions
 from ..kernels import cluster as ck
 from ..kernels import estimate as ek
 from ..threads import worker_threads
-from .cluster import ClusterIndex, key_spans
+from .cluster import ClusterIndex
 from .segments import SegmentedClusterIndex
 
 __all__ = ["COV_RANK", "REST_MARGIN", "RoutePlanner", "check_budget", "mass_routes", "positions_in_clusters",
@@ -110,7 +110,6 @@ class RoutePlanner:
             self.Gk = ek.cluster_prefix(self.Kp, self.kptr, self.order)
             sq = np.einsum("ij,ij->i", self.Kp, self.Kp, dtype=np.float64)[:, None]
             self.Gk2 = ek.cluster_prefix(sq, self.kptr, self.order)[:, 0].copy()
-            self.kmin = key_spans(index, kpos)[1]
         self.p = index.n_probe_
         # Non-causal top_p: log masses with the low-rank-plus-isotropic covariance of each cluster
         # (log_mass_rows_cov), its factors multiplied in the same GEMM as the routing vectors (and the
@@ -170,9 +169,7 @@ class RoutePlanner:
         elif not is_causal and not self.fused:
             ek.log_mass_rows(qmu, q2, self.logn, self.sig2, self.rmu, sc, self.spread, A)
         if top_p is None:
-            # causal: a cluster whose every key is after the row ranks last, as in the plain path
-            ids, scs = ck.row_top_p_serial(sc_c, self.n_cand, *((self.kmin, np.ascontiguousarray(qpc, np.int64))
-                                                                if is_causal else (ck.NO_POS, ck.NO_POS)))
+            ids, scs = ck.row_top_p_serial(sc_c, self.n_cand, ck.NO_POS, ck.NO_POS)
             p = self.p
             route[:] = ids[:, :p]
             rscore[:] = scs[:, :p]
@@ -236,16 +233,16 @@ def mass_routes(index: ClusterIndex, queries: np.ndarray, *, top_p: float, min_k
 
 def segment_routes(index: SegmentedClusterIndex, queries: np.ndarray, query_positions: np.ndarray, *,
                    exact_prefix: bool, top_p: float, min_keys: int, max_keys: int | None, n_threads: int
-                   ) -> tuple[np.ndarray, np.ndarray]:
-    """The mass-driven routes (``top_p``) over the pooled index of the rows that route: ``(rows (R,) int64,
-    route (R, p) int32)``, -1 = none (what :func:`~sparseattn.attention.segmented.segmented_attention`
-    reads; :func:`mass_routes` at the rows' pooled query positions)."""
-    _, exact_from = index.cover(query_positions, exact_prefix)
-    rows = np.flatnonzero(exact_from > 0)
-    if rows.size == 0:
-        return rows, np.zeros((0, 1), dtype=np.int32)
-    pooled, _, seg_pos = index.pooled(n_threads)
-    route = mass_routes(pooled, queries[rows], top_p=top_p, min_keys=min_keys, max_keys=max_keys, is_causal=True,
-                        query_positions=exact_from[rows] - 1, key_positions=seg_pos, n_threads=n_threads,
-                        check_finite=False)[0]
-    return rows, route
+                   ) -> dict[tuple[int, int], np.ndarray]:
+    """The mass-driven routes (``top_p``) of each segment's rows: ``(level, t) -> (rows, p) int32``, -1 = none
+    (what :func:`~sparseattn.attention.segmented.segmented_attention` reads; :func:`mass_routes` per
+    segment)."""
+    _, _, segs = index.cover(query_positions, exact_prefix)
+    index.prepare(segs, n_threads)
+    routes: dict[tuple[int, int], np.ndarray] = {}
+    for level, blocks in segs:
+        for t, rows in blocks:
+            seg, _ = index.segment(level, t)
+            routes[(level, t)] = mass_routes(seg, queries[rows], top_p=top_p, min_keys=min_keys,
+                                             max_keys=max_keys, n_threads=n_threads, check_finite=False)[0]
+    return routes

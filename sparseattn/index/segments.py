@@ -1,32 +1,27 @@
-"""Strictly causal cluster routing: the keys, in position order, cut into segments of ``B`` keys, each
-clustered on its own keys only, and the clusters of every segment pooled into one index.
+"""Strictly causal cluster routing: the keys, in position order, cut into aligned dyadic segments, each
+segment clustered on its own keys only.
 
-A causal query that sees the first ``c`` keys (in position order) reads
+A causal query at position ``t`` sees the prefix of ``c`` keys with position <= ``t`` (in position order).
+That prefix is covered by (:func:`dyadic_cover`):
 
-* its *exact part* ``[B * floor(c / B), c)``, the fewer than B keys of the segment it is in, every one, and
-* the ``n_probe`` clusters of largest ``q . c`` among the clusters of the ``floor(c / B)`` whole segments
-  before it: pooled routing, the best clusters over every segment it can see at once (as the decode
-  cache routes), not a share of the probes per segment.
+* an *exact tail* ``[B * floor(c / B), c)`` of fewer than ``B`` keys, read exactly, and
+* aligned dyadic segments ``[t * 2^l * B, (t + 1) * 2^l * B)``, one per set bit of ``floor(c / B)``
+  (the binary decomposition of the rest of the prefix), each a whole segment the query may see.
 
-Each segment's k-means sees its own keys only and its routing vectors are its clusters' member means, so
-*which* past keys a row reads never depends on a later key: the causality the plain index cannot give,
-since its k-means, centring and routing vectors see every key.  The pooled index
-(:meth:`SegmentedClusterIndex.pooled`) holds the keys of the whole segments in position order, each key
-at its *segment position* (the last position index of its segment, ``B * (j // B + 1) - 1`` for the j-th
-key): a causal call at query position ``B * floor(c / B) - 1`` sees exactly the whole segments before
-the row, and routing ranks the clusters it cannot see last
-(:func:`~sparseattn.kernels.cluster.row_top_p`).  The same pooled index serves the top-k search
-(:meth:`SegmentedClusterIndex.search`), the key sets (:meth:`SegmentedClusterIndex.routed_keys`) and
-routed attention (:func:`sparseattn.attention.segmented.segmented_attention`).
+Each segment has its own :class:`~sparseattn.index.cluster.ClusterIndex`, trained, centred, clustered and
+summarised on the segment's keys alone (built when first needed, then kept).  So *which* past keys a row
+reads never depends on a later key's value: the causality the plain index cannot give, since its k-means,
+centring and routing vectors see every key.  The same segments serve the top-k search
+(:meth:`SegmentedClusterIndex.search`) and routed attention
+(:func:`sparseattn.attention.segmented.segmented_attention`).
 
-Sizes: with ``n_clusters`` C and ``n_probe`` p for the S keys (defaults as for
-:class:`~sparseattn.index.cluster.ClusterIndex`), each segment of B keys gets ``max(1, round(C B / S))``
-clusters (about ``S / C`` keys each) and a row routes to p pooled clusters, so it reads about
-``p S / C`` routed keys plus its exact part, like the plain index's causal rows.  These sizes depend on
-the number of keys S and the parameters only, never on key values.
-
-:func:`dyadic_cover` and :func:`scatter_rows` serve the causal search of the index selectors (aligned
-dyadic blocks, each indexed on its own keys).
+Sizes: the index parameters (``n_clusters`` C and ``n_probe`` p for the S keys; defaults as for
+:class:`ClusterIndex`) fix the *fraction* of keys a query reads, ``p / C``, and the cluster size
+``S / C``.  A segment of ``s`` keys gets ``max(1, round(C s / S))`` clusters and routes each query to
+``min(C_s, max(1, ceil(p s / S)))`` of them, so a query at prefix c reads about ``p c / C`` routed keys plus
+its exact tail, like the plain index's causal rows (which read their routed clusters' visible keys).
+These sizes depend on the number of keys S and the parameters only, never on key values.  A segment's
+``n_probe`` equal to its ``n_clusters`` (e.g. ``n_probe = n_clusters``) reads the whole segment exactly.
 """
 
 from __future__ import annotations
@@ -37,10 +32,14 @@ from typing import Any
 import numpy as np
 
 from ..pattern import SparsePattern
-from .cluster import ClusterIndex, key_spans
+from .cluster import ClusterIndex
 
 __all__ = ["SegmentedClusterIndex", "dyadic_cover", "scatter_rows"]
 
+# Segments of at most this many keys are clustered on one thread: on 2 cores the pool's hand-offs made
+# the 63 segment builds of 16,384 keys take 0.72 s (mostly waits), most of them small.
+_SERIAL_BUILD = 4096
+_NONE = np.zeros(0, dtype=np.int64)  # positions argument of non-causal calls (unused)
 
 
 def dyadic_cover(exact_from: np.ndarray, block: int) -> list[tuple[int, list[tuple[int, np.ndarray]]]]:
@@ -89,9 +88,11 @@ class SegmentedClusterIndex:
     Parameters
     ----------
     block : int, optional
-        Segment size B (and bound of the exact part).  Default: the largest power of two at most
-        ``max(16, ceil(p S / C) / 2)``, half the routed keys of an average query, so the exact part (B / 2
-        keys per row on average) stays below the routed one.
+        Smallest segment B (and bound of the exact tail).  Default: the largest power of two at most
+        ``max(16, ceil(p S / C))``, the routed keys of an average query.  Why that large: every level of
+        segments costs about one k-means over all keys, and the exact tail is cheap per key (measured on
+        the shipped 16k store, head 0: B = 512 read 871 keys per query in 0.129 s, B = 1024 1,052 keys in
+        0.085 s, at output error 0.110 / 0.107).
     **params
         :class:`ClusterIndex` parameters for the S keys (``n_clusters``, ``n_probe``, ...; see the module
         docstring for how each segment scales them).
@@ -118,8 +119,7 @@ class SegmentedClusterIndex:
         return self._template.threads_
 
     def build(self, keys: np.ndarray, key_positions: np.ndarray) -> SegmentedClusterIndex:
-        """Store the keys (S, E) float32/float64 and their (S,) int64 positions; the pooled index is built
-        when first needed (:meth:`pooled`)."""
+        """Store the keys (S, E) float32/float64 and their (S,) int64 positions; segments are built lazily."""
         keys = np.ascontiguousarray(keys)
         kpos = np.asarray(key_positions, dtype=np.int64)
         S = keys.shape[0]
@@ -132,8 +132,8 @@ class SegmentedClusterIndex:
         if self.block is not None:
             self.block_ = int(self.block)
         else:
-            self.block_ = 1 << int(math.floor(math.log2(max(16, self.prefix_budget_ // 2))))
-        self._pooled: tuple[ClusterIndex | None, np.ndarray, np.ndarray] | None = None
+            self.block_ = 1 << int(math.floor(math.log2(max(16, self.prefix_budget_))))
+        self._segments: dict[tuple[int, int], ClusterIndex] = {}
         return self
 
     def same_layout(self, keys: np.ndarray, key_positions: np.ndarray) -> bool:
@@ -144,73 +144,63 @@ class SegmentedClusterIndex:
 
     # --------------------------------------------------------------------------------------- layout
     def segment_params(self, size: int) -> dict[str, Any]:
-        """ClusterIndex parameters of a segment of ``size`` keys: ``max(1, round(C size / S))`` clusters,
-        one thread (segments are clustered in parallel, one per worker)."""
+        """ClusterIndex parameters of a segment of ``size`` keys (scaled from the S-key sizes)."""
         S = self.keys_.shape[0]
         C_s = max(1, min(size, round(self.n_clusters_ * size / S)))
-        prm = dict(self.params, n_clusters=C_s, n_probe=1, n_threads=1)
+        p_s = min(C_s, max(1, math.ceil(self.n_probe_ * size / S)))
+        prm = dict(self.params, n_clusters=C_s, n_probe=p_s)
+        if size <= _SERIAL_BUILD:
+            prm["n_threads"] = 1  # a thread pool costs more than it saves here (results do not depend on it)
         t = self.params.get("train_sample")
         if t is not None:
             prm["train_sample"] = min(size, max(C_s, math.ceil(t * size / S)))
         return prm
 
-    def pooled(self, n_threads: int) -> tuple[ClusterIndex | None, np.ndarray, np.ndarray]:
-        """(pooled index over the keys of the whole segments, their key ids (n,) int64 in position order,
-        their segment positions (n,) int64); the index is None when no segment is whole (S < B).
+    def segment(self, level: int, t: int) -> tuple[ClusterIndex, np.ndarray]:
+        """(index over segment ``t`` of ``level``, its key ids (s,) int64 in position order)."""
+        size = self.block_ << level
+        ids = self.order_[t * size:(t + 1) * size]
+        index = self._segments.get((level, t))
+        if index is None:
+            index = ClusterIndex(**self.segment_params(size)).build(self.keys_[ids])
+            self._segments[(level, t)] = index
+        return index, ids
 
-        Each segment is clustered on its own keys (``ClusterIndex(**segment_params(B))``, k-means and
-        assignment, plus its cluster splits with ``split``), ``n_threads`` segments at a time; the pooled
-        index takes those clusters as given (:meth:`ClusterIndex.build` with ``labels``), uncentred, with
-        the S-key ``n_probe``.  Built once, then kept."""
-        if self._pooled is None:
-            from ..threads import run_jobs
+    def prepare(self, segs: list[tuple[int, list[tuple[int, np.ndarray]]]], n_threads: int) -> None:
+        """Build the not yet built segments of a :meth:`cover` result.  Segments of at most
+        ``_SERIAL_BUILD`` keys (built single-threaded) are built ``n_threads`` at a time (mostly FAISS
+        k-means and NumPy, which release the GIL); larger ones, which use the thread pool themselves, one
+        after the other.  Results do not depend on the order."""
+        from ..threads import run_jobs
 
-            B = self.block_
-            n = (self.keys_.shape[0] // B) * B
-            ids = self.order_[:n]
-            seg_pos = (np.arange(n, dtype=np.int64) // B + 1) * B - 1
-            if n == 0:
-                self._pooled = (None, ids, seg_pos)
-                return self._pooled
-            prm = self.segment_params(B)
-            labels: list[np.ndarray] = [np.empty(0, np.int64)] * (n // B)
+        todo = [(level, t) for level, blocks in segs for t, _ in blocks if (level, t) not in self._segments]
+        small = [lt for lt in todo if self.block_ << lt[0] <= _SERIAL_BUILD]
+        run_jobs(lambda j: self.segment(*small[j]), range(len(small)), n_threads)
+        for lt in todo:
+            if lt not in self._segments:
+                self.segment(*lt)
 
-            def work(t: int) -> None:
-                seg = ClusterIndex(**prm)
-                part = self.keys_[ids[t * B:(t + 1) * B]]
-                labels[t] = seg.labels(part) if seg.split == 0 else seg.build(part).assignment_
-                labels[t] = np.unique(labels[t], return_inverse=True)[1].astype(np.int64)  # no empty cluster
+    def cover(self, qpos: np.ndarray, exact_prefix: bool) -> tuple[np.ndarray, np.ndarray,
+                                                                     list[tuple[int, int, np.ndarray]]]:
+        """Each query's visible prefix split into an exact part and routed segments.
 
-            run_jobs(work, range(n // B), n_threads)
-            offsets = np.cumsum([0] + [int(lab.max()) + 1 for lab in labels])
-            glob = np.concatenate([lab + off for lab, off in zip(labels, offsets[:-1], strict=True)])
-            C = int(offsets[-1])
-            pool_prm = dict(self.params, n_clusters=C, n_probe=min(self.n_probe_, C), center=False, split=0.0)
-            pool_prm.pop("train_sample", None)
-            index = ClusterIndex(**pool_prm).build(np.ascontiguousarray(self.keys_[ids]), labels=glob)
-            self._pooled = (index, ids, seg_pos)
-        return self._pooled
-
-    def cover(self, qpos: np.ndarray, exact_prefix: bool) -> tuple[np.ndarray, np.ndarray]:
-        """Each query's visible prefix split into an exact part and its whole segments.
-
-        Returns ``(visible (L,), exact_from (L,))``: the query sees the keys ``order_[:visible]``;
-        ``order_[exact_from:visible]`` are read exactly; the pooled clusters of segments before
-        ``exact_from`` (a multiple of B) are routed, at query position ``exact_from - 1`` of the pooled
-        index.  With ``exact_prefix`` a query seeing at most ``prefix_budget_`` keys reads all of them
-        exactly (``exact_from = 0``).
+        Returns ``(visible (L,), exact_from (L,), segments)``: the query sees the keys ``order_[:visible]``;
+        ``order_[exact_from:visible]`` are read exactly; ``segments`` as :func:`dyadic_cover` covers
+        ``[0, exact_from)``.  With ``exact_prefix`` a query seeing at most ``prefix_budget_`` keys reads all
+        of them exactly.
         """
         visible = np.searchsorted(self.kpos_sorted_, np.asarray(qpos, dtype=np.int64), side="right"
                                   ).astype(np.int64)
-        exact_from = (visible // self.block_) * self.block_
+        B = self.block_
+        exact_from = (visible // B) * B
         if exact_prefix:
             exact_from[visible <= self.prefix_budget_] = 0
-        return visible, exact_from
+        return visible, exact_from, dyadic_cover(exact_from, B)
 
     # --------------------------------------------------------------------------------------- search
     def search(self, q: np.ndarray, k: int, qpos: np.ndarray, n_threads: int) -> SparsePattern:
-        """Causal top-k: per query the exact top-k by inner product among its exact part and the keys of its
-        routed pooled clusters (ids of ``keys_``).
+        """Causal top-k: per query the exact top-k by inner product among its exact tail and the keys of
+        its routed clusters in each of its segments (ids of ``keys_``).
 
         q (L, E) in the keys' dtype, k >= 1, qpos (L,) int64.  Rows that see no key are empty.
         """
@@ -219,9 +209,10 @@ class SegmentedClusterIndex:
 
         L = q.shape[0]
         S = self.keys_.shape[0]
-        visible, exact_from = self.cover(qpos, exact_prefix=False)
+        visible, exact_from, segs = self.cover(qpos, exact_prefix=False)
+        pieces: list[np.ndarray] = []
+        # Exact tail, by rows sharing a start: all its ids are candidates (fewer than B of them).
         found: list[tuple[np.ndarray, np.ndarray]] = []
-        # Exact part, by rows sharing a start: all its ids are candidates (fewer than B of them).
         for lo in np.unique(exact_from):
             rows = np.flatnonzero(exact_from == lo)
             width = int(visible[rows].max()) - int(lo)
@@ -232,61 +223,64 @@ class SegmentedClusterIndex:
                            self.order_[int(lo) + np.minimum(within, S - 1 - int(lo))][None, :], -1)
             _, top = rerank_topk(q[rows], self.keys_, ids, min(k, width), True)
             found.append((rows, top))
-        pieces = [scatter_rows(found, L)]
-        rows = np.flatnonzero(exact_from > 0)
-        if rows.size:
-            index, ids, seg_pos = self.pooled(n_threads)
-            with worker_threads(n_threads):
-                qs = np.ascontiguousarray(q[rows], dtype=index.keys_.dtype)
-                qp = exact_from[rows] - 1
-                route = index.route_rows(qs, n_threads, key_spans(index, seg_pos)[1], qp)[0]
-                kk = min(k, ids.size)
-                local = index.search_routed(qs, route, kk, True, qp, seg_pos, n_threads).to_padded(kk)
-            pieces.append(scatter_rows([(rows, np.where(local >= 0, ids[np.maximum(local, 0)], -1))], L))
+        pieces.append(scatter_rows(found, L))
+        with worker_threads(n_threads):
+            self.prepare(segs, n_threads)
+            for level, blocks in segs:
+                found = []
+                for t, rows in blocks:
+                    index, ids = self.segment(level, t)
+                    qs = np.ascontiguousarray(q[rows], dtype=index.keys_.dtype)
+                    route = index.route_rows(qs, n_threads)[0]
+                    kk = min(k, ids.size)
+                    local = index.search_routed(qs, route, kk, False, _NONE, _NONE, n_threads).to_padded(kk)
+                    found.append((rows, np.where(local >= 0, ids[np.maximum(local, 0)], -1)))
+                pieces.append(scatter_rows(found, L))
         cand = np.concatenate(pieces, axis=1)
         _, top = rerank_topk(q, self.keys_, cand, k, True)
         return SparsePattern.from_padded(top, S)
 
     def routed_keys(self, q: np.ndarray, qpos: np.ndarray, exact_prefix: bool, n_threads: int,
-                    routes: tuple[np.ndarray, np.ndarray] | None = None) -> SparsePattern:
+                    routes: dict[tuple[int, int], np.ndarray] | None = None) -> SparsePattern:
         """Every key a query of :func:`~sparseattn.attention.segmented.segmented_attention` reads exactly:
-        its exact part and all visible keys of its routed pooled clusters, as an (L, S) pattern.
+        its exact part and all keys of its routed clusters in each segment, as an (L, S) pattern.
 
-        ``routes`` (optional): ``(rows, route)`` with ``route`` (len(rows), p) int32 pooled clusters to use
-        instead of the fixed ``n_probe`` (``-1`` = none), e.g. the mass-driven routes of ``top_p``
-        (:func:`~sparseattn.index.routing.segment_routes`).
+        ``routes`` (optional): ``(level, t) -> (rows, p) int32`` routes to use instead of the segments'
+        fixed ``n_probe`` (``-1`` = none), e.g. the mass-driven routes of ``top_p``.
         """
         from ..kernels import cluster as ck
         from ..threads import worker_threads
 
         L = q.shape[0]
         S = self.keys_.shape[0]
-        visible, exact_from = self.cover(qpos, exact_prefix)
+        visible, exact_from, segs = self.cover(qpos, exact_prefix)
         counts = visible - exact_from
         indptr = np.zeros(L + 1, dtype=np.int64)
         np.cumsum(counts, out=indptr[1:])
         within = np.arange(indptr[-1], dtype=np.int64) - np.repeat(indptr[:-1], counts)
-        parts = [_csr_sorted(indptr, self.order_[np.repeat(exact_from, counts) + within], S)]
-        rows = np.flatnonzero(exact_from > 0)
-        if rows.size:
-            index, ids, seg_pos = self.pooled(n_threads)
-            qp = exact_from[rows] - 1
-            C = index.n_clusters_
-            if routes is not None:
-                rows, route = routes
-                qp = exact_from[rows] - 1
-                route = np.where(route < 0, C, route).astype(np.int32)
-            else:
-                with worker_threads(n_threads):
+        idx = self.order_[np.repeat(exact_from, counts) + within]
+        parts = [_csr_sorted(indptr, idx, S)]
+        with worker_threads(n_threads):
+            self.prepare(segs, n_threads)
+            for level, t, rows in ((lv, t, r) for lv, blocks in segs for t, r in blocks):
+                index, ids = self.segment(level, t)
+                if routes is not None:
+                    route = routes[(level, t)]
+                    C = index.n_clusters_
+                    route = np.where(route < 0, C, route).astype(np.int32)
+                    kptr = np.append(index.cluster_ptr_, index.cluster_ptr_[-1])  # cluster C: empty
+                    ptr, loc = ck.routed_pattern(route, kptr, index.perm_, False, _NONE, _NONE)
+                else:
                     qs = np.ascontiguousarray(q[rows], dtype=index.keys_.dtype)
-                    route = index.route_rows(qs, n_threads, key_spans(index, seg_pos)[1], qp)[0]
-            kptr = np.append(index.cluster_ptr_, index.cluster_ptr_[-1])  # cluster C: empty padding
-            ptr, loc = ck.routed_pattern(route, kptr, index.perm_, True, qp, seg_pos)
-            full = np.zeros(L, dtype=np.int64)
-            full[rows] = np.diff(ptr)
-            fptr = np.zeros(L + 1, dtype=np.int64)
-            np.cumsum(full, out=fptr[1:])
-            parts.append(_csr_sorted(fptr, ids[np.asarray(loc, dtype=np.int64)], S))
+                    route = index.route_rows(qs, n_threads)[0]
+                    pat = index.routed_keys(route, False, _NONE, _NONE)
+                    ptr, loc = pat.indptr, pat.indices
+                n_row = np.diff(ptr)
+                full = np.zeros(L, dtype=np.int64)
+                full[rows] = n_row
+                fptr = np.zeros(L + 1, dtype=np.int64)
+                np.cumsum(full, out=fptr[1:])
+                parts.append(_csr_sorted(fptr, ids[np.asarray(loc, dtype=np.int64)], S))
         return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
 
 
