@@ -444,3 +444,25 @@ def test_estimate_beyond_the_unread_clusters_is_every_unread_cluster(is_causal):
         outs.append(sel.build(k).attend(q, v, is_causal=is_causal, query_positions=np.arange(300) * 4))
     np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=0, atol=1e-6)
     np.testing.assert_allclose(outs[0][1], outs[1][1], rtol=1e-6, atol=1e-6)
+
+
+def test_causal_estimate_routes_like_the_plain_path():
+    # Both paths rank the clusters whose every key is after the row last, so with top_p unset they read
+    # the same keys (the estimate only adds the unread clusters' estimate).  Keys sorted by cluster make
+    # many clusters lie wholly after the early rows.
+    q, k, v = _clustered()
+    index = ClusterIndex(n_clusters=20, n_probe=3).build(k)
+    kpos = np.empty(k.shape[0], dtype=np.int64)
+    kpos[index.perm_] = np.arange(k.shape[0])  # cluster c's keys: one position range, in cluster order
+    qpos = np.linspace(0, k.shape[0] - 1, q.shape[0]).astype(np.int64)
+    reads = []
+    for est in (0, 4, -1):
+        s: dict = {}
+        routed_attention(index, q, v, is_causal=True, query_positions=qpos, key_positions=kpos, exact_prefix=False,
+                         estimate=est, stats=s)
+        reads.append(s["keys_read"])
+    np.testing.assert_array_equal(reads[1], reads[0])
+    np.testing.assert_array_equal(reads[2], reads[0])
+    visible = (kpos[None, :] <= qpos[:, None]).sum(axis=1)
+    sizes = np.sort(np.diff(index.cluster_ptr_))[::-1]
+    assert (reads[0] >= np.minimum(visible, sizes[-3:].sum())).all()  # never a wasted probe while one is visible

@@ -19,7 +19,7 @@ from ..inputs import check_bool, check_scale, positions
 from ..kernels import cluster as ck
 from ..kernels import estimate as ek
 from ..threads import worker_threads
-from .cluster import ClusterIndex
+from .cluster import ClusterIndex, key_spans
 from .segments import SegmentedClusterIndex
 
 __all__ = ["COV_RANK", "REST_MARGIN", "RoutePlanner", "check_budget", "mass_routes", "positions_in_clusters",
@@ -110,6 +110,7 @@ class RoutePlanner:
             self.Gk = ek.cluster_prefix(self.Kp, self.kptr, self.order)
             sq = np.einsum("ij,ij->i", self.Kp, self.Kp, dtype=np.float64)[:, None]
             self.Gk2 = ek.cluster_prefix(sq, self.kptr, self.order)[:, 0].copy()
+            self.kmin = key_spans(index, kpos)[1]
         self.p = index.n_probe_
         # Non-causal top_p: log masses with the low-rank-plus-isotropic covariance of each cluster
         # (log_mass_rows_cov), its factors multiplied in the same GEMM as the routing vectors (and the
@@ -169,7 +170,9 @@ class RoutePlanner:
         elif not is_causal and not self.fused:
             ek.log_mass_rows(qmu, q2, self.logn, self.sig2, self.rmu, sc, self.spread, A)
         if top_p is None:
-            ids, scs = ck.row_top_p_serial(sc_c, self.n_cand, ck.NO_POS, ck.NO_POS)
+            # causal: a cluster whose every key is after the row ranks last, as in the plain path
+            ids, scs = ck.row_top_p_serial(sc_c, self.n_cand, *((self.kmin, np.ascontiguousarray(qpc, np.int64))
+                                                                if is_causal else (ck.NO_POS, ck.NO_POS)))
             p = self.p
             route[:] = ids[:, :p]
             rscore[:] = scs[:, :p]
