@@ -55,6 +55,8 @@ def check_queries(cfg: CacheConfig, queries: object) -> tuple[np.ndarray, bool]:
                          f"(num_heads, head_dim); got {q.shape}.")
     if not np.isfinite(q).all():
         raise ValueError("queries contains NaN or Inf; clean the input.")
+    if q.dtype == np.float32 and q.flags.c_contiguous:  # the common case: nothing to convert
+        return q, squeeze
     q_in = q
     with np.errstate(over="ignore"):  # beyond float32's range: refused just below
         q = np.ascontiguousarray(q, dtype=np.float32)
