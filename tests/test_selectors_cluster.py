@@ -664,17 +664,18 @@ def test_top_p_when_chunks_equal_probes(C, p, ties, rng):
 
 
 @pytest.mark.parametrize("dtype, tol", [(np.float32, 2e-6), (np.float64, 1e-12)])
-def test_prefix_rows_kernel_matches_float64_oracle(rng, dtype, tol):
-    # Row r attends to the first n_vis[r] keys exactly; n_vis = 0 gives zeros and lse = -inf.
+def test_prefix_kernel_matches_float64_oracle(rng, dtype, tol):
+    # Row r attends to the first n_vis[r] keys exactly; n_vis = 0 gives zeros and lse = -inf; a row's
+    # result does not depend on the rows that share its quad (each row alone gives the same bits).
     B, E, Ev = 40, 8, 5
     Ks, Vs = rng.standard_normal((B, E)).astype(dtype), rng.standard_normal((B, Ev)).astype(dtype)
     Qs = (3 * rng.standard_normal((7, E))).astype(dtype)  # large scores: the shift must be the row max
     n_vis = np.array([1, 40, 0, 17, 2, 40, 33], dtype=np.int64)
     out = np.full((7, Ev), np.nan, dtype=dtype)
     lse = np.full(7, np.nan, dtype=dtype)
-    kernel = ck.attend_prefix_rows_f32 if dtype == np.float32 else ck.attend_prefix_rows_f64
-    kernel(Qs, n_vis, Ks, Vs, -80.0 if dtype == np.float32 else -700.0, np.full(B, np.nan, dtype=dtype), out,
-           lse)
+    kernel = ck.attend_prefix_quads_f32 if dtype == np.float32 else ck.attend_prefix_quads_f64
+    kernel(Qs, n_vis, Ks, Vs, -80.0 if dtype == np.float32 else -700.0, np.full((4, B), np.nan, dtype=dtype),
+           out, lse)  # 7 rows: the last quad repeats its last row
     for r, n in enumerate(n_vis):
         if n == 0:
             assert lse[r] == -np.inf and np.all(out[r] == 0)
@@ -683,6 +684,12 @@ def test_prefix_rows_kernel_matches_float64_oracle(rng, dtype, tol):
         w = np.exp(s - s.max())
         np.testing.assert_allclose(out[r], w @ Vs[:n] / w.sum(), atol=tol, rtol=tol)
         assert lse[r] == pytest.approx(s.max() + np.log(w.sum()), abs=tol * 10)
+    for r in range(7):
+        o1, l1 = np.empty((1, Ev), dtype=dtype), np.empty(1, dtype=dtype)
+        kernel(Qs[r:r + 1], n_vis[r:r + 1], Ks, Vs, -80.0 if dtype == np.float32 else -700.0,
+               np.empty((4, B), dtype=dtype), o1, l1)
+        np.testing.assert_array_equal(o1[0], out[r])
+        np.testing.assert_array_equal(l1[0], lse[r])
 
 
 @pytest.mark.parametrize("is_causal", [False, True])

@@ -339,23 +339,24 @@ def prefix_attention(Qs: np.ndarray, n_vis: np.ndarray, Ks: np.ndarray, Vs: np.n
     Qs (R, E) scaled queries in float32 or float64, n_vis (R,) int64 in [0, B], Ks (B, E) / Vs (B, Ev) the
     keys and values in position order, same dtype.  Returns (out (R, Ev), lse (R,)): zeros / ``-inf`` for
     ``n_vis = 0``.  Rows split over ``n_threads`` workers in contiguous shares of about equal work
-    (:func:`~sparseattn.kernels.cluster.attend_prefix_rows_f32`: plain loops, so the result does not
-    depend on the thread count; a BLAS product here changed its last bit with OpenBLAS's own thread
-    count, which a call from a non-main thread cannot pin).  Call inside ``worker_threads``."""
+    (:func:`~sparseattn.kernels.cluster.attend_prefix_quads_f32`: plain loops over four rows at a time,
+    shares cut at multiples of four, so the result does not depend on the thread count; a BLAS product
+    here changed its last bit with OpenBLAS's own thread count, which a call from a non-main thread cannot
+    pin).  Call inside ``worker_threads``."""
     dtype = Qs.dtype
     R, Ev, B = Qs.shape[0], Vs.shape[1], Ks.shape[0]
-    kernel = ck.attend_prefix_rows_f32 if dtype == np.float32 else ck.attend_prefix_rows_f64
+    kernel = ck.attend_prefix_quads_f32 if dtype == np.float32 else ck.attend_prefix_quads_f64
     clamp = CLAMP[dtype.type]
     o = np.empty((R, Ev), dtype=dtype)
     lse = np.empty(R, dtype=dtype)
     T = max(1, min(n_threads, R // 16))
     cost = np.cumsum(n_vis)
-    cuts = [0] + [int(np.searchsorted(cost, cost[-1] * t / T)) for t in range(1, T)] + [R]
+    cuts = [0] + [int(np.searchsorted(cost, cost[-1] * t / T)) // 4 * 4 for t in range(1, T)] + [R]
     shares = [(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
 
     def work(t: int) -> None:
         a, b = shares[t]
-        kernel(Qs[a:b], n_vis[a:b], Ks, Vs, clamp, np.empty(B, dtype=dtype), o[a:b], lse[a:b])
+        kernel(Qs[a:b], n_vis[a:b], Ks, Vs, clamp, np.empty((4, B), dtype=dtype), o[a:b], lse[a:b])
 
     run_jobs(work, range(len(shares)), n_threads)
     return o, lse
