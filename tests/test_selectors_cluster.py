@@ -800,3 +800,32 @@ def test_causal_top_p_ranks_later_clusters_last(n, C, p_frac, f64, seed):
         ids, vals = fn(s, p, kmin, qpos)
         np.testing.assert_array_equal(ids, want)
         np.testing.assert_array_equal(vals, np.take_along_axis(s, want, axis=1))
+
+
+@settings(max_examples=25, deadline=None)
+@given(R=st.integers(1, 90), B=st.integers(1, 60), f64=st.booleans(), seed=st.integers(0, 2**16))
+def test_prefix_attention_does_not_depend_on_the_thread_count(R, B, f64, seed):
+    # Rows go four at a time and shares start at multiples of four: 1, 2 and 3 workers give the same bits,
+    # and each row matches a float64 softmax over its prefix.
+    from sparseattn.attention.routed import prefix_attention
+
+    rng = np.random.default_rng(seed)
+    dt = np.float64 if f64 else np.float32
+    Qs = (2 * rng.standard_normal((R, 6))).astype(dt)
+    Ks, Vs = rng.standard_normal((B, 6)).astype(dt), rng.standard_normal((B, 3)).astype(dt)
+    n_vis = np.sort(rng.integers(0, B + 1, R)).astype(np.int64)
+    runs = []
+    for n in (1, 2, 3):
+        with worker_threads(n):
+            runs.append(prefix_attention(Qs, n_vis, Ks, Vs, n))
+    for o, lse in runs[1:]:
+        np.testing.assert_array_equal(o, runs[0][0])
+        np.testing.assert_array_equal(lse, runs[0][1])
+    for r in range(R):
+        n = n_vis[r]
+        if n == 0:
+            assert runs[0][1][r] == -np.inf and not runs[0][0][r].any()
+            continue
+        s = Ks[:n].astype(np.float64) @ Qs[r].astype(np.float64)
+        w = np.exp(s - s.max())
+        np.testing.assert_allclose(runs[0][0][r], w @ Vs[:n] / w.sum(), atol=1e-5 if dt == np.float32 else 1e-12)
