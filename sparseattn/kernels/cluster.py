@@ -462,8 +462,8 @@ attend_clusters_f64 = serial_and_parallel(_attend_clusters, constants={"_exp_row
 #   S = 65,536, B = 2,048 rows: dedicated 104-124 ms,   fused 182-234 ms     (same machine and load)
 #   idle 2-core machine:        S = 4,096: 1.55 ms vs 1.63-1.71 ms; S = 65,536: 22.7 ms vs 31-32 ms
 # Command: a script timing the per-row form of ``attend_prefix_quads_f32`` (rows split in 2 shares by
-# prefix length, run with ``threads.run_jobs``) against ``fused.fused_parallel_nobias(q[None], k[None], v[None], ..., indptr,
-# indices, True, scale, B, 64, *bias.no_bias_args(1), 1, out, lse, True)`` inside
+# prefix length, run with ``threads.run_jobs``) against ``fused.fused_parallel_nobias(q[None], k[None],
+# v[None], ..., indptr, indices, True, scale, B, 64, *bias.no_bias_args(1), 1, out, lse, True)`` inside
 # ``threads.worker_threads(2)``.  The two agree to 3.6e-7 (output) / 2.9e-6 (lse) in float32.
 def _attend_prefix_quads(Qs, n_vis, Ks, Vs, clamp, buf, out, lse):
     """Exact attention of row r over the first ``n_vis[r]`` keys of ``Ks`` (the causal prefix rows).
@@ -489,6 +489,7 @@ def _attend_prefix_quads(Qs, n_vis, Ks, Vs, clamp, buf, out, lse):
     R, E = Qs.shape
     Ev = Vs.shape[1]
     zero = np.zeros(1, dtype=buf.dtype)
+    tots = np.zeros(4, dtype=buf.dtype)  # the four rows' weight sums
     for r0 in range(0, R, 4):
         a = min(r0 + 1, R - 1)
         b = min(r0 + 2, R - 1)
@@ -511,8 +512,8 @@ def _attend_prefix_quads(Qs, n_vis, Ks, Vs, clamp, buf, out, lse):
             buf[1, j] = s1
             buf[2, j] = s2
             buf[3, j] = s3
-        tots = np.zeros(4, dtype=buf.dtype)
         for u in range(4):
+            tots[u] = 0.0
             r = min(r0 + u, R - 1)
             n = n_vis[r] if r == r0 + u else 0  # a repeated last row adds nothing (its output is row r's)
             row = buf[u]
@@ -525,7 +526,6 @@ def _attend_prefix_quads(Qs, n_vis, Ks, Vs, clamp, buf, out, lse):
                     row[j] = 0.0
                 continue
             if n == 0 or m == -np.inf:
-                tots[u] = 0.0
                 lse[r] = -np.inf
                 for j in range(nmax):
                     row[j] = 0.0

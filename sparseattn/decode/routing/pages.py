@@ -97,7 +97,7 @@ class PagesRouting(Routing):
     def _page_spans(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ids of the pages holding a live key, their smallest and largest live position over the kv heads),
         int64, in position order (pages never reorder slots); cached until an append, eviction or compaction."""
-        if getattr(self, "_spans", None) is not None:
+        if self._spans is not None:
             return self._spans
         st, P, s0 = self.store, self.cfg.page_size, self.store.s0
         n = self.n_pages()
