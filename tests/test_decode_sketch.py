@@ -37,17 +37,38 @@ def test_estimator_hand_worked() -> None:
     # a residual along its own sign vector (after the rotation) is estimated exactly: with P = I,
     # r = (2, -2, 2, -2) has signs (+, -, +, -), |r|^2 / |r|_1 = 16 / 8 = 2, and q . r = 2 * (q . s)
     r = np.array([[2.0, -2.0, 2.0, -2.0]])
-    codes, fac, norm = ks.encode_residuals(r, np.eye(4))
-    assert codes.tolist() == [[0b0101]] and fac.tolist() == [2.0] and norm.tolist() == [4.0]
+    codes, fac, norm = ks.encode_residuals(r, np.eye(4))  # one 64-bit word a key, bits past E zero
+    assert codes.tolist() == [[0b0101, 0, 0, 0, 0, 0, 0, 0]] and fac.tolist() == [2.0] and norm.tolist() == [4.0]
     # a residual off its sign vector: r = (3, 1), signs (+, +), factor 10 / 4 = 2.5, q = (1, 0):
     # estimate 2.5 * 1 = 2.5 against the true 3
     codes, fac, _ = ks.encode_residuals(np.array([[3.0, 1.0]]), np.eye(2))
-    assert codes.tolist() == [[0b11]] and fac[0] == pytest.approx(2.5)
+    assert codes.tolist() == [[0b11] + [0] * 7] and fac[0] == pytest.approx(2.5)
+    assert ks.encode_residuals(np.ones((1, 65)), np.eye(65))[0].shape == (1, 16)  # 65 dims: two words
     # magnitudes at float64's ends do not overflow the norms; factors saturate at float32's range
     codes, fac, norm = ks.encode_residuals(np.array([[1e300, -1e300], [1e-300, 0.0], [1e-30, 0.0]]), np.eye(2))
     assert np.isfinite(norm).all() and norm[0] == pytest.approx(np.sqrt(2) * 1e300)
     assert fac[0] == np.finfo(np.float32).max and fac[2] == pytest.approx(1e-30)
 
+
+
+def test_query_quantization_hand_worked() -> None:
+    # qr = (-1.5, 1.5, 0, 3): lo = -1.5, d = 4.5 / 15 = 0.3, u = (0, 10, 5, 15), every component on the grid.
+    # A code with bits (1, 0, 1, 1), signs (+, -, +, +): qr . s = -1.5 - 1.5 + 0 + 3 = 0, and the popcount
+    # form: S = 10 * 0 + 5 + 15 = 20, c = 3, c1 S + c2 c + c0 = 0.6 * 20 - 3 * 3 + (-0.3 * 30 + 4 * 1.5) = 0
+    planes, c1, c2, c0 = ks.query_planes(np.array([-1.5, 1.5, 0.0, 3.0]))
+    assert planes[:, 0].tolist() == [0b1100, 0b1010, 0b1100, 0b1010]  # bit p of u_i at bit i of plane p
+    assert (c1, c2, c0) == pytest.approx((0.6, -3.0, -3.0))
+    S = sum((1 << p) * bin(int(planes[p, 0]) & 0b1101).count("1") for p in range(4))
+    assert S == 20 and c1 * S + c2 * 3 + c0 == pytest.approx(0.0, abs=1e-12)
+    # every code of 4 bits: the popcount form equals the quantized query's dot product with the signs
+    qhat = -1.5 + 0.3 * np.array([0, 10, 5, 15])
+    for code in range(16):
+        bits = np.array([(code >> i) & 1 for i in range(4)])
+        S = sum((1 << p) * bin(int(planes[p, 0]) & code).count("1") for p in range(4))
+        assert c1 * S + c2 * bits.sum() + c0 == pytest.approx(qhat @ (2.0 * bits - 1), abs=1e-12)
+    # a constant query (or a zero one) quantizes without dividing by zero
+    planes, c1, c2, c0 = ks.query_planes(np.full(5, 2.0))
+    assert not planes.any() and (c2, c0) == (4.0, -10.0)  # 2 (2 c - 5): the exact sum of +-2
 
 def test_every_candidate_equals_dense_float64() -> None:
     # candidates >= every routed key: the step reads every key, so it is exact attention (GQA, causal)
@@ -94,6 +115,8 @@ def test_selection_is_the_top_estimates_brute_force() -> None:
     cptr = view["cluster_ptr"]
     mu = view["routing_vectors"][0, :nc].astype(np.float64)
     qr = view["sketch_rotation"] @ q.astype(np.float64)
+    d = (qr.max() - qr.min()) / 15  # the scan's 4-bit query: lo + d * round((qr - lo) / d)
+    qr = qr.min() + d * np.rint((qr - qr.min()) / d)
     signs = np.unpackbits(st_.sketch_codes[0], axis=1, bitorder="little")[:, :E] * 2.0 - 1.0
     est = np.full(st_.slots, -np.inf)
     for ci in range(nc):
@@ -105,6 +128,40 @@ def test_selection_is_the_top_estimates_brute_force() -> None:
     routed = set(range(cptr[0, 0], cptr[0, nc])) & sel
     assert len(routed) == 40
 
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(700, 6000), cand=st.integers(1, 400), cap=st.one_of(st.none(), st.integers(300, 4000)),
+       seed=st.integers(0, 2**16), scale=st.sampled_from([1e-3, 1.0, 30.0]))
+def test_candidates_are_the_top_estimates_hypothesis(n: int, cand: int, cap: int | None, seed: int,
+                                                     scale: float) -> None:
+    # the routed keys read are the live routed keys of largest estimate, recomputed in numpy from the codes
+    # (the scan's sampled threshold and its cluster skipping change nothing), with evictions and compaction
+    kw = {"max_keys": cap} if cap is not None else {}
+    c, K, V = _cache(n, hk=1, h=1, seed=seed, selector=f"sketch:candidates={cand}", **kw)
+    view, st_ = c.debug_view(), c.store
+    nc = int(view["n_clusters"][0])
+    if nc == 0 or c._routing.reads_all():
+        return
+    cptr = view["cluster_ptr"]
+    q = (np.random.default_rng(seed + 1).standard_normal(E) * scale).astype(np.float32)
+    qr = view["sketch_rotation"] @ q.astype(np.float64)
+    d = (qr.max() - qr.min()) / 15
+    qr = qr.min() + d * np.rint((qr - qr.min()) / d)
+    signs = np.unpackbits(st_.sketch_codes[0], axis=1, bitorder="little")[:, :E] * 2.0 - 1.0
+    a0, b0 = int(cptr[0, 0]), int(cptr[0, nc])
+    mu = np.repeat(view["routing_vectors"][0, :nc].astype(np.float64), np.diff(cptr[0, :nc + 1]), axis=0)
+    est = mu @ q.astype(np.float64) + st_.sketch_fac[0, a0:b0] * (signs[a0:b0] @ qr)
+    live = st_.pos[0, a0:b0] <= st_.n - 1  # evicted slots hold the largest int32
+    est = np.where(live, est, -np.inf)
+    sel = np.asarray(c.selected_slots(q, 0))
+    routed = sel[(sel >= a0) & (sel < b0)] - a0
+    want = min(cand, int(live.sum()))
+    assert routed.size == want and live[routed].all()
+    tol = 1e-9 * (np.abs(est[live]).max() + 1e-300)
+    kth = np.sort(est)[::-1][want - 1]
+    assert (est[routed] >= kth - tol).all()  # nothing below the cut is read ...
+    assert np.isin(np.flatnonzero(est > kth + tol), routed).all()  # ... and everything above it is
 
 def test_evictions_and_compaction_keep_codes_in_step() -> None:
     c, K, V = _cache(4000, hk=1, h=1, selector="sketch:candidates=100000", max_keys=1500)
@@ -187,11 +244,11 @@ def test_stats_and_index_size() -> None:
     s = c.stats
     assert s["sketch_candidates"] == 100
     assert 0 < s["sketch_keys_scanned_per_query"] <= 2000
-    # codes (E / 8 bytes) + factor (4 bytes) per slot and a radius (8 bytes) per cluster, beside the layout
-    # of the cluster selector (the same clusters): at E = 64 that is 12 of a key's 512 bytes of K and V
+    # codes (8 bytes per 64 dimensions) + factor (4 bytes) per slot and a radius (8 bytes) per cluster, beside
+    # the layout of the cluster selector (the same clusters): at E = 64 that is 12 of a key's 512 bytes of K and V
     plain, _, _ = _cache(2000, hk=1, h=1, selector="cluster")  # the same clusters
     clusters = int(c.debug_view()["sketch_radius"].size)  # the radius array's allocated size
-    extra = 2000 * (E // 8 + 4) + 8 * clusters
+    extra = 2000 * (8 + 4) + 8 * clusters  # E = 16: one word
     assert s["index_nbytes"] == plain.stats["index_nbytes"] + extra
 
 

@@ -1,4 +1,4 @@
-"""Low-level helpers for the kernels: a software prefetch and a vectorisable float32 exp.
+"""Low-level helpers for the kernels: a software prefetch, a vectorisable float32 exp and a popcount.
 
 Why prefetch: a random sparse pattern gathers one key row and one value row per (query, key) pair from
 anywhere in memory; the hardware prefetcher cannot guess those addresses, so the kernel announces them a
@@ -61,6 +61,19 @@ def prefetch_l2(typingctx, arr, row, offset):
     def codegen(context, builder, signature, args):
         _prefetch(context, builder, signature.args[0], args[0], args[1], args[2], 2)
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def popcount64(typingctx, x):
+    """Set bits of a uint64 (``llvm.ctpop``; vectorises to ``vpopcntq`` where the CPU has it), as int64."""
+    sig = types.int64(types.uint64)
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64]), "llvm.ctpop.i64")
+        return builder.call(fn, [args[0]])
 
     return sig, codegen
 

@@ -6,8 +6,8 @@ sinks and the not-yet-clustered tail (see :mod:`sparseattn.kernels.sketch` for t
 Unlike ``cluster`` routing, which reads whole clusters ranked by their mean key and misses a key that
 points at the query when the rest of its cluster does not, the sketch ranks keys one by one, so its
 recall of the keys that carry a step's softmax mass does not fall as the cache grows.  The price is a
-scan of ``E / 8 + 4`` bytes per routed key per step (the codes and factors; 2.3 % of float32 K and V at
-E = 64) besides the exact reads.
+scan of ``8 ceil(E / 64) + 4`` bytes per routed key per step (the codes, in whole 64-bit words, and
+factors; 2.3 % of float32 K and V at E = 64) besides the exact reads.
 
 Options come with the selector: ``"sketch"`` or ``"sketch:candidates=N"`` (keys read exactly per query
 from the routed part; default ``max(1024, 3 % of the routed keys)``) or ``"sketch:fraction=F"`` (F of the
@@ -91,12 +91,14 @@ class SketchRouting(ClusterRouting):
         self.steps = 0
         self._est = np.empty((0, 0), np.float64)  # scan scratch per worker (reused: fresh pages cost more)
         self._ids = np.empty((0, 0), np.int64)
+        self._tmp = np.empty((0, 0), np.float64)
         self._scratch_lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.pop("_scratch_lock", None)  # a lock does not pickle; the scratch is rebuilt on demand
         state["_est"], state["_ids"] = np.empty((0, 0), np.float64), np.empty((0, 0), np.int64)
+        state["_tmp"] = np.empty((0, 0), np.float64)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -161,9 +163,10 @@ class SketchRouting(ClusterRouting):
             if self._est.shape[0] < P or self._est.shape[1] < need:
                 shape = (max(P, self._est.shape[0]), max(need, self._est.shape[1]))
                 self._est, self._ids = np.empty(shape, np.float64), np.empty(shape, np.int64)
+                self._tmp = np.empty((shape[0], cfg.segment), np.float64)  # a cluster's estimates
             fn(q, qpos, cfg.rep, self.rot, lay.cent, lay.cscale, lay.cptr, lay.n_cent if n_cent is None else n_cent,
-               self.rad, st.sketch_codes,
-               st.sketch_fac, st.pos, R, rows, scanned, self._est[:P], self._ids[:P])
+               self.rad, st.sketch_codes.view(np.uint64), st.sketch_fac, st.pos, R, rows, scanned,
+               self._est[:P], self._ids[:P], self._tmp[:P])
         return rows, scanned
 
     def reads_all(self) -> bool:
