@@ -33,21 +33,74 @@ def _cache(n: int, *, hk: int = 2, h: int = 2, seed: int = 0, selector: str = "s
     return c, K, V
 
 
+
+def _oracle_routed(c: KVCache, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """numpy recomputation of a one-head step's two estimates over the routed slots [a0, b0): the sign
+    estimate (stage 1) and the 4-bit one (stage 2), both with the 4-bit query; -inf for evicted slots.
+    Returns (est1, est2, live, a0, b0)."""
+    view, st_ = c.debug_view(), c.store
+    nc = int(view["n_clusters"][0])
+    cptr = view["cluster_ptr"]
+    a0, b0 = int(cptr[0, 0]), int(cptr[0, nc])
+    qr = view["sketch_rotation"] @ q.astype(np.float64)
+    d = (qr.max() - qr.min()) / 15 if qr.max() > qr.min() else 1.0
+    qh = qr.min() + d * np.rint((qr - qr.min()) / d)  # the scan's 4-bit query
+    unpack = lambda a: np.unpackbits(a, axis=1, bitorder="little")[:, :E].astype(np.float64)  # noqa: E731
+    nb = st_.sketch_codes.shape[2]
+    sign = unpack(st_.sketch_codes[0, a0:b0])
+    cq = 8 * sign + sum((1 << p) * unpack(st_.sketch_fine[0, a0:b0, p * nb:(p + 1) * nb]) for p in range(3))
+    mu = np.repeat(view["routing_vectors"][0, :nc].astype(np.float64), np.diff(cptr[0, :nc + 1]), axis=0)
+    base = mu @ q.astype(np.float64)
+    est1 = base + st_.sketch_fac[0, a0:b0] * ((2 * sign - 1) @ qh)
+    est2 = base + st_.sketch_fscale[0, a0:b0] * ((cq - 7.5) @ qh)
+    live = st_.pos[0, a0:b0] <= st_.n - 1  # evicted slots hold the largest int32
+    return np.where(live, est1, -np.inf), np.where(live, est2, -np.inf), live, a0, b0
+
+
+def _check_two_stage(c: KVCache, q: np.ndarray) -> None:
+    """The routed slots a step reads are the ``candidates`` best by the 4-bit estimate among the
+    ``shortlist`` best by the sign estimate (live slots only), up to float rounding at the two cuts."""
+    est1, est2, live, a0, b0 = _oracle_routed(c, q)
+    R1, R2 = c._routing.shortlist(), c._routing.candidates()
+    sel = np.asarray(c.selected_slots(q, 0))
+    routed = sel[(sel >= a0) & (sel < b0)] - a0
+    n_live = int(live.sum())
+    assert routed.size == min(R2, n_live) and live[routed].all()
+    tol1 = 1e-9 * (np.abs(est1[live]).max() + 1e-300)
+    tol2 = 1e-9 * (np.abs(est2[live]).max() + 1e-300)
+    kth1 = np.sort(est1)[::-1][min(R1, n_live) - 1]
+    assert (est1[routed] >= kth1 - tol1).all()  # every key read made the shortlist
+    short = np.flatnonzero(est1 >= kth1 - tol1)
+    sure = np.flatnonzero(est1 > kth1 + tol1)  # surely on the shortlist
+    kth2 = np.sort(est2[short])[::-1][min(R2, short.size) - 1]
+    assert (est2[routed] >= kth2 - tol2).all()
+    assert np.isin(sure[est2[sure] > kth2 + tol2], routed).all()  # the best of the sure ones are all read
+
 def test_estimator_hand_worked() -> None:
     # a residual along its own sign vector (after the rotation) is estimated exactly: with P = I,
     # r = (2, -2, 2, -2) has signs (+, -, +, -), |r|^2 / |r|_1 = 16 / 8 = 2, and q . r = 2 * (q . s)
     r = np.array([[2.0, -2.0, 2.0, -2.0]])
-    codes, fac, norm = ks.encode_residuals(r, np.eye(4))  # one 64-bit word a key, bits past E zero
+    codes, fac, norm, fine, fscale = ks.encode_residuals(r, np.eye(4))  # one 64-bit word a key, bits past E 0
     assert codes.tolist() == [[0b0101, 0, 0, 0, 0, 0, 0, 0]] and fac.tolist() == [2.0] and norm.tolist() == [4.0]
+    # 4-bit codes: u = r / max|r| = (1, -1, 1, -1), c = floor(7.5 u + 8) = (15, 0, 15, 0): planes 0-2 all
+    # 0b0101; the quantized u is u itself, so fine_scale = |u|^2 / <u, u> * max|r| / 7.5 = 2 / 7.5 and the
+    # re-ranking estimate fine_scale * sum q_i (c_i - 7.5) = 2 q . s = q . r exactly
+    assert fine.tolist() == [[0b0101] + [0] * 7 + [0b0101] + [0] * 7 + [0b0101] + [0] * 7]
+    assert fscale[0] == pytest.approx(2 / 7.5)
     # a residual off its sign vector: r = (3, 1), signs (+, +), factor 10 / 4 = 2.5, q = (1, 0):
     # estimate 2.5 * 1 = 2.5 against the true 3
-    codes, fac, _ = ks.encode_residuals(np.array([[3.0, 1.0]]), np.eye(2))
+    codes, fac, _, fine, fscale = ks.encode_residuals(np.array([[3.0, 1.0]]), np.eye(2))
     assert codes.tolist() == [[0b11] + [0] * 7] and fac[0] == pytest.approx(2.5)
+    # u = (1, 1/3): c = (15, floor(10.5)) = (15, 10); x = (c - 7.5) / 7.5 = (1, 1/3): exact again, so
+    # fine_scale = 3 / 7.5 and 0.4 * (q . (7.5, 2.5)) = q . r for q = (1, 0): 3
+    assert [fine[0, 0], fine[0, 8], fine[0, 16]] == [0b01, 0b11, 0b01] and fscale[0] == pytest.approx(0.4)
     assert ks.encode_residuals(np.ones((1, 65)), np.eye(65))[0].shape == (1, 16)  # 65 dims: two words
     # magnitudes at float64's ends do not overflow the norms; factors saturate at float32's range
-    codes, fac, norm = ks.encode_residuals(np.array([[1e300, -1e300], [1e-300, 0.0], [1e-30, 0.0]]), np.eye(2))
+    codes, fac, norm, _, fscale = ks.encode_residuals(np.array([[1e300, -1e300], [1e-300, 0.0], [1e-30, 0.0]]),
+                                                      np.eye(2))
     assert np.isfinite(norm).all() and norm[0] == pytest.approx(np.sqrt(2) * 1e300)
     assert fac[0] == np.finfo(np.float32).max and fac[2] == pytest.approx(1e-30)
+    assert fscale[0] == np.finfo(np.float32).max and fscale[2] == pytest.approx(1e-30 / 7.5)
 
 
 
@@ -106,27 +159,14 @@ def test_planted_keys_found_at_every_depth(depth: float) -> None:
 
 
 def test_selection_is_the_top_estimates_brute_force() -> None:
-    # the candidates are the routed keys of largest estimate (recomputed here in numpy from the codes),
-    # plus the sinks and the tail
-    c, K, V = _cache(1500, hk=1, h=1, selector="sketch:candidates=40")
-    view, st_ = c.debug_view(), c.store
-    q = np.random.default_rng(5).standard_normal(E).astype(np.float32)
-    nc = int(view["n_clusters"][0])
-    cptr = view["cluster_ptr"]
-    mu = view["routing_vectors"][0, :nc].astype(np.float64)
-    qr = view["sketch_rotation"] @ q.astype(np.float64)
-    d = (qr.max() - qr.min()) / 15  # the scan's 4-bit query: lo + d * round((qr - lo) / d)
-    qr = qr.min() + d * np.rint((qr - qr.min()) / d)
-    signs = np.unpackbits(st_.sketch_codes[0], axis=1, bitorder="little")[:, :E] * 2.0 - 1.0
-    est = np.full(st_.slots, -np.inf)
-    for ci in range(nc):
-        a, b = cptr[0, ci], cptr[0, ci + 1]
-        est[a:b] = mu[ci] @ q + st_.sketch_fac[0, a:b] * (signs[a:b] @ qr)
-    order = np.argsort(-est)[:40]
-    sel = set(c.selected_slots(q, 0).tolist())
-    assert set(order.tolist()) <= sel
-    routed = set(range(cptr[0, 0], cptr[0, nc])) & sel
-    assert len(routed) == 40
+    # the candidates are the best routed keys by the two estimates (recomputed here in numpy from the
+    # codes), plus the sinks and the tail
+    for cand in (40, 100, 200):
+        c, K, V = _cache(3000, hk=1, h=1, selector=f"sketch:candidates={cand}")
+        for seed in range(3):
+            _check_two_stage(c, np.random.default_rng(seed).standard_normal(E).astype(np.float32))
+    c, K, V = _cache(3000, hk=1, h=1, selector="sketch:candidates=40,shortlist=0.9")
+    _check_two_stage(c, np.random.default_rng(5).standard_normal(E).astype(np.float32))
 
 
 
@@ -139,29 +179,10 @@ def test_candidates_are_the_top_estimates_hypothesis(n: int, cand: int, cap: int
     # (the scan's sampled threshold and its cluster skipping change nothing), with evictions and compaction
     kw = {"max_keys": cap} if cap is not None else {}
     c, K, V = _cache(n, hk=1, h=1, seed=seed, selector=f"sketch:candidates={cand}", **kw)
-    view, st_ = c.debug_view(), c.store
-    nc = int(view["n_clusters"][0])
-    if nc == 0 or c._routing.reads_all():
+    if int(c.debug_view()["n_clusters"][0]) == 0 or c._routing.reads_all():
         return
-    cptr = view["cluster_ptr"]
-    q = (np.random.default_rng(seed + 1).standard_normal(E) * scale).astype(np.float32)
-    qr = view["sketch_rotation"] @ q.astype(np.float64)
-    d = (qr.max() - qr.min()) / 15
-    qr = qr.min() + d * np.rint((qr - qr.min()) / d)
-    signs = np.unpackbits(st_.sketch_codes[0], axis=1, bitorder="little")[:, :E] * 2.0 - 1.0
-    a0, b0 = int(cptr[0, 0]), int(cptr[0, nc])
-    mu = np.repeat(view["routing_vectors"][0, :nc].astype(np.float64), np.diff(cptr[0, :nc + 1]), axis=0)
-    est = mu @ q.astype(np.float64) + st_.sketch_fac[0, a0:b0] * (signs[a0:b0] @ qr)
-    live = st_.pos[0, a0:b0] <= st_.n - 1  # evicted slots hold the largest int32
-    est = np.where(live, est, -np.inf)
-    sel = np.asarray(c.selected_slots(q, 0))
-    routed = sel[(sel >= a0) & (sel < b0)] - a0
-    want = min(cand, int(live.sum()))
-    assert routed.size == want and live[routed].all()
-    tol = 1e-9 * (np.abs(est[live]).max() + 1e-300)
-    kth = np.sort(est)[::-1][want - 1]
-    assert (est[routed] >= kth - tol).all()  # nothing below the cut is read ...
-    assert np.isin(np.flatnonzero(est > kth + tol), routed).all()  # ... and everything above it is
+    _check_two_stage(c, (np.random.default_rng(seed + 1).standard_normal(E) * scale).astype(np.float32))
+
 
 def test_evictions_and_compaction_keep_codes_in_step() -> None:
     c, K, V = _cache(4000, hk=1, h=1, selector="sketch:candidates=100000", max_keys=1500)
@@ -177,8 +198,10 @@ def test_evictions_and_compaction_keep_codes_in_step() -> None:
     cptr = view["cluster_ptr"]
     a, b = int(cptr[0, 0]), int(cptr[0, nc])
     mu = np.repeat(view["routing_vectors"][0, :nc].astype(np.float64), np.diff(cptr[0, :nc + 1]), axis=0)
-    codes, _, _ = ks.encode_residuals(st_.keys(0, slice(a, b)).astype(np.float64) - mu, view["sketch_rotation"])
+    codes, _, _, fine, _ = ks.encode_residuals(st_.keys(0, slice(a, b)).astype(np.float64) - mu,
+                                               view["sketch_rotation"])
     np.testing.assert_array_equal(codes, st_.sketch_codes[0, a:b])
+    np.testing.assert_array_equal(fine, st_.sketch_fine[0, a:b])
 
 
 @pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
@@ -244,11 +267,12 @@ def test_stats_and_index_size() -> None:
     s = c.stats
     assert s["sketch_candidates"] == 100
     assert 0 < s["sketch_keys_scanned_per_query"] <= 2000
-    # codes (8 bytes per 64 dimensions) + factor (4 bytes) per slot and a radius (8 bytes) per cluster, beside
-    # the layout of the cluster selector (the same clusters): at E = 64 that is 12 of a key's 512 bytes of K and V
+    # 4 code planes (8 bytes per 64 dimensions each) + 2 scales (4 bytes each) per slot and a radius (8 bytes)
+    # per cluster, beside the layout of the cluster selector (the same clusters): at E = 64 that is 40 of a
+    # key's 512 bytes of K and V
     plain, _, _ = _cache(2000, hk=1, h=1, selector="cluster")  # the same clusters
     clusters = int(c.debug_view()["sketch_radius"].size)  # the radius array's allocated size
-    extra = 2000 * (8 + 4) + 8 * clusters  # E = 16: one word
+    extra = 2000 * (32 + 8) + 8 * clusters  # E = 16: a word for each of the 4 bit planes
     assert s["index_nbytes"] == plain.stats["index_nbytes"] + extra
 
 

@@ -1,4 +1,5 @@
-"""Low-level helpers for the kernels: a software prefetch, a vectorisable float32 exp and a popcount.
+"""Low-level helpers for the kernels: a software prefetch, a vectorisable float32 exp, popcount and
+trailing zeros.
 
 Why prefetch: a random sparse pattern gathers one key row and one value row per (query, key) pair from
 anywhere in memory; the hardware prefetcher cannot guess those addresses, so the kernel announces them a
@@ -74,6 +75,20 @@ def popcount64(typingctx, x):
         i64 = ir.IntType(64)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64]), "llvm.ctpop.i64")
         return builder.call(fn, [args[0]])
+
+    return sig, codegen
+
+
+@intrinsic
+def trailing_zeros64(typingctx, x):
+    """Index of the lowest set bit of a nonzero uint64 (``llvm.cttz``, one instruction), as int64."""
+    sig = types.int64(types.uint64)
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64, ir.IntType(1)]),
+                                            "llvm.cttz.i64")
+        return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 1)])
 
     return sig, codegen
 

@@ -30,12 +30,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .intrinsics import popcount64
+from .intrinsics import popcount64, prefetch_l2
 from .options import FASTMATH, serial_and_parallel
 
 __all__ = ["code_bytes", "encode_residuals", "query_planes", "scan_parallel", "scan_serial"]
 
 LEVELS = 15  # the rotated query's components are quantized to 0..LEVELS (4 bits)
+AHEAD = 16  # shortlisted keys prefetched ahead of the one re-ranked
 
 
 def code_bytes(E: int) -> int:
@@ -43,7 +44,8 @@ def code_bytes(E: int) -> int:
     return 8 * ((E + 63) // 64)
 
 
-def encode_residuals(residuals: np.ndarray, rotation: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def encode_residuals(residuals: np.ndarray, rotation: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Codes of residuals (n, E) float (any finite magnitude; computed in float64).
 
     Returns
@@ -55,6 +57,13 @@ def encode_residuals(residuals: np.ndarray, rotation: np.ndarray) -> tuple[np.nd
         ``|P r|^2 / |P r|_1`` (0 for a zero residual), the scale of the sign estimate.
     norm : (n,) float64
         ``|r|``, the residual norms (the caller's cluster radii).
+    fine : (n, 3 code_bytes(E)) uint8
+        Bit planes 0, 1, 2 (one whole-word code each, in that order) of the 4-bit code ``c`` in 0..15 of
+        every rotated component, ``x = D (c - 7.5)`` with ``D = max |P r| / 7.5`` (bins of width D:
+        ``c = floor(x / D + 8)`` clipped).  Plane 3, the top bit, is ``codes`` (``c >= 8`` iff ``x >= 0``).
+    fine_scale : (n,) float32
+        ``D |P r|^2 / <D (c - 7.5), P r>``: the re-ranking estimate ``(P q) . (P r) ~ fine_scale *
+        sum_i (P q)_i (c_i - 7.5)`` (exact along the quantized direction); 0 for a zero residual.
     """
     r = np.asarray(residuals, np.float64)
     n, E = r.shape
@@ -70,8 +79,19 @@ def encode_residuals(residuals: np.ndarray, rotation: np.ndarray) -> tuple[np.nd
     l1 = np.abs(u).sum(axis=1)
     fac = np.where(big > 0, (u * u).sum(axis=1) / np.where(l1 > 0, l1, 1.0) * big, 0.0)
     norm = np.sqrt((u * u).sum(axis=1)) * big
+    # 4-bit codes of u = P r / max |P r| (in [-1, 1]): bins of width 1 / 7.5, c >= 8 exactly where u >= 0
+    c = np.clip(np.floor(u * 7.5 + 8.0), 0, 15).astype(np.uint8)
+    fine = np.zeros((n, 3 * nb), np.uint8)
+    for p in range(3):
+        bits[:, :E] = (c >> p) & 1
+        fine[:, p * nb:(p + 1) * nb] = np.packbits(bits, axis=1, bitorder="little")
+    x = (c.astype(np.float64) - 7.5) / 7.5  # the quantized u
+    dot = (x * u).sum(axis=1)
+    fine_scale = np.where(big > 0, (u * u).sum(axis=1) / np.where(dot > 0, dot, 1.0) / 7.5 * big, 0.0)
+    f32max = np.finfo(np.float32).max
     with np.errstate(over="ignore"):
-        return codes, np.minimum(fac, np.finfo(np.float32).max).astype(np.float32), norm
+        return (codes, np.minimum(fac, f32max).astype(np.float32), norm, fine,
+                np.minimum(fine_scale, f32max).astype(np.float32))
 
 
 @njit(cache=True)
@@ -133,6 +153,58 @@ def _estimate(planes, c1, c2, c0, b0, cw, fg, a, n, tmp):
 
 
 @njit(cache=True, fastmath=FASTMATH)
+def _refine(planes, c1, c2, c0, cg, fine, fac, fscale, g, ids, est, m):
+    """Re-rank the shortlist ``ids[:m]`` (stage-1 estimates in ``est[:m]``) by the 4-bit codes, in place:
+    ``est[i]`` becomes ``base + fine_scale (sum_i qhat_i (c_i - 7.5))`` with ``sum qhat c`` from the bit
+    planes (``c`` planes 0-2 in ``fine``, plane 3 = the sign code in ``cg``; 20 popcounts a key at E = 64).
+    The cluster's ``base = q . mu`` is the stage-1 estimate minus its sign term (recomputed from the code),
+    so the shortlist carries no cluster ids.  The shortlist is scattered over the slots: a first loop
+    copies each key's words and scales into contiguous scratch, prefetching ``AHEAD`` keys early so the
+    misses overlap; a second loop does the arithmetic (it vectorises)."""
+    W = cg.shape[1]
+    fg = fac[g]
+    sg = fscale[g]
+    X = np.empty((4 * W, m), np.uint64)  # plane-major: word w of plane b at row b * W + w
+    F = np.empty(m, np.float64)
+    G = np.empty(m, np.float64)
+    for i in range(m):
+        if i + AHEAD < m:
+            j2 = ids[i + AHEAD]
+            prefetch_l2(cg, j2, 0)
+            prefetch_l2(fine, j2, 0)
+            prefetch_l2(fac, g, 4 * j2)
+            prefetch_l2(fscale, g, 4 * j2)
+        j = ids[i]
+        for w in range(3 * W):
+            X[w, i] = fine[j, w]
+        for w in range(W):
+            X[3 * W + w, i] = cg[j, w]
+        F[i] = fg[j]
+        G[i] = sg[j]
+    # sum qhat_i (c_i - 7.5) = lo sum c + d sum u c - 7.5 sum qhat, with c1 = 2 d, c2 = 2 lo, c0 = -sum qhat
+    k_c, k_uc, k_0 = 0.5 * c2, 0.5 * c1, 7.5 * c0
+    for w in range(W):
+        U0, U1, U2, U3 = planes[0, w], planes[1, w], planes[2, w], planes[3, w]
+        for i in range(m):
+            sum_uc = 0
+            sum_c = 0
+            S = 0
+            pc3 = 0
+            for b in range(4):
+                x = X[b * W + w, i]
+                t = (popcount64(U0 & x) + (popcount64(U1 & x) << 1) + (popcount64(U2 & x) << 2)
+                     + (popcount64(U3 & x) << 3))
+                sum_uc += t << b
+                sum_c += popcount64(x) << b
+                if b == 3:
+                    S = t
+                    pc3 = popcount64(x)
+            sign_term = F[i] * (c1 * S + c2 * pc3 + (c0 if w == 0 else 0.0))
+            fine_term = G[i] * (k_c * sum_c + k_uc * sum_uc + (k_0 if w == 0 else 0.0))
+            est[i] += fine_term - sign_term
+
+
+@njit(cache=True, fastmath=FASTMATH)
 def _sample_cut(planes, c1, c2, c0, base, cptr, g, nc, cg, fg, R, tmp):
     """A provisional threshold: the estimate that about ``1.5 R`` of the routed keys exceed, from the
     estimates of every k-th cluster (about 4,096 keys, spread over the slots).  -inf when the sample is
@@ -157,9 +229,10 @@ def _sample_cut(planes, c1, c2, c0, base, cptr, g, nc, cg, fg, R, tmp):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _scan_row(qi, qr, qnorm, qp, g, cent, cscale, cptr, nc, rad, cw, fac, pos, R, out, est, ids, tmp):
-    """One row: writes the ``R`` slots of largest estimate (ascending, -1 padded) to ``out``; returns the
-    keys whose codes were scanned.  ``est`` / ``ids``: a buffer of B > R entries (reused across rows)
+def _scan_row(qi, qr, qnorm, qp, g, cent, cscale, cptr, nc, rad, cw, fac, fine, fscale, pos, R, R2, out, est,
+              ids, tmp):
+    """One row: shortlists the ``R`` slots of largest 1-bit estimate, writes the ``R2 <= R`` of them with the
+    largest 4-bit estimate (ascending, -1 padded) to ``out`` (R2,); returns the keys whose codes were scanned.  ``est`` / ``ids``: a buffer of B > R entries (reused across rows)
     holding the keys whose estimate beats ``theta``; when it is full it is cut back to its best R and
     ``theta`` rises to the R-th best.  ``theta`` starts at a cut from a sample that about 1.5 R keys beat
     (on long caches): most keys are compared and passed over, and clusters whose bound is below it are
@@ -211,8 +284,11 @@ def _scan_row(qi, qr, qnorm, qp, g, cent, cscale, cptr, nc, rad, cw, fac, pos, R
             break
     if m > R:
         m, theta = _shrink(est, ids, m, R)
+    if m > R2:  # stage 2: the best R2 of the shortlist by the 4-bit codes
+        _refine(planes, c1, c2, c0, cg, fine[g], fac, fscale, g, ids, est, m)
+        m, theta = _shrink(est, ids, m, R2)
     _ascending(ids, m, cptr[g, 0], cptr[g, nc], out)
-    for i in range(m, R):
+    for i in range(m, R2):
         out[i] = -1
     return scanned
 
@@ -302,9 +378,11 @@ def _shrink(est, ids, m, R):
     return w, cand[sel[need - 1]]
 
 
-def _scan(q, qpos, rep, rot, cent, cscale, cptr, n_cent, rad, cw, fac, pos, R, out, scanned, est, ids, tmp):
-    """Rows r = h * T + t of queries ``q`` (H, T, E) float32 at ``qpos`` (T,): ``out[r]`` (R slots) and
-    ``scanned[r]`` (keys estimated).  ``cw``: the codes as (G, slots, W) uint64 words.  ``est`` (P, B)
+def _scan(q, qpos, rep, rot, cent, cscale, cptr, n_cent, rad, cw, fac, fine, fscale, pos, R, out, scanned, est, ids,
+          tmp):
+    """Rows r = h * T + t of queries ``q`` (H, T, E) float32 at ``qpos`` (T,): ``out[r]`` (R2 slots, the
+    best of a shortlist of ``R`` >= R2) and ``scanned[r]`` (keys estimated).  ``cw``: the sign codes as
+    (G, slots, W) uint64 words, ``fine`` the lower code planes (G, slots, 3 W), ``fscale`` (G, slots).  ``est`` (P, B)
     float64, ``ids`` (P, B) int64 and ``tmp`` (P, C) float64: scratch of P workers (rows p, p + P, ...;
     every row costs the same), B > R (4 R + a segment: few cut-backs), C >= 1 (a segment)."""
     H, T = q.shape[0], q.shape[1]
@@ -317,8 +395,8 @@ def _scan(q, qpos, rep, rot, cent, cscale, cptr, n_cent, rad, cw, fac, pos, R, o
             qi = q[h, t]
             qr = rot @ qi.astype(np.float64)
             qn = np.sqrt(np.sum(qi.astype(np.float64) ** 2))
-            scanned[r] = _scan_row(qi, qr, qn, qpos[t], g, cent, cscale, cptr, n_cent[g], rad, cw, fac, pos,
-                                   R, out[r], est[p], ids[p], tmp[p])
+            scanned[r] = _scan_row(qi, qr, qn, qpos[t], g, cent, cscale, cptr, n_cent[g], rad, cw, fac, fine, fscale,
+                                   pos, R, out.shape[1], out[r], est[p], ids[p], tmp[p])
 
 
 scan_serial, scan_parallel = serial_and_parallel(_scan)

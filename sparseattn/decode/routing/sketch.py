@@ -1,19 +1,24 @@
-"""Sketch routing: every clustered key keeps a 1-bit code of its residual from its cluster's routing vector;
-a step estimates every routed key's score from the codes (clusters whose ball bound cannot reach the
-best estimates found are skipped) and reads the ``candidates`` keys of largest estimate exactly, with the
-sinks and the not-yet-clustered tail (see :mod:`sparseattn.kernels.sketch` for the estimator).
+"""Sketch routing: every clustered key keeps a 4-bit code of its residual from its cluster's routing
+vector; a step estimates every routed key's score from the codes' top bit (the sign: clusters whose ball
+bound cannot reach the best estimates found are skipped), re-ranks a shortlist of the best by the whole
+4-bit code, and reads the ``candidates`` keys of largest re-ranked estimate exactly, with the sinks and the
+not-yet-clustered tail (see :mod:`sparseattn.kernels.sketch` for the estimators).
 
 Unlike ``cluster`` routing, which reads whole clusters ranked by their mean key and misses a key that
 points at the query when the rest of its cluster does not, the sketch ranks keys one by one, so its
 recall of the keys that carry a step's softmax mass does not fall as the cache grows.  The price is a
-scan of ``8 ceil(E / 64) + 4`` bytes per routed key per step (the codes, in whole 64-bit words, and
-factors; 2.3 % of float32 K and V at E = 64) besides the exact reads.
+scan of ``8 ceil(E / 64) + 4`` bytes per routed key per step (the sign codes in whole 64-bit words and
+their factors; 2.3 % of float32 K and V at E = 64) and ``24 ceil(E / 64) + 4`` more per shortlisted key,
+besides the exact reads.  The index holds ``32 ceil(E / 64) + 8`` bytes a key (7.8 % of float32 K and V
+at E = 64).
 
-Options come with the selector: ``"sketch"`` or ``"sketch:candidates=N"`` (keys read exactly per query
-from the routed part; default ``max(1024, 3 % of the routed keys)``) or ``"sketch:fraction=F"`` (F of the
-routed keys, at least 1024).  While the candidates would be more than an eighth of the routed keys (a
-cache of up to about 8,000 keys at the default budget) the step reads every key exactly instead: the scan
-and scattered reads would cost more than reading the keys in order.  The layout (segments, k-means clusters of about ``cluster_size`` keys) is
+Options come with the selector: ``"sketch"``, ``"sketch:candidates=N"`` (keys read exactly per query
+from the routed part; default ``max(1024, 1/128 of the routed keys)``) or ``"sketch:fraction=F"`` (F of
+the routed keys, at least 1024), and ``shortlist=S`` (the share of the routed keys the sign scan passes
+to the re-ranking, default 0.03, at least 4 x the candidates), e.g. ``"sketch:candidates=2048,shortlist=0.05"``.
+While the candidates would be more than an eighth of the routed keys (a cache of up to about 8,000 keys
+at the default) the step reads every key exactly instead: the scan and scattered reads would cost more
+than reading the keys in order.  The layout (segments, k-means clusters of about ``cluster_size`` keys) is
 the ``cluster`` strategy's; ``estimate`` and ``top_p`` are not supported.
 """
 
@@ -36,7 +41,9 @@ from .cluster import ClusterRouting
 __all__ = ["SketchRouting", "parse_sketch"]
 
 MIN_CANDIDATES = 1024
-DEFAULT_FRACTION = 0.03
+DEFAULT_FRACTION = 1 / 128  # keys read exactly (at least MIN_CANDIDATES)
+DEFAULT_SHORTLIST = 0.03  # keys re-ranked by the 4-bit codes (at least SHORTLIST_RATIO x the candidates)
+SHORTLIST_RATIO = 4
 DENSE_RATIO = 8  # candidates above 1/8 of the routed keys: read every key instead (see reads_all)
 PLAN_BYTES = 32 << 20  # candidate lists of one plan (a long prefill runs in token blocks)
 
@@ -51,9 +58,10 @@ def parse_sketch(selector: object) -> dict[str, float] | None:
     for part in filter(None, body.split(",")):
         name, eq, val = part.partition("=")
         name = name.strip()
-        if not eq or name not in ("candidates", "fraction"):
+        if not eq or name not in ("candidates", "fraction", "shortlist"):
             raise ValueError(f"selector {selector!r}: unknown option {part!r}; 'sketch' takes candidates=<int >= 1> "
-                             f"or fraction=<float in (0, 1]>, e.g. 'sketch:candidates=4096'.")
+                             f"or fraction=<float in (0, 1]>, and shortlist=<float in (0, 1]>, e.g. "
+                             f"'sketch:candidates=4096,shortlist=0.05'.")
         try:
             x = int(val) if name == "candidates" else float(val)
         except ValueError:
@@ -61,10 +69,10 @@ def parse_sketch(selector: object) -> dict[str, float] | None:
             raise ValueError(f"selector {selector!r}: {name} must be {what}; got {val!r}.") from None
         if name == "candidates" and not 1 <= x <= 2**31 - 2:
             raise ValueError(f"selector {selector!r}: candidates must be an int in [1, {2**31 - 2}]; got {val!r}.")
-        if name == "fraction" and not 0 < x <= 1:
-            raise ValueError(f"selector {selector!r}: fraction must be in (0, 1]; got {val!r}.")
+        if name in ("fraction", "shortlist") and not 0 < x <= 1:
+            raise ValueError(f"selector {selector!r}: {name} must be in (0, 1]; got {val!r}.")
         out[name] = x
-    if len(out) > 1:
+    if "candidates" in out and "fraction" in out:
         raise ValueError(f"selector {selector!r}: pass candidates or fraction, not both.")
     return out
 
@@ -86,6 +94,8 @@ class SketchRouting(ClusterRouting):
         self.rot = np.ascontiguousarray(q * np.sign(np.diag(rr)))  # (E, E) float64 orthogonal
         store.add_slot_array("sketch_codes", np.uint8, (ks.code_bytes(E),))
         store.add_slot_array("sketch_fac", np.float32)
+        store.add_slot_array("sketch_fine", np.uint8, (3 * ks.code_bytes(E),))  # code planes 0-2 (3: the signs)
+        store.add_slot_array("sketch_fscale", np.float32)
         self.rad = np.zeros((cfg.num_kv_heads, 0), np.float64)  # per cluster: largest live residual norm
         self.scanned = 0
         self.steps = 0
@@ -132,9 +142,11 @@ class SketchRouting(ClusterRouting):
             sizes = np.diff(lay.cptr[g, c0:c1 + 1])
             mu = lay.routing(g, c1)[c0:].astype(np.float64)
             res = st.keys(g, slice(a, b)).astype(np.float64) - np.repeat(mu, sizes, axis=0)
-            codes, fac, norm = ks.encode_residuals(res, self.rot)
+            codes, fac, norm, fine, fscale = ks.encode_residuals(res, self.rot)
             st.sketch_codes[g, a:b] = codes
             st.sketch_fac[g, a:b] = fac
+            st.sketch_fine[g, a:b] = fine
+            st.sketch_fscale[g, a:b] = fscale
             live = st.pos[g, a:b] != EVICTED
             norm = np.where(live, norm, 0.0)
             self.rad[g, c0:c1] = np.maximum.reduceat(norm, np.cumsum(sizes) - sizes) if norm.size else 0.0
@@ -149,6 +161,12 @@ class SketchRouting(ClusterRouting):
         frac = self.options.get("fraction", DEFAULT_FRACTION)
         return max(MIN_CANDIDATES, math.ceil(frac * routed))
 
+    def shortlist(self) -> int:
+        """Keys per query the sign scan passes to the re-ranking (>= the candidates)."""
+        routed = max(self.layout.open_end - self.store.s0, 0)
+        frac = self.options.get("shortlist", DEFAULT_SHORTLIST)
+        return max(SHORTLIST_RATIO * self.candidates(), math.ceil(frac * routed))
+
     def _scan(self, q: np.ndarray, qpos: np.ndarray, R: int, n_cent: np.ndarray | None = None
               ) -> tuple[np.ndarray, np.ndarray]:
         st, lay, cfg = self.store, self.layout, self.cfg
@@ -158,14 +176,16 @@ class SketchRouting(ClusterRouting):
         par = cfg.parallel if cfg.parallel is not None else work >= PARALLEL_MIN_KEYS
         fn = ks.scan_parallel if par else ks.scan_serial
         P = min(get_num_threads(), rows.shape[0]) if par else 1
-        need = 4 * R + cfg.segment  # the scan's buffer of candidates (cut back to R when a cluster may not fit)
+        R1 = self.shortlist()
+        need = 4 * R1 + cfg.segment  # the scan's buffer (cut back to R1 when a cluster may not fit)
         with self._scratch_lock:
             if self._est.shape[0] < P or self._est.shape[1] < need:
                 shape = (max(P, self._est.shape[0]), max(need, self._est.shape[1]))
                 self._est, self._ids = np.empty(shape, np.float64), np.empty(shape, np.int64)
                 self._tmp = np.empty((shape[0], cfg.segment), np.float64)  # a cluster's estimates
             fn(q, qpos, cfg.rep, self.rot, lay.cent, lay.cscale, lay.cptr, lay.n_cent if n_cent is None else n_cent,
-               self.rad, st.sketch_codes.view(np.uint64), st.sketch_fac, st.pos, R, rows, scanned,
+               self.rad, st.sketch_codes.view(np.uint64), st.sketch_fac, st.sketch_fine.view(np.uint64),
+               st.sketch_fscale, st.pos, R1, rows, scanned,
                self._est[:P], self._ids[:P], self._tmp[:P])
         return rows, scanned
 
@@ -206,7 +226,7 @@ class SketchRouting(ClusterRouting):
     # ---------------------------------------------------------------------------------- report
     def index_nbytes(self) -> int:
         st = self.store
-        per_slot = st.sketch_codes.shape[2] + 4
+        per_slot = st.sketch_codes.shape[2] + st.sketch_fine.shape[2] + 8  # codes, planes, two float32 scales
         return super().index_nbytes() + st.num_kv_heads * st.slots * per_slot + int(self.rad.size) * 8
 
     def debug_arrays(self) -> dict[str, Any]:
@@ -214,5 +234,5 @@ class SketchRouting(ClusterRouting):
                 "sketch_plan_rows": max(1, PLAN_BYTES // (8 * self.candidates()))}
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "sketch_candidates": self.candidates(),
+        return {**super().stats(), "sketch_candidates": self.candidates(), "sketch_shortlist": self.shortlist(),
                 "sketch_keys_scanned_per_query": self.scanned / max(self.steps, 1)}
