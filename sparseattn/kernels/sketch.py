@@ -225,7 +225,7 @@ def _sample_cut(planes, c1, c2, c0, base, cptr, g, nc, cg, fg, R, tmp):
     above = int(1.5 * R * n / total) + 16  # keys of the sample expected above the cut, with a margin
     if above >= n:
         return -np.inf
-    return np.partition(sample, n - above)[n - above]
+    return _shrink(sample, np.empty(n, np.int64), n, above)[1]  # the above-th largest (a histogram select)
 
 
 @njit(cache=True, fastmath=FASTMATH)
