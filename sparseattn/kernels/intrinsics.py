@@ -1,5 +1,5 @@
-"""Low-level helpers for the kernels: a software prefetch, a vectorisable float32 exp, popcount and
-trailing zeros.
+"""Low-level helpers for the kernels: a software prefetch, a vectorisable float32 exp, popcount,
+trailing zeros and a compressing filter.
 
 Why prefetch: a random sparse pattern gathers one key row and one value row per (query, key) pair from
 anywhere in memory; the hardware prefetcher cannot guess those addresses, so the kernel announces them a
@@ -89,6 +89,47 @@ def trailing_zeros64(typingctx, x):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64, ir.IntType(1)]),
                                             "llvm.cttz.i64")
         return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 1)])
+
+    return sig, codegen
+
+
+@intrinsic
+def compress_above8(typingctx, src, i, theta, dst, ids, m, idbase):
+    """Append the lanes of ``src[i:i + 8]`` (float64) above ``theta`` to ``dst[m:]`` and their indices
+    ``idbase + i + lane`` to ``ids[m:]`` (int64), in lane order; returns ``m`` + their count.
+
+    One vector compare and two ``llvm.masked.compressstore`` (``vcompresspd`` / ``vpcompressq`` with
+    AVX-512, scalar code elsewhere): a filter that keeps few of many values without a branch per value
+    (a scalar loop mispredicts on every kept one).  The caller guarantees 8 readable values at ``i`` and
+    8 writable slots at ``m``; no bounds are checked.
+    """
+    sig = types.int64(src, types.int64, types.float64, dst, ids, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        src_t, _, _, dst_t, ids_t, _, _ = signature.args
+        srcv, iv, thv, dstv, idsv, mv, basev = args
+        f64, i64, i32 = ir.DoubleType(), ir.IntType(64), ir.IntType(32)
+        v8d, v8i, v8b = ir.VectorType(f64, 8), ir.VectorType(i64, 8), ir.VectorType(ir.IntType(1), 8)
+        splat = ir.Constant(ir.VectorType(i32, 8), [0] * 8)
+
+        def ptr(aryty, val, idx):
+            ary = context.make_array(aryty)(context, builder, val)
+            return cgutils.get_item_pointer(context, builder, aryty, ary, [idx], wraparound=False)
+
+        vals = builder.load(builder.bitcast(ptr(src_t, srcv, iv), v8d.as_pointer()), align=8)
+        thr = builder.insert_element(ir.Constant(v8d, ir.Undefined), thv, ir.Constant(i32, 0))
+        mask = builder.fcmp_ordered(">", vals, builder.shuffle_vector(thr, ir.Constant(v8d, ir.Undefined), splat))
+        start = builder.insert_element(ir.Constant(v8i, ir.Undefined), builder.add(basev, iv), ir.Constant(i32, 0))
+        idv = builder.add(builder.shuffle_vector(start, ir.Constant(v8i, ir.Undefined), splat),
+                          ir.Constant(v8i, list(range(8))))
+        for vec, vty, aryty, val, ety in ((vals, v8d, dst_t, dstv, f64), (idv, v8i, ids_t, idsv, i64)):
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [vty, ety.as_pointer(), v8b]),
+                f"llvm.masked.compressstore.v8{'f64' if ety is f64 else 'i64'}")
+            builder.call(fn, [vec, ptr(aryty, val, mv), mask])
+        i8 = ir.IntType(8)
+        pc = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i8, [i8]), "llvm.ctpop.i8")
+        return builder.add(mv, builder.zext(builder.call(pc, [builder.bitcast(mask, i8)]), i64))
 
     return sig, codegen
 

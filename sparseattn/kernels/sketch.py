@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .intrinsics import popcount64, prefetch_l2
+from .intrinsics import compress_above8, popcount64, prefetch_l2
 from .options import FASTMATH, serial_and_parallel
 
 __all__ = ["code_bytes", "encode_residuals", "query_planes", "scan_parallel", "scan_serial"]
@@ -124,9 +124,10 @@ def query_planes(qr):
 
 
 @njit(cache=True, fastmath=FASTMATH, inline="always")
-def _estimate(planes, c1, c2, c0, b0, cw, fg, a, n, tmp):
+def _estimate(planes, c1, c2, c0, b0, cw, fg, pg, qp, a, n, tmp):
     """``tmp[i]`` = estimated score of slot ``a + i`` (i < n) from its code ``cw[a + i]`` (W,) uint64 and
-    factor ``fg[a + i]``: ``b0 + f (c1 S + c2 c + c0)``.  (Unsigned indices: LLVM then knows they are not
+    factor ``fg[a + i]``: ``b0 + f (c1 S + c2 c + c0)``; -inf where the slot's position ``pg[a + i]`` is
+    after ``qp`` (a future key, or an evicted one: its position is the largest int32).  (Unsigned indices: LLVM then knows they are not
     negative, so the loads need no wraparound and vectorise instead of becoming gathers; no slices, whose
     reference counts cost more than a small cluster's arithmetic.)"""
     W = cw.shape[1]
@@ -138,7 +139,8 @@ def _estimate(planes, c1, c2, c0, b0, cw, fg, a, n, tmp):
             x = cw[j, 0]
             S = (popcount64(U0 & x) + (popcount64(U1 & x) << 1) + (popcount64(U2 & x) << 2)
                  + (popcount64(U3 & x) << 3))
-            tmp[np.uint64(i)] = b0 + np.float64(fg[j]) * (c1 * S + c2 * popcount64(x) + c0)
+            e = b0 + np.float64(fg[j]) * (c1 * S + c2 * popcount64(x) + c0)
+            tmp[np.uint64(i)] = e if pg[j] <= qp else -np.inf
     else:
         for i in range(n):
             j = u0 + np.uint64(i)
@@ -149,7 +151,8 @@ def _estimate(planes, c1, c2, c0, b0, cw, fg, a, n, tmp):
                 S += (popcount64(planes[0, w] & x) + (popcount64(planes[1, w] & x) << 1)
                       + (popcount64(planes[2, w] & x) << 2) + (popcount64(planes[3, w] & x) << 3))
                 c += popcount64(x)
-            tmp[np.uint64(i)] = b0 + np.float64(fg[j]) * (c1 * S + c2 * c + c0)
+            e = b0 + np.float64(fg[j]) * (c1 * S + c2 * c + c0)
+            tmp[np.uint64(i)] = e if pg[j] <= qp else -np.inf
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -205,7 +208,7 @@ def _refine(planes, c1, c2, c0, cg, fine, fac, fscale, g, ids, est, m):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _sample_cut(planes, c1, c2, c0, base, cptr, g, nc, cg, fg, R, tmp):
+def _sample_cut(planes, c1, c2, c0, base, cptr, g, nc, cg, fg, pg, qp, R, tmp):
     """A provisional threshold: the estimate that about ``1.5 R`` of the routed keys exceed, from the
     estimates of every k-th cluster (about 4,096 keys, spread over the slots).  -inf when the sample is
     too small to tell."""
@@ -220,7 +223,7 @@ def _sample_cut(planes, c1, c2, c0, base, cptr, g, nc, cg, fg, R, tmp):
     w = 0
     for c in range(0, nc, stride):
         a, b = cptr[g, c], cptr[g, c + 1]
-        _estimate(planes, c1, c2, c0, base[c], cg, fg, a, b - a, sample[w:])
+        _estimate(planes, c1, c2, c0, base[c], cg, fg, pg, qp, a, b - a, sample[w:])
         w += b - a
     above = int(1.5 * R * n / total) + 16  # keys of the sample expected above the cut, with a margin
     if above >= n:
@@ -254,7 +257,7 @@ def _scan_row(qi, qr, qnorm, qp, g, cent, cscale, cptr, nc, rad, cw, fac, fine, 
     fg = fac[g]
     pg = pos[g]
     long = cptr[g, nc] - cptr[g, 0] > 8 * R  # worth a threshold up front (to skip keys) only on long caches
-    theta0 = _sample_cut(planes, c1, c2, c0, base, cptr, g, nc, cg, fg, R, tmp) if long else -np.inf
+    theta0 = _sample_cut(planes, c1, c2, c0, base, cptr, g, nc, cg, fg, pg, qp, R, tmp) if long else -np.inf
     scanned = 0
     m = 0
     for attempt in range(2):
@@ -271,14 +274,17 @@ def _scan_row(qi, qr, qnorm, qp, g, cent, cscale, cptr, nc, rad, cw, fac, fine, 
                     if ub[c] < theta:
                         break
                 scanned += b - a
-                # estimates first (independent iterations that vectorise), then the filter: folding the
-                # filter into the same loop chains each key's estimate into the next key's write position
-                _estimate(planes, c1, c2, c0, base[c], cg, fg, a, b - a, tmp)
-                for j in range(a, b):
-                    x = tmp[j - a]
-                    if x > theta and pg[j] <= qp:  # not a future key, nor evicted (position: the largest int32)
-                        est[m] = x
-                        ids[m] = j
+                # estimates first (independent iterations that vectorise; hidden keys at -inf), then the
+                # filter, 8 at a time without a branch per key (about 1 key in 20 passes)
+                _estimate(planes, c1, c2, c0, base[c], cg, fg, pg, qp, a, b - a, tmp)
+                i = 0
+                while i + 8 <= b - a:
+                    m = compress_above8(tmp, i, theta, est, ids, m, a)
+                    i += 8
+                for r in range(i, b - a):  # the last few
+                    if tmp[r] > theta:
+                        est[m] = tmp[r]
+                        ids[m] = a + r
                         m += 1
         if m >= R or theta0 == -np.inf:
             break

@@ -1,0 +1,64 @@
+"""The bit and filter intrinsics of ``sparseattn.kernels.intrinsics`` against numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numba import njit
+
+from sparseattn.kernels.intrinsics import compress_above8, popcount64, trailing_zeros64
+
+
+@njit(cache=False)
+def _bits(x):
+    out = np.empty((x.shape[0], 2), np.int64)
+    for i in range(x.shape[0]):
+        out[i, 0] = popcount64(x[i])
+        out[i, 1] = trailing_zeros64(x[i]) if x[i] != 0 else -1
+    return out
+
+
+@njit(cache=False)
+def _filter(src, theta, base):
+    """compress_above8 over every full group of 8, scalar for the rest (the scan's filter)."""
+    n = src.shape[0]
+    dst = np.full(n + 8, np.nan)
+    ids = np.full(n + 8, -7, np.int64)
+    m = 0
+    i = 0
+    while i + 8 <= n:
+        m = compress_above8(src, i, theta, dst, ids, m, base)
+        i += 8
+    for r in range(i, n):
+        if src[r] > theta:
+            dst[m] = src[r]
+            ids[m] = base + r
+            m += 1
+    return dst, ids, m
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=40))
+def test_popcount_and_trailing_zeros(values: list[int]) -> None:
+    x = np.array(values, np.uint64)
+    got = _bits(x)
+    assert got[:, 0].tolist() == [bin(v).count("1") for v in values]
+    assert got[:, 1].tolist() == [(v & -v).bit_length() - 1 if v else -1 for v in values]
+
+
+finite = st.floats(-1e300, 1e300, allow_nan=False)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.one_of(finite, st.just(-np.inf), st.just(np.inf), st.just(0.0)), max_size=70),
+       st.one_of(finite, st.just(-np.inf)), st.integers(0, 2**40))
+def test_compress_above8_keeps_the_values_above_theta_in_order(values: list[float], theta: float,
+                                                               base: int) -> None:
+    src = np.array(values, np.float64)
+    dst, ids, m = _filter(src, theta, base)
+    keep = np.flatnonzero(src > theta)
+    assert m == keep.size
+    np.testing.assert_array_equal(ids[:m], base + keep)
+    np.testing.assert_array_equal(dst[:m], src[keep])
+    assert np.isnan(dst[m:]).all() and (ids[m:] == -7).all()  # nothing written past the kept ones
