@@ -112,12 +112,14 @@ def run_length(n: int, heads: int, steps: int, settings: list[str], flush_mb: in
         out = np.zeros(heads, np.uint64)
         qpos = np.array([cache.positions_appended - 1], np.int64)
         times: dict[str, list[float]] = {lv: [] for lv in LEVELS}
-        kern, reads = [], []
+        kern, reads, floor_rows = [], [], []
         q0 = rng.standard_normal((heads, 64)).astype(np.float32)
         cache.attend(q0)  # warm-up (JIT)
         for s in range(steps):
             q = rng.standard_normal((heads, 64)).astype(np.float32) * np.float32(np.sqrt(64) ** -0.5 * 4)
             rec = cache.debug_step(q[:, None], qpos)[4:]  # the slot ranges this step reads (not timed)
+            floor_rows.append(sum(int((rec[0][h, :rec[1][h], 1] - rec[0][h, :rec[1][h], 0]).sum())
+                                  for h in range(heads)) / heads)
             for i in range(len(LEVELS)):
                 lv = LEVELS[(i + s) % len(LEVELS)]
                 flush(buf, s)
@@ -145,7 +147,7 @@ def run_length(n: int, heads: int, steps: int, settings: list[str], flush_mb: in
         med["floor"] = med["read scan"] + med["read rows"]
         st = cache.stats
         r = {"ms": med, "x_sdpa_step": med["sdpa"] / med["step"], "x_sdpa_floor": med["sdpa"] / med["floor"],
-             "keys_read": float(np.mean(reads)), "scan_mb": float((hi - lo).sum() * 16 / 2**20),
+             "keys_read": float(np.mean(reads)), "floor_rows": float(np.mean(floor_rows)), "scan_mb": float((hi - lo).sum() * 16 / 2**20),
              "rows_mb": float(np.mean(reads) * heads * 512 / 2**20),
              "index_over_kv": st["index_nbytes"] / st["kv_nbytes"], "append_us_per_token": 1e6 * t_app / n}
         res["settings"][name] = r

@@ -238,7 +238,11 @@ def test_full_candidates_match_dense_any_shape(n: int, t: int, mag: float, seed:
                                         ("sketch:candidates=99999999999", "candidates must be an int in"),
                                         ("sketch:fraction=nan", "fraction must be in"),
                                         ("sketch:fraction=abc", "fraction"), ("sketch:probes=3", "unknown option"),
-                                        ("sketch:candidates=5,fraction=0.1", "not both")])
+                                        ("sketch:candidates=5,fraction=0.1", "not both"),
+                                        ("sketch:shortlist=0", "shortlist must be in"),
+                                        ("sketch:shortlist=1.5", "shortlist must be in"),
+                                        ("sketch:shortlist=inf", "shortlist must be in"),
+                                        ("sketch:shortlist=", "shortlist")])
 def test_bad_options_are_named(spec: str, word: str) -> None:
     with pytest.raises(ValueError, match=word):
         KVCache(1, E, selector=spec)
