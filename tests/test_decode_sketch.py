@@ -34,35 +34,36 @@ def _cache(n: int, *, hk: int = 2, h: int = 2, seed: int = 0, selector: str = "s
 
 
 
-def _oracle_routed(c: KVCache, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
-    """numpy recomputation of a one-head step's two estimates over the routed slots [a0, b0): the sign
+def _oracle_routed(c: KVCache, q: np.ndarray, g: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """numpy recomputation of one query's two estimates over kv head g's routed slots [a0, b0): the sign
     estimate (stage 1) and the 4-bit one (stage 2), both with the 4-bit query; -inf for evicted slots.
     Returns (est1, est2, live, a0, b0)."""
     view, st_ = c.debug_view(), c.store
-    nc = int(view["n_clusters"][0])
+    nc = int(view["n_clusters"][g])
     cptr = view["cluster_ptr"]
-    a0, b0 = int(cptr[0, 0]), int(cptr[0, nc])
+    a0, b0 = int(cptr[g, 0]), int(cptr[g, nc])
     qr = view["sketch_rotation"] @ q.astype(np.float64)
     d = (qr.max() - qr.min()) / 15 if qr.max() > qr.min() else 1.0
     qh = qr.min() + d * np.rint((qr - qr.min()) / d)  # the scan's 4-bit query
     unpack = lambda a: np.unpackbits(a, axis=1, bitorder="little")[:, :E].astype(np.float64)  # noqa: E731
     nb = st_.sketch_codes.shape[2]
-    sign = unpack(st_.sketch_codes[0, a0:b0])
-    cq = 8 * sign + sum((1 << p) * unpack(st_.sketch_fine[0, a0:b0, p * nb:(p + 1) * nb]) for p in range(3))
-    mu = np.repeat(view["routing_vectors"][0, :nc].astype(np.float64), np.diff(cptr[0, :nc + 1]), axis=0)
+    sign = unpack(st_.sketch_codes[g, a0:b0])
+    cq = 8 * sign + sum((1 << p) * unpack(st_.sketch_fine[g, a0:b0, p * nb:(p + 1) * nb]) for p in range(3))
+    mu = np.repeat(view["routing_vectors"][g, :nc].astype(np.float64), np.diff(cptr[g, :nc + 1]), axis=0)
     base = mu @ q.astype(np.float64)
-    est1 = base + st_.sketch_fac[0, a0:b0] * ((2 * sign - 1) @ qh)
-    est2 = base + st_.sketch_fscale[0, a0:b0] * ((cq - 7.5) @ qh)
-    live = st_.pos[0, a0:b0] <= st_.n - 1  # evicted slots hold the largest int32
+    est1 = base + st_.sketch_fac[g, a0:b0] * ((2 * sign - 1) @ qh)
+    est2 = base + st_.sketch_fscale[g, a0:b0] * ((cq - 7.5) @ qh)
+    live = st_.pos[g, a0:b0] <= st_.n - 1  # evicted slots hold the largest int32
     return np.where(live, est1, -np.inf), np.where(live, est2, -np.inf), live, a0, b0
 
 
-def _check_two_stage(c: KVCache, q: np.ndarray) -> None:
-    """The routed slots a step reads are the ``candidates`` best by the 4-bit estimate among the
-    ``shortlist`` best by the sign estimate (live slots only), up to float rounding at the two cuts."""
-    est1, est2, live, a0, b0 = _oracle_routed(c, q)
+def _check_two_stage(c: KVCache, q: np.ndarray, h: int = 0, sel: np.ndarray | None = None) -> None:
+    """The routed slots query head h reads (``sel``, default ``selected_slots``) are the ``candidates`` best
+    by the 4-bit estimate among the ``shortlist`` best by the sign estimate (live slots of its kv head
+    only), up to float rounding at the two cuts."""
+    est1, est2, live, a0, b0 = _oracle_routed(c, q, h // c._cfg.rep)
     R1, R2 = c._routing.shortlist(), c._routing.candidates()
-    sel = np.asarray(c.selected_slots(q, 0))
+    sel = np.asarray(c.selected_slots(q, h)) if sel is None else sel
     routed = sel[(sel >= a0) & (sel < b0)] - a0
     n_live = int(live.sum())
     assert routed.size == min(R2, n_live) and live[routed].all()
@@ -183,6 +184,22 @@ def test_candidates_are_the_top_estimates_hypothesis(n: int, cand: int, cap: int
         return
     _check_two_stage(c, (np.random.default_rng(seed + 1).standard_normal(E) * scale).astype(np.float32))
 
+
+
+@pytest.mark.parametrize("hk, h", [(1, 4), (2, 6), (2, 2)])
+def test_gqa_heads_scanned_together_read_their_own_best_keys(hk: int, h: int) -> None:
+    # the query heads of a kv head are scanned as one group: each still reads its own best keys (the
+    # two-stage oracle per head), the same set as when it is scanned alone (selected_slots), and the
+    # step equals float64 attention over that set
+    c, K, V = _cache(3000, hk=hk, h=h, selector="sketch:candidates=40")
+    q = np.random.default_rng(11).standard_normal((h, E)).astype(np.float32)
+    out = c.attend(q)
+    for i in range(h):
+        sel = np.asarray(c.selected_slots(q[i], i))
+        _check_two_stage(c, q[i], i, sel)
+        g = i // (h // hk)
+        ref = _attend64(q[i], c.store.keys(g, sel), c.store.values(g, sel), c.scale)
+        np.testing.assert_allclose(out[i], ref, rtol=2e-5, atol=2e-5)
 
 def test_evictions_and_compaction_keep_codes_in_step() -> None:
     c, K, V = _cache(4000, hk=1, h=1, selector="sketch:candidates=100000", max_keys=1500)

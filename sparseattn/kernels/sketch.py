@@ -124,8 +124,9 @@ def query_planes(qr):
 
 
 @njit(cache=True, fastmath=FASTMATH, inline="always")
-def _estimate(planes, c1, c2, c0, b0, cw, fg, pg, qp, a, n, tmp):
-    """``tmp[i]`` = estimated score of slot ``a + i`` (i < n) from its code ``cw[a + i]`` (W,) uint64 and
+def _estimate(planes, q, c1, c2, c0, b0, cw, fg, pg, qp, a, n, tmp):
+    """``tmp[i]`` = row ``q``'s (``planes[q]``) estimated score of slot ``a + i`` (i < n) from its code
+    ``cw[a + i]`` (W,) uint64 and
     factor ``fg[a + i]``: ``b0 + f (c1 S + c2 c + c0)``; -inf where the slot's position ``pg[a + i]`` is
     after ``qp`` (a future key, or an evicted one: its position is the largest int32).  (Unsigned indices: LLVM then knows they are not
     negative, so the loads need no wraparound and vectorise instead of becoming gathers; no slices, whose
@@ -133,7 +134,7 @@ def _estimate(planes, c1, c2, c0, b0, cw, fg, pg, qp, a, n, tmp):
     W = cw.shape[1]
     u0 = np.uint64(a)
     if W == 1:  # E <= 64: one word a key, five popcounts (the loop LLVM vectorises)
-        U0, U1, U2, U3 = planes[0, 0], planes[1, 0], planes[2, 0], planes[3, 0]
+        U0, U1, U2, U3 = planes[q, 0, 0], planes[q, 1, 0], planes[q, 2, 0], planes[q, 3, 0]
         for i in range(n):
             j = u0 + np.uint64(i)
             x = cw[j, 0]
@@ -148,8 +149,8 @@ def _estimate(planes, c1, c2, c0, b0, cw, fg, pg, qp, a, n, tmp):
             c = 0
             for w in range(W):
                 x = cw[j, w]
-                S += (popcount64(planes[0, w] & x) + (popcount64(planes[1, w] & x) << 1)
-                      + (popcount64(planes[2, w] & x) << 2) + (popcount64(planes[3, w] & x) << 3))
+                S += (popcount64(planes[q, 0, w] & x) + (popcount64(planes[q, 1, w] & x) << 1)
+                      + (popcount64(planes[q, 2, w] & x) << 2) + (popcount64(planes[q, 3, w] & x) << 3))
                 c += popcount64(x)
             e = b0 + np.float64(fg[j]) * (c1 * S + c2 * c + c0)
             tmp[np.uint64(i)] = e if pg[j] <= qp else -np.inf
@@ -208,7 +209,7 @@ def _refine(planes, c1, c2, c0, cg, fine, fac, fscale, g, ids, est, m):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _sample_cut(planes, c1, c2, c0, base, cptr, g, nc, cg, fg, pg, qp, R, tmp):
+def _sample_cut(planes, q, c1, c2, c0, base, cptr, g, nc, cg, fg, pg, qp, R):
     """A provisional threshold: the estimate that about ``1.5 R`` of the routed keys exceed, from the
     estimates of every k-th cluster (about 4,096 keys, spread over the slots).  -inf when the sample is
     too small to tell."""
@@ -223,7 +224,7 @@ def _sample_cut(planes, c1, c2, c0, base, cptr, g, nc, cg, fg, pg, qp, R, tmp):
     w = 0
     for c in range(0, nc, stride):
         a, b = cptr[g, c], cptr[g, c + 1]
-        _estimate(planes, c1, c2, c0, base[c], cg, fg, pg, qp, a, b - a, sample[w:])
+        _estimate(planes, q, c1, c2, c0, base[q, c], cg, fg, pg, qp, a, b - a, sample[w:])
         w += b - a
     above = int(1.5 * R * n / total) + 16  # keys of the sample expected above the cut, with a margin
     if above >= n:
@@ -232,70 +233,104 @@ def _sample_cut(planes, c1, c2, c0, base, cptr, g, nc, cg, fg, pg, qp, R, tmp):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _scan_row(qi, qr, qnorm, qp, g, cent, cscale, cptr, nc, rad, cw, fac, fine, fscale, pos, R, R2, out, est,
-              ids, tmp):
-    """One row: shortlists the ``R`` slots of largest 1-bit estimate, writes the ``R2 <= R`` of them with the
-    largest 4-bit estimate (ascending, -1 padded) to ``out`` (R2,); returns the keys whose codes were scanned.  ``est`` / ``ids``: a buffer of B > R entries (reused across rows)
-    holding the keys whose estimate beats ``theta``; when it is full it is cut back to its best R and
+def _scan_group(qs, qrs, qnorm, qp, g, cent, cscale, cptr, nc, rad, cw, fac, fine, fscale, pos, R, R2, outs, est,
+                ids, tmp):
+    """Rows ``qs`` (Q, E) float32 (rotated: ``qrs`` (Q, E) float64, norms ``qnorm`` (Q,)) of one kv head g at
+    position ``qp``: the query heads of a GQA group, scanned together so each cluster's codes come from
+    memory once for all of them (estimated row by row from L1).
+
+    Per row: shortlists the ``R`` slots of largest sign estimate, writes the ``R2 <= R`` of them with the
+    largest 4-bit estimate (ascending, -1 padded) to ``outs[q]`` (R2,); returns the keys whose codes were
+    scanned per row (Q,).  ``est`` / ``ids`` (Q B,): row q's buffer is ``[q B, q B + B)``, B > R, holding
+    the keys whose estimate beats the row's ``theta``; when it is full it is cut back to its best R and
     ``theta`` rises to the R-th best.  ``theta`` starts at a cut from a sample that about 1.5 R keys beat
-    (on long caches): most keys are compared and passed over, and clusters whose bound is below it are
-    skipped; when fewer than R keys beat it, the row is scanned again from -inf (exact either way).
-    ``tmp``: scratch for the estimates of up to ``min(len(tmp), B - R)`` keys at a time."""
-    E = qi.shape[0]
-    B = est.shape[0]
+    (on long caches): most keys are compared and passed over, and clusters whose bound ``q . mu + |q| rad``
+    is below it are skipped; a row with fewer than R keys above it is scanned again from -inf (exact
+    either way).  ``tmp``: scratch for the estimates of up to ``min(len(tmp), B - R)`` keys at a time."""
+    Q, E = qs.shape[0], qs.shape[1]
+    B = est.shape[0] // Q
     C = min(tmp.shape[0], B - R)  # keys estimated at a time (a cluster may be larger)
-    planes, c1, c2, c0 = query_planes(qr)
-    base = np.empty(nc, np.float64)
-    ub = np.empty(nc, np.float64)
+    W = cw.shape[2]
+    planes = np.empty((Q, 4, W), np.uint64)
+    cq = np.empty((Q, 3), np.float64)
+    for q in range(Q):
+        planes[q], cq[q, 0], cq[q, 1], cq[q, 2] = query_planes(qrs[q])
+    base = np.empty((Q, nc), np.float64)
+    ub = np.empty((Q, nc), np.float64)
     for c in range(nc):
-        s = 0.0
-        for e in range(E):
-            s += np.float64(cent[g, c, e]) * np.float64(qi[e])
-        base[c] = s * np.float64(cscale[g, c])
-        ub[c] = base[c] + qnorm * rad[g, c]
+        for q in range(Q):
+            s = 0.0
+            for e in range(E):
+                s += np.float64(cent[g, c, e]) * np.float64(qs[q, e])
+            base[q, c] = s * np.float64(cscale[g, c])
+            ub[q, c] = base[q, c] + qnorm[q] * rad[g, c]
     cg = cw[g]
     fg = fac[g]
     pg = pos[g]
     long = cptr[g, nc] - cptr[g, 0] > 8 * R  # worth a threshold up front (to skip keys) only on long caches
-    theta0 = _sample_cut(planes, c1, c2, c0, base, cptr, g, nc, cg, fg, pg, qp, R, tmp) if long else -np.inf
-    scanned = 0
-    m = 0
+    theta0 = np.full(Q, -np.inf)
+    if long:
+        for q in range(Q):
+            theta0[q] = _sample_cut(planes, q, cq[q, 0], cq[q, 1], cq[q, 2], base, cptr, g, nc, cg, fg, pg, qp, R)
+    m = np.zeros(Q, np.int64)  # keys kept in each row's buffer
+    scanned = np.zeros(Q, np.int64)
+    theta = np.empty(Q, np.float64)  # a lower bound of the row's final R-th best (once checked)
+    todo = np.ones(Q, np.bool_)  # rows (still) to scan
+    live = np.zeros(Q, np.bool_)  # rows reading the current cluster
     for attempt in range(2):
-        m = 0  # keys kept in the buffer
-        scanned = 0
-        theta = theta0 if attempt == 0 else -np.inf  # a lower bound of the final R-th best (once checked)
+        for q in range(Q):
+            if todo[q]:
+                m[q] = 0
+                scanned[q] = 0
+                theta[q] = theta0[q] if attempt == 0 else -np.inf
         for c in range(nc):
-            if ub[c] < theta:
-                continue  # no key of the cluster beats keys already found
+            any_live = False
+            for q in range(Q):
+                live[q] = todo[q] and ub[q, c] >= theta[q]  # else no key of the cluster beats keys found
+                any_live |= live[q]
+            if not any_live:
+                continue
             for a in range(cptr[g, c], cptr[g, c + 1], C):  # in chunks of at most C keys
                 b = min(a + C, cptr[g, c + 1])
-                if m + (b - a) > B:
-                    m, theta = _shrink(est, ids, m, R)
-                    if ub[c] < theta:
-                        break
-                scanned += b - a
-                # estimates first (independent iterations that vectorise; hidden keys at -inf), then the
-                # filter, 8 at a time without a branch per key (about 1 key in 20 passes)
-                _estimate(planes, c1, c2, c0, base[c], cg, fg, pg, qp, a, b - a, tmp)
-                i = 0
-                while i + 8 <= b - a:
-                    m = compress_above8(tmp, i, theta, est, ids, m, a)
-                    i += 8
-                for r in range(i, b - a):  # the last few
-                    if tmp[r] > theta:
-                        est[m] = tmp[r]
-                        ids[m] = a + r
-                        m += 1
-        if m >= R or theta0 == -np.inf:
+                for q in range(Q):
+                    if not live[q]:
+                        continue
+                    if m[q] + (b - a) > B:
+                        m[q], theta[q] = _shrink(est[q * B:(q + 1) * B], ids[q * B:(q + 1) * B], m[q], R)
+                        if ub[q, c] < theta[q]:
+                            live[q] = False
+                            continue
+                    scanned[q] += b - a
+                    # estimates first (independent iterations that vectorise; hidden keys at -inf), then
+                    # the filter, 8 at a time without a branch per key (about 1 key in 20 passes)
+                    _estimate(planes, q, cq[q, 0], cq[q, 1], cq[q, 2], base[q, c], cg, fg, pg, qp, a, b - a, tmp)
+                    th = theta[q]
+                    w = q * B + m[q]
+                    i = 0
+                    while i + 8 <= b - a:
+                        w = compress_above8(tmp, i, th, est, ids, w, a)
+                        i += 8
+                    for r in range(i, b - a):  # the last few
+                        if tmp[r] > th:
+                            est[w] = tmp[r]
+                            ids[w] = a + r
+                            w += 1
+                    m[q] = w - q * B
+        for q in range(Q):
+            if todo[q]:
+                todo[q] = m[q] < R and theta0[q] > -np.inf
+        if not todo.any():
             break
-    if m > R:
-        m, theta = _shrink(est, ids, m, R)
-    if m > R2:  # stage 2: the best R2 of the shortlist by the 4-bit codes
-        _refine(planes, c1, c2, c0, cg, fine[g], fac, fscale, g, ids, est, m)
-        m, theta = _shrink(est, ids, m, R2)
-    _ascending(ids, m, cptr[g, 0], cptr[g, nc], out)
-    for i in range(m, R2):
-        out[i] = -1
+    for q in range(Q):
+        eq, iq, mq = est[q * B:(q + 1) * B], ids[q * B:(q + 1) * B], m[q]
+        if mq > R:
+            mq = _shrink(eq, iq, mq, R)[0]
+        if mq > R2:  # stage 2: the best R2 of the shortlist by the 4-bit codes
+            _refine(planes[q], cq[q, 0], cq[q, 1], cq[q, 2], cg, fine[g], fac, fscale, g, iq, eq, mq)
+            mq = _shrink(eq, iq, mq, R2)[0]
+        _ascending(iq, mq, cptr[g, 0], cptr[g, nc], outs[q])
+        for i in range(mq, R2):
+            outs[q, i] = -1
     return scanned
 
 
@@ -384,25 +419,38 @@ def _shrink(est, ids, m, R):
     return w, cand[sel[need - 1]]
 
 
-def _scan(q, qpos, rep, rot, cent, cscale, cptr, n_cent, rad, cw, fac, fine, fscale, pos, R, out, scanned, est, ids,
-          tmp):
+def _scan(q, qpos, rep, Qg, rot, cent, cscale, cptr, n_cent, rad, cw, fac, fine, fscale, pos, R, out, scanned, est,
+          ids, tmp):
     """Rows r = h * T + t of queries ``q`` (H, T, E) float32 at ``qpos`` (T,): ``out[r]`` (R2 slots, the
-    best of a shortlist of ``R`` >= R2) and ``scanned[r]`` (keys estimated).  ``cw``: the sign codes as
-    (G, slots, W) uint64 words, ``fine`` the lower code planes (G, slots, 3 W), ``fscale`` (G, slots).  ``est`` (P, B)
-    float64, ``ids`` (P, B) int64 and ``tmp`` (P, C) float64: scratch of P workers (rows p, p + P, ...;
-    every row costs the same), B > R (4 R + a segment: few cut-backs), C >= 1 (a segment)."""
-    H, T = q.shape[0], q.shape[1]
+    best of a shortlist of ``R`` >= R2) and ``scanned[r]`` (keys estimated).  The ``rep`` query heads of a
+    kv head go in groups of ``Qg`` (a divisor of ``rep``) scanned together.  ``cw``: the sign codes as
+    (G, slots, W) uint64 words, ``fine`` the lower code planes (G, slots, 3 W), ``fscale`` (G, slots).
+    ``est`` (P, Qg B) float64, ``ids`` (P, Qg B) int64 and ``tmp`` (P, C) float64: scratch of P workers
+    (groups p, p + P, ...; every group costs the same), B > R (4 R + a segment: few cut-backs), C >= 1."""
+    H, T, E = q.shape[0], q.shape[1], q.shape[2]
+    n_sub = rep // Qg
+    n_groups = (H // rep) * n_sub * T
     P = est.shape[0]
+    R2 = out.shape[1]
     for p in prange(P):
-        for r in range(p, H * T, P):
-            h = r // T
-            t = r - h * T
-            g = h // rep
-            qi = q[h, t]
-            qr = rot @ qi.astype(np.float64)
-            qn = np.sqrt(np.sum(qi.astype(np.float64) ** 2))
-            scanned[r] = _scan_row(qi, qr, qn, qpos[t], g, cent, cscale, cptr, n_cent[g], rad, cw, fac, fine, fscale,
-                                   pos, R, out.shape[1], out[r], est[p], ids[p], tmp[p])
+        for k in range(p, n_groups, P):
+            t = k % T
+            gs = k // T
+            g = gs // n_sub
+            h0 = g * rep + (gs % n_sub) * Qg
+            qs = np.empty((Qg, E), np.float32)
+            qrs = np.empty((Qg, E), np.float64)
+            qn = np.empty(Qg, np.float64)
+            for j in range(Qg):
+                qs[j] = q[h0 + j, t]
+                qrs[j] = rot @ qs[j].astype(np.float64)
+                qn[j] = np.sqrt(np.sum(qs[j].astype(np.float64) ** 2))
+            outs = np.empty((Qg, R2), np.int64)
+            sc = _scan_group(qs, qrs, qn, qpos[t], g, cent, cscale, cptr, n_cent[g], rad, cw, fac, fine, fscale,
+                             pos, R, R2, outs, est[p], ids[p], tmp[p])
+            for j in range(Qg):
+                out[(h0 + j) * T + t] = outs[j]
+                scanned[(h0 + j) * T + t] = sc[j]
 
 
 scan_serial, scan_parallel = serial_and_parallel(_scan)

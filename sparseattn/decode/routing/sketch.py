@@ -38,7 +38,7 @@ from ..store import EVICTED
 from .base import register_routing
 from .cluster import ClusterRouting
 
-__all__ = ["SketchRouting", "parse_sketch"]
+__all__ = ["SketchRouting", "group_size", "parse_sketch"]
 
 MIN_CANDIDATES = 1024
 DEFAULT_FRACTION = 1 / 128  # keys read exactly (at least MIN_CANDIDATES)
@@ -75,6 +75,16 @@ def parse_sketch(selector: object) -> dict[str, float] | None:
     if "candidates" in out and "fraction" in out:
         raise ValueError(f"selector {selector!r}: pass candidates or fraction, not both.")
     return out
+
+
+def group_size(rep: int, groups: int, threads: int) -> int:
+    """Query heads of a kv head scanned together: the largest divisor of ``rep`` that still leaves at least
+    ``threads`` groups of rows (``groups``: kv heads x query tokens), so sharing a kv head's code reads
+    never idles a worker; 1 without GQA."""
+    for d in range(rep, 0, -1):
+        if rep % d == 0 and (groups * (rep // d) >= threads or d == 1):
+            return d
+    return 1
 
 
 @register_routing
@@ -175,18 +185,21 @@ class SketchRouting(ClusterRouting):
         work = (lay.open_end - st.s0) * q.shape[0] * q.shape[1] // 16  # a code is ~1/16 of a key's reads
         par = cfg.parallel if cfg.parallel is not None else work >= PARALLEL_MIN_KEYS
         fn = ks.scan_parallel if par else ks.scan_serial
-        P = min(get_num_threads(), rows.shape[0]) if par else 1
+        H, T = q.shape[0], q.shape[1]
+        threads = get_num_threads() if par else 1
+        Qg = group_size(cfg.rep, (H // cfg.rep) * T, threads)
+        P = min(threads, H * T // Qg)
         R1 = self.shortlist()
-        need = 4 * R1 + cfg.segment  # the scan's buffer (cut back to R1 when a cluster may not fit)
+        need = Qg * (4 * R1 + cfg.segment)  # the scan's buffers (each cut back to R1 when a cluster may not fit)
         with self._scratch_lock:
             if self._est.shape[0] < P or self._est.shape[1] < need:
                 shape = (max(P, self._est.shape[0]), max(need, self._est.shape[1]))
                 self._est, self._ids = np.empty(shape, np.float64), np.empty(shape, np.int64)
                 self._tmp = np.empty((shape[0], cfg.segment), np.float64)  # a cluster's estimates
-            fn(q, qpos, cfg.rep, self.rot, lay.cent, lay.cscale, lay.cptr, lay.n_cent if n_cent is None else n_cent,
-               self.rad, st.sketch_codes.view(np.uint64), st.sketch_fac, st.sketch_fine.view(np.uint64),
-               st.sketch_fscale, st.pos, R1, rows, scanned,
-               self._est[:P], self._ids[:P], self._tmp[:P])
+            fn(q, qpos, cfg.rep, Qg, self.rot, lay.cent, lay.cscale, lay.cptr,
+               lay.n_cent if n_cent is None else n_cent, self.rad, st.sketch_codes.view(np.uint64), st.sketch_fac,
+               st.sketch_fine.view(np.uint64), st.sketch_fscale, st.pos, R1, rows, scanned,
+               self._est[:P, :need], self._ids[:P, :need], self._tmp[:P])
         return rows, scanned
 
     def reads_all(self) -> bool:
