@@ -48,7 +48,7 @@ SETTINGS = {"default": {}, "sketch-lean": {"selector": "sketch:candidates=1024,s
 LEVELS = ("step", "read scan", "read rows", "launch", "sdpa")
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def read_scan(codes, fac, pos, lo, hi, out):
     """Row h: sum of the uint64 code words, factor bits and positions of slots [lo[h], hi[h]) of head h."""
     for h in prange(out.shape[0]):
@@ -60,7 +60,7 @@ def read_scan(codes, fac, pos, lo, hi, out):
         out[h] = acc
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def read_rows(K, V, rec, n_rec, out):
     """Row h: sum of the uint64 words of the key and value rows of the slot ranges ``rec[h, :n_rec[h]]``."""
     for h in prange(out.shape[0]):
@@ -72,13 +72,13 @@ def read_rows(K, V, rec, n_rec, out):
         out[h] = acc.sum()
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def launch(out):
     for h in prange(out.shape[0]):
         out[h] = 0
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def flush(buf, step):
     for i in prange(buf.shape[0]):
         buf[i] = step + i
