@@ -443,6 +443,11 @@ class SparseCache(Cache):
             else:
                 layer.append_attended(k, v, n)
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """Refused before any layer changes (a sliding-window layer could crop, the KVCache layers cannot)."""
+        raise ValueError("SparseCache cannot crop tokens (assisted or speculative decoding, or generate(...) "
+                         "continuing with a shorter prompt); use DynamicCache for those.")
+
     def kv_caches(self) -> list[KVCache | None]:
         """The KVCache of each layer (None before its first update, and for sliding-window layers)."""
         return [getattr(layer, "kv", None) for layer in self.layers]

@@ -146,3 +146,11 @@ def test_all_sliding_model_refused():
     cfg = transformers.MistralConfig(num_hidden_layers=2, sliding_window=64)
     with pytest.raises(ValueError, match=r"every layer of MistralConfig is sliding_attention.*DynamicCache"):
         SparseCache(cfg)
+
+
+def test_crop_refused_before_any_layer_changes(model):
+    cache = SparseCache(model, selector="dense")
+    _generate(model, _ids(5, 9), cache, impl=register_cache(), n=2)
+    with pytest.raises(ValueError, match="cannot crop"):
+        cache.crop(1)
+    assert [la.get_seq_length() for la in cache.layers] == [6, 6, 6, 6]
