@@ -50,14 +50,22 @@ LEVELS = ("step", "read scan", "read rows", "launch", "sdpa")
 
 @njit(parallel=True)
 def read_scan(codes, fac, pos, lo, hi, out):
-    """Row h: sum of the uint64 code words, factor bits and positions of slots [lo[h], hi[h]) of head h."""
+    """Row h: sum of the uint64 code words, factor bits and positions of slots [lo[h], hi[h]) of head h
+    (three contiguous streams, each summed by a loop that vectorises: memory-bound, not compute-bound)."""
     for h in prange(out.shape[0]):
-        acc = np.uint64(0)
-        for j in range(lo[h], hi[h]):
-            for w in range(codes.shape[2]):
-                acc += codes[h, j, w]
-            acc += np.uint64(fac[h, j]) + np.uint64(pos[h, j])
-        out[h] = acc
+        c = codes[h, lo[h]:hi[h]].ravel()
+        f = fac[h, lo[h]:hi[h]]
+        p = pos[h, lo[h]:hi[h]]
+        a = np.uint64(0)
+        for j in range(c.shape[0]):
+            a += c[j]
+        b = np.uint64(0)
+        for j in range(f.shape[0]):
+            b += np.uint64(f[j])
+        d = np.int64(0)
+        for j in range(p.shape[0]):
+            d += p[j]
+        out[h] = a + b + np.uint64(d)
 
 
 @njit(parallel=True)

@@ -1,9 +1,11 @@
-"""1-bit residual sketches of keys and the candidate scan of the decode cache's ``sketch`` routing.
+"""Residual sketches of keys and the two-stage candidate scan of the decode cache's ``sketch`` routing.
 
 A key ``k`` of a cluster with routing vector ``mu`` has the residual ``r = k - mu``.  With a fixed random
-rotation ``P`` (E, E) orthogonal, the key's code is the signs of ``P r`` packed into 64-bit words (bit ``i``
-of word ``w`` is ``(P r)[64 w + i] >= 0``; bits past E are 0), plus one factor ``f = |P r|^2 / |P r|_1``.
-For a query ``q``::
+rotation ``P`` (E, E) orthogonal, each component of ``P r`` gets a 4-bit code ``c`` in 0..15 (16 bins of
+width ``D = max |P r| / 7.5``), stored as four bit planes of 64-bit words (bit ``i`` of word ``w`` of plane
+``b`` is bit ``b`` of ``c[64 w + i]``; bits past E are 0).  The top plane is the sign of ``P r``.
+
+Stage 1 (every routed key): the sign code and one factor ``f = |P r|^2 / |P r|_1`` estimate a score::
 
     q . k = q . mu + (P q) . (P r)  ~  q . mu + f * (P q) . s        (s = the signs as +-1)
 
@@ -15,14 +17,15 @@ the same share of the true top-64 as with the float query, 0.961 against 0.959),
     (P q) . s  ~  2 d S + 2 lo c - d sum(u) - E lo,    S = sum_p 2^p popcount(U_p & code),  c = popcount(code)
 
 with ``U_p`` the bit planes of ``u``: five popcounts and a few integer operations a key at E = 64, which
-vectorise (``vpopcntq``); 8 bytes of code per 64 dimensions and 4 of factor read.
+vectorise (``vpopcntq``); 8 bytes of code per 64 dimensions and 4 of factor read.  The scan streams the
+clusters in slot order against a threshold taken from a sample of the keys (about 1.5 x the shortlist
+beats it; a row with fewer is scanned again from -inf), skipping every cluster whose ball bound ``q . mu
++ |q| rad`` (``rad``: its largest residual norm) is below the threshold, and keeps the ``R`` best keys.
 
-:func:`scan_serial` / :func:`scan_parallel` estimate the routed keys of a row's kv head and returns per row the ``R`` slots of
-largest estimate; the caller reads those slots exactly (the decode kernel's ``MODE_LIST``).  The
-clusters of largest ball bound ``q . mu + |q| rad`` (``rad``: the cluster's largest residual norm, so no
-member scores above it) holding ``2 R`` keys are scanned first; the rest follow in slot order (a forward
-stream the hardware prefetches), each skipped when its bound is below the ``R``-th best estimate found so
-far (its keys cannot beat keys already found).
+Stage 2 (the shortlist): the whole 4-bit codes re-rank the ``R`` keys (20 popcounts a key at E = 64,
+``fine_scale * sum_i qhat_i (c_i - 7.5)``), and the best ``R2`` are returned for the exact reads (the
+decode kernel's ``MODE_LIST``).  :func:`scan_serial` / :func:`scan_parallel` run both for every row,
+the query heads of a kv head (GQA) in groups that read each cluster's codes once.
 """
 
 from __future__ import annotations
