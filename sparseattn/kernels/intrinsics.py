@@ -1,5 +1,5 @@
-"""Low-level helpers for the kernels: a software prefetch, a vectorisable float32 exp, popcount,
-trailing zeros and a compressing filter.
+"""Low-level helpers for the kernels: a software prefetch, a vectorisable float32 exp, popcount and
+a compressing filter.
 
 Why prefetch: a random sparse pattern gathers one key row and one value row per (query, key) pair from
 anywhere in memory; the hardware prefetcher cannot guess those addresses, so the kernel announces them a
@@ -75,20 +75,6 @@ def popcount64(typingctx, x):
         i64 = ir.IntType(64)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64]), "llvm.ctpop.i64")
         return builder.call(fn, [args[0]])
-
-    return sig, codegen
-
-
-@intrinsic
-def trailing_zeros64(typingctx, x):
-    """Index of the lowest set bit of a nonzero uint64 (``llvm.cttz``, one instruction), as int64."""
-    sig = types.int64(types.uint64)
-
-    def codegen(context, builder, signature, args):
-        i64 = ir.IntType(64)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64, ir.IntType(1)]),
-                                            "llvm.cttz.i64")
-        return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 1)])
 
     return sig, codegen
 
