@@ -175,7 +175,9 @@ class SketchRouting(ClusterRouting):
         """Keys per query the sign scan passes to the re-ranking (>= the candidates)."""
         routed = max(self.layout.open_end - self.store.s0, 0)
         frac = self.options.get("shortlist", DEFAULT_SHORTLIST)
-        return max(SHORTLIST_RATIO * self.candidates(), math.ceil(frac * routed))
+        # never more than the routed keys (the scan's buffers scale with it; a step that would shortlist
+        # more than an eighth of them reads every key instead, see reads_all)
+        return min(max(SHORTLIST_RATIO * self.candidates(), math.ceil(frac * routed)), max(routed, 1))
 
     def _scan(self, q: np.ndarray, qpos: np.ndarray, R: int, n_cent: np.ndarray | None = None
               ) -> tuple[np.ndarray, np.ndarray]:
