@@ -53,9 +53,10 @@ class KVCache(CacheReport):
         Value dimension Ev (default E).
     selector : str, default "sketch"
         How each step picks keys beyond the exact sinks + window (see the module docstring): one of
-        ``"sketch"`` (the default: every clustered key's 1-bit residual code is scanned and the 3 % of
-        keys with the largest estimated score, at least 1,024, are read exactly; ``"sketch:candidates=N"``
-        or ``"sketch:fraction=F"`` set that budget), ``"cluster"`` (whole clusters ranked by their mean
+        ``"sketch"`` (the default: the sign plane of every clustered key's 4-bit residual code is
+        scanned, the best 3 % are re-ranked by the whole code, and the best ``max(1024, 1/128 of the
+        clustered keys)`` of those are read exactly; ``"sketch:candidates=N"`` or ``"sketch:fraction=F"``
+        set that budget, ``"sketch:shortlist=S"`` the re-ranked share), ``"cluster"`` (whole clusters ranked by their mean
         key: faster, but it misses keys that point at the query from clusters that do not, more so as
         the cache grows; the only one with ``estimate`` and ``top_p``), ``"pages"``, ``"window"``,
         ``"topk"``, ``"dense"``, or the spec string of an index selector that supports ``add()``

@@ -1,7 +1,7 @@
 """Routing strategies of the decode cache behind one interface (:class:`Routing`).
 
 Built in (by ``selector=`` name, in this order): ``cluster`` (segments of k-means clusters),
-``pages`` (Quest page bounds), ``sketch`` (1-bit residual codes of every clustered key), ``window``, ``topk`` and ``dense``; any other selector spec names an
+``pages`` (Quest page bounds), ``sketch`` (4-bit residual codes of every clustered key, scanned by their sign plane and re-ranked), ``window``, ``topk`` and ``dense``; any other selector spec names an
 index selector (:class:`IndexRouting`).
 """
 

@@ -89,7 +89,7 @@ def group_size(rep: int, groups: int, threads: int) -> int:
 
 @register_routing
 class SketchRouting(ClusterRouting):
-    """Routing by 1-bit residual sketches over the ``cluster`` layout (see the module docstring)."""
+    """Routing by 4-bit residual sketches over the ``cluster`` layout (see the module docstring)."""
 
     name = "sketch"
     supports = frozenset()
