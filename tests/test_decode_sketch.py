@@ -61,8 +61,8 @@ def _check_two_stage(c: KVCache, q: np.ndarray, h: int = 0, sel: np.ndarray | No
     """The routed slots query head h reads (``sel``, default ``selected_slots``) are the ``candidates`` best
     by the 4-bit estimate among the ``shortlist`` best by the sign estimate (live slots of its kv head
     only), up to float rounding at the two cuts."""
-    est1, est2, live, a0, b0 = _oracle_routed(c, q, h // c._cfg.rep)
-    R1, R2 = c._routing.shortlist(), c._routing.candidates()
+    est1, est2, live, a0, b0 = _oracle_routed(c, q, h * c.num_kv_heads // c.num_heads)
+    R1, R2 = c.stats["sketch_shortlist"], c.stats["sketch_candidates"]
     sel = np.asarray(c.selected_slots(q, h)) if sel is None else sel
     routed = sel[(sel >= a0) & (sel < b0)] - a0
     n_live = int(live.sum())
@@ -180,7 +180,7 @@ def test_candidates_are_the_top_estimates_hypothesis(n: int, cand: int, cap: int
     # (the scan's sampled threshold and its cluster skipping change nothing), with evictions and compaction
     kw = {"max_keys": cap} if cap is not None else {}
     c, K, V = _cache(n, hk=1, h=1, seed=seed, selector=f"sketch:candidates={cand}", **kw)
-    if int(c.debug_view()["n_clusters"][0]) == 0 or c._routing.reads_all():
+    if int(c.debug_view()["n_clusters"][0]) == 0 or c.debug_view()["sketch_reads_all"]:
         return
     _check_two_stage(c, (np.random.default_rng(seed + 1).standard_normal(E) * scale).astype(np.float32))
 

@@ -102,7 +102,8 @@ class CacheReport:
         slots) float64) and the routing strategy's arrays (``cluster``: ``n_clusters``, ``cluster_ptr``,
         ``cluster_count``, ``cluster_value_mean``, ``cluster_min_pos``, ``cluster_max_pos``,
         ``routing_codes`` (int8) and ``routing_scales`` (float32), ``routing_vectors`` (their product), ``segment_starts``, ``open_segment``; ``pages``: ``page_min``, ``page_max``,
-        ``page_min_pos``; index selectors: ``indexes``, ``index_ids``).
+        ``page_min_pos``; ``sketch``: the cluster keys and ``sketch_rotation``, ``sketch_radius``, ``sketch_plan_rows``,
+        ``sketch_reads_all`` (this step would read every key); index selectors: ``indexes``, ``index_ids``).
         """
         st = self._store
         n = st.slots

@@ -246,7 +246,8 @@ class SketchRouting(ClusterRouting):
 
     def debug_arrays(self) -> dict[str, Any]:
         return {**super().debug_arrays(), "sketch_rotation": self.rot, "sketch_radius": self.rad,
-                "sketch_plan_rows": max(1, PLAN_BYTES // (8 * self.candidates()))}
+                "sketch_plan_rows": max(1, PLAN_BYTES // (8 * self.candidates())),
+                "sketch_reads_all": self.reads_all()}
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "sketch_candidates": self.candidates(), "sketch_shortlist": self.shortlist(),
