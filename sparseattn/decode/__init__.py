@@ -52,13 +52,17 @@ tight clusters.  Clusters holding a key the row may not see (a later position, o
 never estimated.  Clusters beyond ``n_probe + N`` are ignored, as before.
 
 Mass-driven budget (``selector="cluster"``, ``top_p=p``): instead of a fixed ``n_probe``, each query
-reads clusters in order of estimated mass ``n_c·exp(scale·q·μ_c)`` (the statistics of the estimation
-zone) until the estimated mass read - the exact part's true mass plus the estimates of the clusters
-read - reaches ``p`` of the estimated total (exact part + every cluster), with at least ``top_p_min_keys``
-routed keys, and stops before a cluster that would take the routed keys past ``top_p_max_keys`` (the
-semantics of ``routed_attention(top_p=...)``, :func:`sparseattn.index.routing.mass_routes`).  A peaky
-query reads few clusters, a flat one many; ``stats["keys_read_per_query"]`` reports it.  ``estimate=N``
-then estimates the ``N`` clusters after the last one read.
+reads clusters in order of estimated mass until the estimated mass read m_in - the exact part's true mass
+plus the estimates of the clusters read - reaches ``p`` of ``m_in + 1.1 m_out`` (m_out: the estimated mass
+left unread, counted 10 % larger as a margin for the estimate's error), with at least ``top_p_min_keys``
+routed keys, and stops before a cluster that would take the routed keys past ``top_p_max_keys`` (default:
+no cap; a cap that binds is counted in ``stats["top_p_capped"]``).  A cluster's estimated mass is second
+order, as in the prefill walk (:func:`sparseattn.index.routing.mass_routes`): ``n_c exp(scale q.mu_c +
+g)``, with g the spread term of the cluster's mean per-dimension key variance (continued sub-linearly past
+``log n_c`` and never above ``|scale| |q|`` times its largest member distance to the mean), since the
+first-order ``n_c exp(scale q.mu_c)`` under-states spread-out clusters (Jensen) and ends the walk early.
+A peaky query reads few clusters, a flat one many; ``stats["keys_read_per_query"]`` reports it.
+``estimate=N`` then estimates the ``N`` clusters after the last one read.
 
 Memory cap (``max_keys``): at most ``max_keys`` keys stay attendable; the ``sinks`` first positions and
 the newest ``window`` ones are always kept.  ``policy="streaming"`` (StreamingLLM) evicts the oldest

@@ -74,7 +74,7 @@ class CacheConfig:
                                  f"mass); got selector={selector!r}. Pass Budget(top_p=None) or selector='cluster'.")
             self.top_p = float(top_p)
         self.top_p_min_keys = check_positive_int(top_p_min_keys, "top_p_min_keys", minimum=0, maximum=big)
-        self.top_p_max_keys = (min(4 * max(self.n_probe, 1) * self.cluster_size, big) if top_p_max_keys is None
+        self.top_p_max_keys = (big if top_p_max_keys is None
                                else check_positive_int(top_p_max_keys, "top_p_max_keys", minimum=0, maximum=big))
         if self.top_p_min_keys > self.top_p_max_keys:
             raise ValueError(f"top_p_min_keys ({self.top_p_min_keys}) must be <= top_p_max_keys "

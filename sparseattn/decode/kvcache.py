@@ -118,10 +118,12 @@ class KVCache(CacheReport):
         self._routing: Routing = routing_class(selector)(cfg, self._store)
         self._policy = make_policy(cfg.policy, self._store, self._routing, sinks=cfg.sinks, window=cfg.window)
         self._lock = threading.RLock()  # append / reserve / attend / selected_slots / positions take turns
-        self._last_read: tuple[np.ndarray, np.ndarray] | None = None  # keys read, clusters estimated per row
+        # keys read, clusters estimated, top_p walk capped, per row of the last attend
+        self._last_read: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._stats: dict[str, Any] = {
             "appends": 0, "append_seconds": 0.0, "attends": 0, "attend_seconds": 0.0, "kernel_seconds": 0.0,
             "evicted_keys": 0, "compactions": 0, "queries": 0, "keys_read": 0, "clusters_estimated": 0,
+            "top_p_capped": 0,
         }
 
     # ------------------------------------------------------------------------------------- metadata
@@ -352,7 +354,8 @@ class KVCache(CacheReport):
         self._stats["queries"] += nread.size
         self._stats["keys_read"] += int(n_keys)
         self._stats["clusters_estimated"] += int(n_est)
-        self._last_read = (nread, res.nest)  # summarised by ``stats`` (not per step: a decode step is short)
+        self._stats["top_p_capped"] += int(res.ncap.sum())
+        self._last_read = (nread, res.nest, res.ncap)  # summarised by ``stats`` (not per step: a decode step is short)
         if squeeze:
             out, lse = out[:, 0], lse[:, 0]
         if torch_in:

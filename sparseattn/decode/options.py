@@ -91,8 +91,9 @@ class Budget:
     top_p_min_keys : int, default 0
         ``top_p`` only: floor of routed keys read per query.
     top_p_max_keys : int, optional
-        ``top_p`` only: cap of routed keys read per query (default ``4 * n_probe * cluster_size``); the
-        walk stops before a cluster that would pass it, and ``stats`` counts the rows it stopped.
+        ``top_p`` only: cap of routed keys read per query (default: none, so ``top_p`` alone decides); the
+        walk stops before a cluster that would pass it, and ``stats["top_p_capped"]`` counts the rows it
+        stopped short of their goal.
     """
 
     n_probe: int | None = None

@@ -40,10 +40,11 @@ _NO_REC_N = np.zeros(0, np.int64)
 @functools.lru_cache(maxsize=64)
 def empty_clusters(hk: int, E: int, Ev: int) -> tuple[np.ndarray, ...]:
     """Cluster arrays of a cache without clusters: (cent, cscale, cptr, n_cent, ccount, cvmean, cminpos,
-    cmaxpos), the dtypes and ranks the kernel expects (made once per shape: the kernel never writes them)."""
+    cmaxpos, cspread), the dtypes and ranks the kernel expects (made once per shape: the kernel never
+    writes them)."""
     return (np.zeros((hk, 0, E), np.int8), np.zeros((hk, 0), np.float32), np.zeros((hk, 1), np.int64),
             np.zeros(hk, np.int64), np.zeros((hk, 0), np.int64), np.zeros((hk, 0, Ev), np.float32),
-            np.zeros((hk, 0), np.int32), np.zeros((hk, 0), np.int32))
+            np.zeros((hk, 0), np.int32), np.zeros((hk, 0), np.int32), np.zeros((hk, 0, 2), np.float32))
 
 
 @functools.lru_cache(maxsize=64)
@@ -74,7 +75,7 @@ class StepPlan:
     rows_sel : (R, W) int64
         ``MODE_LIST``: the slots each row reads, -1 padded.
     clusters : tuple of arrays
-        (cent, cscale, cptr, n_cent, ccount, cvmean, cminpos, cmaxpos), see :func:`empty_clusters`.
+        (cent, cscale, cptr, n_cent, ccount, cvmean, cminpos, cmaxpos, cspread), see :func:`empty_clusters`.
     pages : tuple of arrays
         (pmin, pmax, pminpos) in the storage dtype, see :func:`empty_pages`.
     page_size : int; top_p : float; tp_min, tp_max : int
@@ -104,7 +105,8 @@ class StepResult:
     """Outputs of one kernel call: out (H, T, Ev) float32, lse (H, T) float32, keys read and clusters
     estimated per row (R = H * T, int64), and the slot ranges each row scored (``rec[r, :n_rec[r]]`` of
     (first, stop, lim); slot j of a range was read iff ``pos[g, j] <= qpos[t]`` and ``pos[g, j] < lim``)
-    when recorded."""
+    when recorded; ``ncap`` (R,) int8: 1 where a ``top_p`` walk stopped at ``top_p_max_keys`` short of
+    its goal."""
 
     out: np.ndarray
     lse: np.ndarray
@@ -113,6 +115,7 @@ class StepResult:
     rec: np.ndarray
     n_rec: np.ndarray
     seconds: float
+    ncap: np.ndarray
 
 
 def run_plan(store: SlotStore, plan: StepPlan, q: np.ndarray, qpos: np.ndarray, *, scale: float,
@@ -129,6 +132,7 @@ def run_plan(store: SlotStore, plan: StepPlan, q: np.ndarray, qpos: np.ndarray, 
     lse = np.empty((H, T), np.float32)
     nread = np.empty(R, np.int64)
     nest = np.empty(R, np.int64)  # written for every row
+    ncap = np.empty(R, np.int8)
     par = parallel if parallel is not None else plan.work >= PARALLEL_MIN_KEYS
     bf16 = store.storage == "bfloat16"
     if bf16:
@@ -142,20 +146,20 @@ def run_plan(store: SlotStore, plan: StepPlan, q: np.ndarray, qpos: np.ndarray, 
         rec, n_rec = _NO_REC, _NO_REC_N
     clusters = plan.clusters if plan.clusters is not None else empty_clusters(hk, E, Ev)
     pages = plan.pages if plan.pages is not None else empty_pages(hk, E, store.sdtype)
-    cent, cscale, cptr, n_cent, ccount, cvmean, cminpos, cmaxpos = clusters
+    cent, cscale, cptr, n_cent, ccount, cvmean, cminpos, cmaxpos, cspread = clusters
     t1 = time.perf_counter()
     K, V, pmin, pmax = store.kernel_arrays(store.K, store.V, pages[0], pages[1])
     fn(q, qpos, H // hk, K, V, store.pos, plan.s0, plan.ex_lo, plan.n_slots, plan.hi, plan.mode,
        plan.n_probe, cent, cscale, cptr, n_cent, ccount, pmin, pmax, pages[2],
-       plan.page_size, np.float32(scale), plan.n_est, cvmean, cminpos, cmaxpos,
-       float(plan.top_p), plan.tp_min, plan.tp_max, plan.rows_sel, rec, n_rec, out, lse, nread, nest)
+       plan.page_size, np.float32(scale), plan.n_est, cvmean, cminpos, cmaxpos, cspread,
+       float(plan.top_p), plan.tp_min, plan.tp_max, plan.rows_sel, rec, n_rec, out, lse, nread, nest, ncap)
     if weights is not None and plan.n_slots:
         if bf16:
             acc = kd.accumulate_parallel_bf16 if par else kd.accumulate_serial_bf16
         else:
             acc = kd.accumulate_parallel if par else kd.accumulate_serial
         acc(q, qpos, H // hk, K, store.pos, rec, n_rec, lse, np.float32(scale), weights)
-    return StepResult(out, lse, nread, nest, rec, n_rec, time.perf_counter() - t1)
+    return StepResult(out, lse, nread, nest, rec, n_rec, time.perf_counter() - t1, ncap)
 
 
 def run_strategy(store: SlotStore, strategy: Any, q: np.ndarray, qpos: np.ndarray, k: int, *, scale: float,
@@ -193,7 +197,7 @@ def concat_results(parts: list[StepResult]) -> StepResult:
     rec = np.concatenate(recs, axis=1).reshape(H * T, width, 3) if parts[0].rec.shape[0] else parts[0].rec
     n_rec = rows("n_rec") if parts[0].n_rec.shape[0] else parts[0].n_rec
     return StepResult(np.concatenate([p.out for p in parts], axis=1), np.concatenate([p.lse for p in parts], axis=1),
-                      rows("nread"), rows("nest"), rec, n_rec, sum(p.seconds for p in parts))
+                      rows("nread"), rows("nest"), rec, n_rec, sum(p.seconds for p in parts), rows("ncap"))
 
 
 def describe(plan: StepPlan) -> dict[str, Any]:

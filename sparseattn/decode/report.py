@@ -60,20 +60,22 @@ class CacheReport:
 
         Cumulative since the cache was made: ``appends``, ``attends``, ``queries`` (query rows attended:
         heads x tokens), ``keys_read`` and ``clusters_estimated`` (summed over those rows), seconds in
-        append / clustering / attend / the kernel, ``evicted_keys``, ``compactions``, ``index_rebuilds``.
-        Of the last attend: ``keys_read_per_query`` (mean), ``keys_read_max``, ``keys_read_min``,
-        ``clusters_estimated_per_query``.  Now: segments, clusters, tail keys, slots, bytes.
+        append / clustering / attend / the kernel, ``evicted_keys``, ``compactions``, ``index_rebuilds``,
+        ``top_p_capped`` (rows whose ``top_p`` walk stopped at ``top_p_max_keys`` short of its goal: the cap
+        bound).  Of the last attend: ``keys_read_per_query`` (mean), ``keys_read_max``, ``keys_read_min``,
+        ``clusters_estimated_per_query``, ``top_p_capped_rows``.  Now: segments, clusters, tail keys, slots, bytes.
         ``keys_read / queries`` is the mean over every attend."""
         st = self._store
         out = {"cluster_seconds": 0.0, "segments_clustered": 0, "keys_read_per_query": 0.0, "keys_read_max": 0,
-               "keys_read_min": 0, "clusters_estimated_per_query": 0.0, "index_rebuilds": 0, "segments": 0,
+               "keys_read_min": 0, "clusters_estimated_per_query": 0.0, "top_p_capped_rows": 0, "index_rebuilds": 0, "segments": 0,
                "open_segment_keys": 0, "clusters_per_head": 0.0}
         out.update(self._stats)
         out.update(self._routing.stats())
         if self._last_read is not None:
-            nread, nest = self._last_read
+            nread, nest, ncap = self._last_read
             out.update(keys_read_per_query=float(nread.mean()), keys_read_max=int(nread.max()),
-                       keys_read_min=int(nread.min()), clusters_estimated_per_query=float(nest.mean()))
+                       keys_read_min=int(nread.min()), clusters_estimated_per_query=float(nest.mean()),
+                       top_p_capped_rows=int(ncap.sum()))
         out.update(tail_keys=st.slots - self._routing.tail_start(), len=len(self), kv_nbytes=self.kv_nbytes,
                    index_nbytes=self.index_nbytes, slots=st.slots,
                    append_us_per_token=(1e6 * self._stats["append_seconds"] / st.n) if st.n else 0.0)

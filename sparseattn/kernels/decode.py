@@ -61,6 +61,7 @@ from numba import njit, prange
 
 from .decode_route import (
     EVICTED,
+    MASS_MARGIN,
     MODE_CLUSTER,
     MODE_LIST,
     MODE_MASS,
@@ -92,7 +93,7 @@ from .storage import (
     widen_f16,
 )
 
-__all__ = ["CHUNK", "EVICTED", "MODE_CLUSTER", "MODE_LIST", "MODE_MASS", "MODE_NONE", "MODE_PAGES", "MODE_TOPK",
+__all__ = ["CHUNK", "EVICTED", "MASS_MARGIN", "MODE_CLUSTER", "MODE_LIST", "MODE_MASS", "MODE_NONE", "MODE_PAGES", "MODE_TOPK",
            "accumulate_parallel", "accumulate_parallel_bf16", "accumulate_serial", "accumulate_serial_bf16",
            "decode_parallel", "decode_parallel_bf16", "decode_serial", "decode_serial_bf16", "float32_bits",
            "narrow_f16", "page_bounds", "step_summary", "store_token_bf16", "store_token_f16", "store_token_f32", "widen_bf16",
@@ -248,7 +249,7 @@ def step_summary(out, lse, nread, nest):
 # ---------------------------------------------------------------------------------------------- a row
 def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_probe,
          cent, cscale, cptr, n_cent, ccount, pmin, pmax, pminpos, page_size, scale, n_est, cvmean, cminpos, cmaxpos,
-         top_p, tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest):
+         cspread, top_p, tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest, ncap):
     """One row (query head h, token t): route (``ROUTE``), read the ranges (range 0 the sinks, 1 the window,
     then the routed ranges or the mass walk; in the ``LISTED`` variants range 2 is every slot of ``sel[r]``)
     with one online softmax in chunks of ``CHUNK`` (one row of the next range prefetched per row scored),
@@ -261,13 +262,14 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
     acc, sc = np.zeros(max(Ev, 1), dtype=np.float32), np.empty(CHUNK, dtype=np.float32)
     idx = sel[r] if LISTED else np.empty(0, dtype=np.int64)  # LISTED: the row's listed slots
     hs, hb, qc, la, n_sel, n_zone, overflow = ROUTE(r, qi, g, qp, mode, n_probe, n_est, cent, cscale, n_cent, ccount,
-                                                    cminpos, pmin, pmax, pminpos, page_size, n_sinks, ex_lo, Kg,
-                                                    pg, n_slots, sel, scale)
+                                                    cminpos, cspread, pmin, pmax, pminpos, page_size, n_sinks, ex_lo,
+                                                    Kg, pg, n_slots, sel, scale)
     nc = la.shape[0]
     order = np.empty(0, dtype=np.int64)  # MODE_MASS walk state
     goal = cum = 0.0
     mshift, m_run, l_run = np.float32(-np.inf), np.float32(-np.inf), np.float32(0.0)
     nk = walk = rr = n_read = n_recorded = 0
+    capped = 0  # MODE_MASS: the walk ended at top_p_max_keys, short of its goal
     listed = False  # LISTED: set once the listed slots are read
     while not overflow and not listed:
         listed = LISTED and rr == 2
@@ -278,6 +280,7 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
                 order, mshift, cum, goal = mass_open(la, nc, m_run, l_run, top_p)
             c, walk, nk, cum = mass_next(order, la, walk, nc, cum, goal, mshift, nk, top_p, tp_min, tp_max, cptr, g)
             if c < 0:
+                capped = 1 if c == -2 else 0
                 break
             a, b, lim = cptr[g, c], cptr[g, c + 1], hi_pos
         else:
@@ -342,7 +345,7 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
     if not overflow:
         m_run, l_run, n_used, overflow = _estimate(mode, n_est, n_zone, n_probe, hs, hb, order, walk, la, qc, g, qp,
                                                    scale, ccount, cmaxpos, cvmean, acc, m_run, l_run)
-    nest[r], nread[r] = n_used, n_read
+    nest[r], nread[r], ncap[r] = n_used, n_read, capped
     if rec.shape[0] > 0:
         n_rec[r] = n_recorded
     _finish(out, lse, h, t, acc, m_run, l_run, overflow)
@@ -362,17 +365,17 @@ ROW, ROW_LIST = _row_f32, _row_list_f32
 
 def _decode_rows(q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_probe,
                  cent, cscale, cptr, n_cent, ccount, pmin, pmax, pminpos, page_size, scale, n_est, cvmean, cminpos,
-                 cmaxpos, top_p, tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest):
+                 cmaxpos, cspread, top_p, tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest, ncap):
     one_sweep = mode == MODE_LIST and rec.shape[0] == 0  # every listed slot in one sweep
     for r in prange(q.shape[0] * q.shape[1]):
         if one_sweep:
             ROW_LIST(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_probe, cent, cscale, cptr,
-                     n_cent, ccount, pmin, pmax, pminpos, page_size, scale, n_est, cvmean, cminpos, cmaxpos, top_p,
-                     tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest)
+                     n_cent, ccount, pmin, pmax, pminpos, page_size, scale, n_est, cvmean, cminpos, cmaxpos, cspread,
+                     top_p, tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest, ncap)
             continue
         ROW(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_probe,
             cent, cscale, cptr, n_cent, ccount, pmin, pmax, pminpos, page_size, scale, n_est, cvmean, cminpos, cmaxpos,
-            top_p, tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest)
+            cspread, top_p, tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest, ncap)
 
 
 decode_serial, decode_parallel = serial_and_parallel(_decode_rows)

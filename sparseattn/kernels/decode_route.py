@@ -6,12 +6,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .estimate import second_order
 from .options import FASTMATH
 from .storage import clone_with, widen_bf16, widen_f16
 from .topk import ORDER_BEST, heap_finish, heap_offer
 
 __all__ = ["EVICTED", "MODE_CLUSTER", "MODE_LIST", "MODE_MASS", "MODE_NONE", "MODE_PAGES", "MODE_TOPK",
-           "mass_next", "mass_open", "route_clusters", "route_pages_bf16", "route_pages_f32", "route_topk_bf16",
+           "MASS_MARGIN", "mass_next", "mass_open", "route_clusters", "route_pages_bf16", "route_pages_f32", "route_topk_bf16",
            "route_row_bf16", "route_row_f32", "route_topk_f32"]
 
 MODE_NONE = 0
@@ -26,12 +27,25 @@ BF16 = False  # compile-time constant: True in the bfloat16 variants below
 
 
 @njit(cache=True, fastmath=FASTMATH, inline="always")
-def route_clusters(qi, g, qp, mode, cent, cscale, n_cent, ccount, cminpos, scale, width, hs, hb, qc, la):
+def route_clusters(qi, g, qp, mode, cent, cscale, n_cent, ccount, cminpos, cspread, scale, width, hs, hb, qc, la):
     """Score every routing vector of kv head g.  ``MODE_CLUSTER``: the ``width`` best clusters holding a
     key at or before ``qp`` go to the heap ``hs``/``hb`` (returns its size); ``MODE_MASS``: ``qc[c] = q .
-    c`` and ``la[c]`` the log estimated mass (``-inf``: nothing the row may see), returns 0."""
+    c`` and ``la[c]`` the log estimated mass (``-inf``: nothing the row may see), returns 0.
+
+    The log mass is second order, as in the prefill walk (:mod:`sparseattn.kernels.estimate`):
+    ``scale q.c + log n_c + g`` with g the spread term of ``x = scale^2 |q|^2 sigma_c^2 / 2`` (``sigma_c^2``
+    the cluster's mean per-dimension variance, ``cspread[g, c, 0]``), continued as ``2 sqrt(x log n_c) -
+    log n_c`` past ``x = log n_c`` and never above ``|scale| |q| r_c`` (``r_c``: the largest member
+    distance to the mean, ``cspread[g, c, 1]``; so no cluster claims more than ``n_c`` times its largest
+    possible weight).  The first-order ``n_c exp(scale q.c)`` is a lower bound of a cluster's mass
+    (Jensen) that ranks spread-out clusters too low and ends the walk early."""
     E = qi.shape[0]
     n_sel = 0
+    q2 = 0.0
+    if mode != MODE_CLUSTER:
+        for e in range(E):
+            q2 += np.float64(qi[e]) * np.float64(qi[e])
+    s2 = np.float64(scale) * np.float64(scale)
     for c in range(n_cent[g]):
         cv = cent[g, c]
         s = np.float32(0.0)
@@ -48,7 +62,11 @@ def route_clusters(qi, g, qp, mode, cent, cscale, n_cent, ccount, cminpos, scale
             if ccount[g, c] <= 0 or cminpos[g, c] > qp:
                 la[c] = -np.inf  # nothing the row may see
             else:
-                la[c] = s * scale + np.float32(np.log(np.float32(ccount[g, c])))
+                ell = np.log(np.float64(ccount[g, c]))
+                x = 0.5 * s2 * q2 * np.float64(cspread[g, c, 0])
+                hb_c = abs(np.float64(scale)) * np.sqrt(q2) * np.float64(cspread[g, c, 1])
+                g2 = second_order(x, ell, hb_c)[0]
+                la[c] = np.float32(np.float64(s) * np.float64(scale) + ell + g2)
     return n_sel
 
 
@@ -92,8 +110,8 @@ def _route_topk(qi, Kg, pg, qp, n_slots, n_probe, hs, hb):
     return n_sel, False
 
 
-def _route_row(r, qi, g, qp, mode, n_probe, n_est, cent, cscale, n_cent, ccount, cminpos, pmin, pmax, pminpos,
-               page_size, n_sinks, ex_lo, Kg, pg, n_slots, sel, scale):
+def _route_row(r, qi, g, qp, mode, n_probe, n_est, cent, cscale, n_cent, ccount, cminpos, cspread, pmin, pmax,
+               pminpos, page_size, n_sinks, ex_lo, Kg, pg, n_slots, sel, scale):
     """The routing step of one row: (hs, hb, qc, la, n_sel, n_zone, overflow).  ``hb[:n_sel]`` are the
     clusters, pages or slots to read in slot order, ``hb[n_probe:n_probe + n_zone]`` (scores ``hs``) the
     clusters to estimate, best first (``MODE_CLUSTER``); ``qc``/``la`` the per-cluster scores and log
@@ -108,7 +126,8 @@ def _route_row(r, qi, g, qp, mode, n_probe, n_est, cent, cscale, n_cent, ccount,
     n_sel = 0
     overflow = False
     if routed:
-        n_sel = route_clusters(qi, g, qp, mode, cent, cscale, n_cent, ccount, cminpos, scale, width, hs, hb, qc, la)
+        n_sel = route_clusters(qi, g, qp, mode, cent, cscale, n_cent, ccount, cminpos, cspread, scale, width, hs, hb,
+                               qc, la)
     elif mode == MODE_PAGES:
         n_sel = ROUTE_PAGES(qi, g, qp, pmin, pmax, pminpos, (ex_lo - n_sinks + page_size - 1) // page_size,
                             n_probe, hs, hb)
@@ -127,10 +146,17 @@ def _route_row(r, qi, g, qp, mode, n_probe, n_est, cent, cscale, n_cent, ccount,
     return hs, hb, qc, la, n_sel, n_zone, overflow
 
 
+#: The mass walk counts the estimated mass it leaves unread this much larger (a margin for the estimate's
+#: error, as the prefill walk does: :func:`sparseattn.index.routing.mass_routes`).
+MASS_MARGIN = 1.1
+
+
 @njit(cache=True)
 def mass_open(la, nc, m_run, l_run, top_p):
     """The mass walk, once the exact part is read: clusters by decreasing estimated mass, the shift, the
-    exact part's mass and the goal (``top_p`` of the estimated total), all relative to the shift."""
+    exact part's mass and the goal, all relative to the shift.  The walk stops once the mass read m_in
+    reaches ``top_p`` of ``m_in + MASS_MARGIN * m_out`` (m_out the estimated mass left), i.e. ``m_in >=
+    goal = top_p * MASS_MARGIN * total / (1 + (MASS_MARGIN - 1) * top_p)``."""
     order = np.argsort(-la, kind="mergesort")
     mshift = m_run
     for c in range(nc):
@@ -145,14 +171,15 @@ def mass_open(la, nc, m_run, l_run, top_p):
         for c in range(nc):
             if la[c] > -np.inf:
                 tot += np.exp(np.float64(la[c]) - np.float64(mshift))
-    return order, mshift, cum, top_p * tot
+    return order, mshift, cum, top_p * MASS_MARGIN * tot / (1.0 + (MASS_MARGIN - 1.0) * top_p)
 
 
 @njit(cache=True, inline="always")
 def mass_next(order, la, walk, nc, cum, goal, mshift, nk, top_p, tp_min, tp_max, cptr, g):
     """The next cluster of the mass walk, with the walk's state after reading it: (cluster, clusters walked,
-    keys routed, estimated mass read); cluster -1 when the walk ends (no cluster left or none visible, the
-    goal reached with ``tp_min`` keys, or ``tp_max`` keys passed by the next one)."""
+    keys routed, estimated mass read); cluster -1 when the walk ends (no cluster left or none visible, or
+    the goal reached with ``tp_min`` keys), -2 when it ends short of that because the next cluster would
+    take the routed keys past ``tp_max`` (the cap binds: counted in ``stats``)."""
     if walk >= nc:
         return -1, walk, nk, cum
     c = order[walk]
@@ -162,7 +189,7 @@ def mass_next(order, la, walk, nc, cum, goal, mshift, nk, top_p, tp_min, tp_max,
         return -1, walk, nk, cum
     size = cptr[g, c + 1] - cptr[g, c]
     if nk + size > tp_max:
-        return -1, walk, nk, cum
+        return -2, walk, nk, cum
     return c, walk + 1, nk + size, cum + np.exp(np.float64(la[c]) - np.float64(mshift))
 
 

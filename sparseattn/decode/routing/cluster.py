@@ -107,20 +107,27 @@ class ClusterRouting(Routing):
         return parts
 
     def mass_walk(self, q: np.ndarray, g: int, exact: np.ndarray) -> list[np.ndarray]:
-        """``top_p`` routing of one query at the newest position (float64 replay of the kernel's walk):
-        the slot ranges of the clusters read."""
+        """``top_p`` routing of one query at the newest position (float64 replay of the kernel's walk,
+        :func:`sparseattn.kernels.decode_route.route_clusters` and ``mass_open``): the slot ranges of the
+        clusters read."""
         st, cfg, lay = self.store, self.cfg, self.layout
         nc = int(lay.n_cent[g])
         qp = st.n - 1
         exact = exact[st.pos[g, exact] <= qp]
-        s_ex = st.keys(g, exact).astype(np.float64) @ q.astype(np.float64) * cfg.scale
+        q64 = q.astype(np.float64)
+        s_ex = st.keys(g, exact).astype(np.float64) @ q64 * cfg.scale
         cnt = lay.ccount[g, :nc]
-        qc = lay.routing(g, nc).astype(np.float64) @ q.astype(np.float64)
-        with np.errstate(divide="ignore"):
-            la = np.where((cnt > 0) & (lay.cminpos[g, :nc] <= qp), qc * cfg.scale + np.log(cnt), -np.inf)
-        m = max(float(s_ex.max()) if s_ex.size else -np.inf, float(la.max()))
+        qc = lay.routing(g, nc).astype(np.float64) @ q64
+        q2 = float(q64 @ q64)
+        ell = np.log(np.maximum(cnt, 1).astype(np.float64))
+        x = 0.5 * cfg.scale ** 2 * q2 * lay.cspread[g, :nc, 0].astype(np.float64)
+        hb = abs(cfg.scale) * np.sqrt(q2) * lay.cspread[g, :nc, 1].astype(np.float64)
+        knee = np.where(x <= ell, x, 2.0 * np.sqrt(x * ell) - ell)
+        la = np.where((cnt > 0) & (lay.cminpos[g, :nc] <= qp), qc * cfg.scale + ell + np.minimum(knee, hb), -np.inf)
+        m = max(float(s_ex.max()) if s_ex.size else -np.inf, float(la.max()) if nc else -np.inf)
         cum = float(np.exp(s_ex - m).sum()) if s_ex.size else 0.0
-        goal = cfg.top_p * (cum + float(np.exp(la - m).sum()))
+        margin = kd.MASS_MARGIN
+        goal = cfg.top_p * margin * (cum + float(np.exp(la - m).sum())) / (1.0 + (margin - 1.0) * cfg.top_p)
         out, nk = [], 0
         for c in np.argsort(-la, kind="stable"):
             if la[c] == -np.inf or (cfg.top_p < 1.0 and cum >= goal and nk >= cfg.top_p_min_keys):
@@ -148,7 +155,7 @@ class ClusterRouting(Routing):
         n = int(lay.n_cent.max(initial=0))
         return {"n_clusters": lay.n_cent, "cluster_ptr": lay.cptr[:, :n + 1], "cluster_count": lay.ccount[:, :n],
                 "cluster_value_mean": lay.cvmean[:, :n], "cluster_min_pos": lay.cminpos[:, :n],
-                "cluster_max_pos": lay.cmaxpos[:, :n],
+                "cluster_max_pos": lay.cmaxpos[:, :n], "cluster_spread": lay.cspread[:, :n],
                 "routing_codes": lay.cent[:, :n], "routing_scales": lay.cscale[:, :n],
                 "routing_vectors": np.stack([lay.routing(g, n) for g in range(lay.n_cent.shape[0])]),
                 "segment_starts": [a for a, _ in lay.segments], "open_segment": (lay.seg_end, lay.open_end)}

@@ -6,8 +6,9 @@ tail holds ``segment + window`` keys beyond the closed segments, the oldest ``se
 clustered on their own (spherical k-means on the segment's centred keys, about ``cluster_size`` keys per
 cluster), reordered in place into cluster order, and their routing vectors (member means) join the
 head's routed set for good.  In between, the open segment is re-clustered each time the tail gains
-``open_step`` keys.  Each cluster keeps its live member count, mean value and smallest / largest
-position (the estimation zone and the mass walk read them).
+``open_step`` keys.  Each cluster keeps its live member count, mean value, smallest / largest
+position and key spread (mean per-dimension variance and largest member distance to the mean); the
+estimation zone and the mass walk read them.
 """
 
 from __future__ import annotations
@@ -64,7 +65,19 @@ def cluster_segment(keys: np.ndarray, n_clusters: int, *, seed: int = 0, niter: 
     return index.labels(np.ascontiguousarray(keys, dtype=np.float32))
 
 
-_CLUSTER_ARRAYS = ("cent", "cscale", "cptr", "cvmean", "ccount", "cminpos", "cmaxpos")
+def key_spread(x: np.ndarray, starts: np.ndarray, counts: np.ndarray, means: np.ndarray) -> np.ndarray:
+    """Per cluster (members ``x[starts[c]:starts[c] + counts[c]]`` of the (n, E) keys, mean ``means[c]``):
+    (m, 2) float32 ``[mean per-dimension variance, largest member distance to the mean]`` (float64 sums)."""
+    d = x.astype(np.float64) - np.repeat(np.asarray(means, np.float64), counts, axis=0)
+    sq = np.einsum("ij,ij->i", d, d)
+    out = np.empty((counts.shape[0], 2), np.float32)
+    if counts.shape[0]:
+        out[:, 0] = np.add.reduceat(sq, starts) / (counts * max(x.shape[1], 1))
+        out[:, 1] = np.sqrt(np.maximum.reduceat(sq, starts))
+    return out
+
+
+_CLUSTER_ARRAYS = ("cent", "cscale", "cptr", "cvmean", "ccount", "cminpos", "cmaxpos", "cspread")
 
 
 class ClusterLayout:
@@ -73,7 +86,8 @@ class ClusterLayout:
     Arrays per kv head g and cluster c < ``n_cent[g]``: ``cent`` (int8 codes) x ``cscale`` is the routing
     vector, slots ``[cptr[g, c], cptr[g, c + 1])`` its members, ``ccount`` the live ones, ``cvmean`` their
     mean value, ``cminpos`` / ``cmaxpos`` their smallest / largest position (``EVICTED`` when a member was
-    evicted and the statistics are stale)."""
+    evicted and the statistics are stale), ``cspread`` (float32 pairs) their mean per-dimension variance
+    and largest distance to the mean (:func:`key_spread`)."""
 
     def __init__(self, store: SlotStore, *, segment: int, open_step: int, window: int, sinks: int,
                  cluster_size: int, seed: int) -> None:
@@ -93,13 +107,14 @@ class ClusterLayout:
         self.cvmean = np.zeros((hk, 0, Ev), np.float32)
         self.cminpos = np.zeros((hk, 0), np.int32)
         self.cmaxpos = np.zeros((hk, 0), np.int32)
+        self.cspread = np.zeros((hk, 0, 2), np.float32)
         self.segments_clustered = 0
         self._spans: list[tuple[int, int, int, int, np.ndarray]] | None = None  # see spans()
 
     def kernel_arrays(self) -> tuple[np.ndarray, ...]:
-        """(cent, cscale, cptr, n_cent, ccount, cvmean, cminpos, cmaxpos) as the kernel reads them."""
+        """(cent, cscale, cptr, n_cent, ccount, cvmean, cminpos, cmaxpos, cspread) as the kernel reads them."""
         return (self.cent, self.cscale, self.cptr, self.n_cent, self.ccount, self.cvmean, self.cminpos,
-                self.cmaxpos)
+                self.cmaxpos, self.cspread)
 
     def routing(self, g: int, nc: int) -> np.ndarray:
         """Routing vectors ``[0, nc)`` of kv head g, (nc, E) float32."""
@@ -158,7 +173,8 @@ class ClusterLayout:
         vsum = np.add.reduceat(st.values(g, slice(a, a + nl)), starts, axis=0, dtype=np.float64)
         seg_pos = st.pos[g, a:a + nl]
         return (nl, counts[kept], means, (vsum / counts[kept, None]).astype(np.float32),
-                np.minimum.reduceat(seg_pos, starts), np.maximum.reduceat(seg_pos, starts))
+                np.minimum.reduceat(seg_pos, starts), np.maximum.reduceat(seg_pos, starts),
+                key_spread(x[order], starts, counts[kept], sums / counts[kept, None]))
 
     def cluster_range(self, a: int, b: int, *, closed: bool) -> None:
         """Cluster slots [a, b) of every kv head, reorder them by cluster, add their routing vectors
@@ -182,13 +198,14 @@ class ClusterLayout:
             if res[0] == 0:  # every key of this head evicted: one empty cluster holds the slots
                 self.grow(nc + 1)
                 self.set_cluster(g, nc, a, b, (np.zeros(self.cent.shape[2], np.int8), 1.0),
-                                 np.zeros(self.cvmean.shape[2], np.float32), 0, EVICTED, EVICTED)
+                                 np.zeros(self.cvmean.shape[2], np.float32), 0, EVICTED, EVICTED, (0.0, 0.0))
                 self.n_cent[g] = nc + 1
                 continue
-            _, counts, means, vmean, pmin, pmax = res
+            _, counts, means, vmean, pmin, pmax, spread = res
             m = means.shape[0]
             self.grow(nc + m)
             self.cvmean[g, nc:nc + m] = vmean
+            self.cspread[g, nc:nc + m] = spread
             self.ccount[g, nc:nc + m] = counts
             self.cminpos[g, nc:nc + m] = pmin
             self.cmaxpos[g, nc:nc + m] = pmax
@@ -202,13 +219,14 @@ class ClusterLayout:
             self.closed_cent = self.n_cent.copy()
 
     def set_cluster(self, g: int, c: int, lo: int, hi: int, code: tuple[np.ndarray, float], vmean: np.ndarray,
-                    count: int, pmin: int, pmax: int) -> None:
+                    count: int, pmin: int, pmax: int, spread: tuple[float, float] | np.ndarray) -> None:
         """Write cluster c of kv head g: slots [lo, hi), routing (codes, scale), statistics."""
         self.cptr[g, c], self.cptr[g, c + 1] = lo, hi
         self.cent[g, c], self.cscale[g, c] = code
         self.cvmean[g, c] = vmean
         self.ccount[g, c] = count
         self.cminpos[g, c], self.cmaxpos[g, c] = pmin, pmax
+        self.cspread[g, c] = spread
 
     def grow(self, need: int) -> None:
         """Room for ``need`` clusters per kv head."""
@@ -262,7 +280,7 @@ class ClusterLayout:
 
     def nbytes(self) -> int:
         """Bytes of the routing vectors and cluster statistics."""
-        return int(self.n_cent.sum()) * (self.store.head_dim + 4 + 8 + 8 + 8 + 4 * self.store.value_dim)
+        return int(self.n_cent.sum()) * (self.store.head_dim + 4 + 8 + 8 + 8 + 8 + 4 * self.store.value_dim)
 
     # ------------------------------------------------------------------------------------ compaction
     def compaction_sources(self, live: np.ndarray) -> list[np.ndarray]:
@@ -304,15 +322,16 @@ class ClusterLayout:
         self.closed_cent = closed_cent
         self.n_cent = np.array([len(c) for c in cent_lists], np.int64)
         for g in range(hk):
-            for c, (lo, hi, cen, vm, cnt, pmn, pmx) in enumerate(cent_lists[g]):
-                self.set_cluster(g, c, lo, hi, cen, vm, cnt, pmn, pmx)
+            for c, (lo, hi, cen, vm, cnt, pmn, pmx, spr) in enumerate(cent_lists[g]):
+                self.set_cluster(g, c, lo, hi, cen, vm, cnt, pmn, pmx, spr)
         return [np.concatenate(s).astype(np.int64) if s else np.zeros(w - w0, np.int64) for s in srcs]
 
     def _compact_clusters(self, g: int, a: int, b: int, ri: int, w: int, R: int, live: np.ndarray,
                           out: list[tuple[Any, ...]]) -> np.ndarray:
         """Compaction of the clustered region [a, b) (segment or open segment ``ri``) of kv head g into R
         slots from ``w``: returns the source slots (live keys cluster by cluster, then padding) and appends
-        (first, stop, routing code, mean value, count, min pos, max pos) of each surviving cluster."""
+        (first, stop, routing code, mean value, count, min pos, max pos, key spread) of each surviving
+        cluster."""
         st = self.store
         bounds = [f[g] for _, f in self.segments] + [self.closed_cent[g], self.n_cent[g]]
         c_lo, c_hi = int(bounds[ri]), int(bounds[ri + 1])
@@ -326,14 +345,16 @@ class ClusterLayout:
             parts.append(keep)
             if keep.size == hi - lo or self.ccount[g, c] == keep.size and self.cmaxpos[g, c] != EVICTED:
                 stats = ((self.cent[g, c].copy(), self.cscale[g, c]), self.cvmean[g, c].copy(), int(keep.size),
-                         int(self.cminpos[g, c]), int(self.cmaxpos[g, c]))
+                         int(self.cminpos[g, c]), int(self.cmaxpos[g, c]), self.cspread[g, c].copy())
             else:  # lost members: statistics of the survivors
                 kk = st.keys(g, keep).astype(np.float64)
                 vv = st.values(g, keep).astype(np.float64)
                 pp = st.pos[g, keep]
-                codes, sc = routing_codes(kk.mean(axis=0)[None])
+                mu = kk.mean(axis=0)[None]
+                codes, sc = routing_codes(mu)
+                spread = key_spread(kk, np.zeros(1, np.int64), np.array([keep.size]), mu)[0]
                 stats = ((codes[0], sc[0]), vv.mean(axis=0).astype(np.float32), int(keep.size), int(pp.min()),
-                         int(pp.max()))
+                         int(pp.max()), spread)
             out.append((at, at + keep.size) + stats)
             at += keep.size
         src = np.concatenate(parts) if parts else np.zeros(0, np.int64)
@@ -346,5 +367,5 @@ class ClusterLayout:
                 out[-1] = (lo, w + R, *rest)
             else:  # no live key of this head here: one empty cluster holds the padding
                 out.append((w, w + R, (np.zeros(st.head_dim, np.uint16), 1.0),
-                            np.zeros(st.value_dim, np.float32), 0, EVICTED, EVICTED))
+                            np.zeros(st.value_dim, np.float32), 0, EVICTED, EVICTED, (0.0, 0.0)))
         return src
