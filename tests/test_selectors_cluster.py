@@ -664,18 +664,19 @@ def test_top_p_when_chunks_equal_probes(C, p, ties, rng):
 
 
 @pytest.mark.parametrize("dtype, tol", [(np.float32, 2e-6), (np.float64, 1e-12)])
-def test_prefix_kernel_matches_float64_oracle(rng, dtype, tol):
-    # Row r attends to the first n_vis[r] keys exactly; n_vis = 0 gives zeros and lse = -inf; a row's
-    # result does not depend on the rows that share its quad (each row alone gives the same bits).
+@pytest.mark.parametrize("T", [1, 3, 4, 64])
+def test_prefix_kernel_matches_float64_oracle(rng, dtype, tol, T):
+    # Row r attends to the first n_vis[r] keys exactly, T rows per pair of BLAS products (tiles with
+    # rows of different prefixes: later keys must get weight 0); n_vis = 0 gives zeros and lse = -inf.
     B, E, Ev = 40, 8, 5
     Ks, Vs = rng.standard_normal((B, E)).astype(dtype), rng.standard_normal((B, Ev)).astype(dtype)
     Qs = (3 * rng.standard_normal((7, E))).astype(dtype)  # large scores: the shift must be the row max
     n_vis = np.array([1, 40, 0, 17, 2, 40, 33], dtype=np.int64)
     out = np.full((7, Ev), np.nan, dtype=dtype)
     lse = np.full(7, np.nan, dtype=dtype)
-    kernel = ck.attend_prefix_quads_f32 if dtype == np.float32 else ck.attend_prefix_quads_f64
-    kernel(Qs, n_vis, Ks, Vs, -80.0 if dtype == np.float32 else -700.0, np.full((4, B), np.nan, dtype=dtype),
-           out, lse)  # 7 rows: the last quad repeats its last row
+    kernel = ck.attend_prefix_tiles_f32 if dtype == np.float32 else ck.attend_prefix_tiles_f64
+    kernel(Qs, n_vis, Ks, Vs, -80.0 if dtype == np.float32 else -700.0, T, np.full(T * B, np.nan, dtype=dtype),
+           np.full(T * Ev, np.nan, dtype=dtype), np.full(T, np.nan, dtype=dtype), out, lse)
     for r, n in enumerate(n_vis):
         if n == 0:
             assert lse[r] == -np.inf and np.all(out[r] == 0)
@@ -684,12 +685,17 @@ def test_prefix_kernel_matches_float64_oracle(rng, dtype, tol):
         w = np.exp(s - s.max())
         np.testing.assert_allclose(out[r], w @ Vs[:n] / w.sum(), atol=tol, rtol=tol)
         assert lse[r] == pytest.approx(s.max() + np.log(w.sum()), abs=tol * 10)
-    for r in range(7):
-        o1, l1 = np.empty((1, Ev), dtype=dtype), np.empty(1, dtype=dtype)
-        kernel(Qs[r:r + 1], n_vis[r:r + 1], Ks, Vs, -80.0 if dtype == np.float32 else -700.0,
-               np.empty((4, B), dtype=dtype), o1, l1)
-        np.testing.assert_array_equal(o1[0], out[r])
-        np.testing.assert_array_equal(l1[0], lse[r])
+
+
+def test_prefix_rows_of_a_zero_width_block():
+    # every row sees no key (B = 0): zeros and -inf, no product over an empty block
+    kernel = ck.attend_prefix_tiles_f32
+    out = np.full((3, 2), np.nan, np.float32)
+    lse = np.full(3, np.nan, np.float32)
+    kernel(np.ones((3, 4), np.float32), np.zeros(3, np.int64), np.zeros((0, 4), np.float32),
+           np.zeros((0, 2), np.float32), -80.0, 2, np.empty(0, np.float32), np.empty(4, np.float32),
+           np.empty(2, np.float32), out, lse)
+    assert np.all(out == 0) and np.all(lse == -np.inf)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -803,9 +809,9 @@ def test_causal_top_p_ranks_later_clusters_last(n, C, p_frac, f64, seed):
 
 
 @settings(max_examples=25, deadline=None)
-@given(R=st.integers(1, 90), B=st.integers(1, 60), f64=st.booleans(), seed=st.integers(0, 2**16))
+@given(R=st.integers(1, 400), B=st.integers(1, 60), f64=st.booleans(), seed=st.integers(0, 2**16))
 def test_prefix_attention_does_not_depend_on_the_thread_count(R, B, f64, seed):
-    # Rows go four at a time and shares start at multiples of four: 1, 2 and 3 workers give the same bits,
+    # Rows go in tiles and shares start at multiples of the tile: 1, 2 and 3 workers give the same bits,
     # and each row matches a float64 softmax over its prefix.
     from sparseattn.attention.routed import prefix_attention
 
@@ -829,3 +835,29 @@ def test_prefix_attention_does_not_depend_on_the_thread_count(R, B, f64, seed):
         s = Ks[:n].astype(np.float64) @ Qs[r].astype(np.float64)
         w = np.exp(s - s.max())
         np.testing.assert_allclose(runs[0][0][r], w @ Vs[:n] / w.sum(), atol=1e-5 if dt == np.float32 else 1e-12)
+
+
+def test_prefix_attention_from_another_python_thread_gives_the_same_bits():
+    # the tiles' BLAS products called from a Python thread of the caller's own (entering worker_threads
+    # there) give the bits of the main thread's call
+    import threading
+
+    from sparseattn.attention.routed import prefix_attention
+
+    rng = np.random.default_rng(7)
+    Qs = rng.standard_normal((700, 16)).astype(np.float32)
+    Ks, Vs = rng.standard_normal((900, 16)).astype(np.float32), rng.standard_normal((900, 8)).astype(np.float32)
+    n_vis = np.sort(rng.integers(0, 901, 700)).astype(np.int64)
+    with worker_threads(2):
+        want = prefix_attention(Qs, n_vis, Ks, Vs, 2)
+    got = {}
+
+    def run() -> None:
+        with worker_threads(2):
+            got["x"] = prefix_attention(Qs, n_vis, Ks, Vs, 2)
+
+    th = threading.Thread(target=run)
+    th.start()
+    th.join()
+    np.testing.assert_array_equal(got["x"][0], want[0])
+    np.testing.assert_array_equal(got["x"][1], want[1])

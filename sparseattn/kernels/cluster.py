@@ -453,78 +453,53 @@ attend_clusters_f64 = serial_and_parallel(_attend_clusters, constants={"_exp_row
                                           suffix="_f64", fastmath=FASTMATH, nogil=True)[0]
 
 
-# A dedicated kernel, not the fused sparse kernel (kernels/fused.py) over a CSR of keys 0..n_i-1 per row,
-# because it is measurably faster.  Side by side in one process (float32, E = Ev = 64, the
-# prefix_budget() rows of a causal attend with C = sqrt(S), n_probe = 8, i.e. n_i = 1..B; dedicated path
-# including its key/value gathers on 2 worker threads, fused path ``fused_parallel_nobias`` including the
-# CSR construction; medians of 30 (S = 4,096) / 7 (S = 65,536) repeats, 3 interleaved rounds):
-#   S = 4,096, B = 512 rows:    dedicated 6.95-8.75 ms, fused 8.61-12.0 ms   (2-core machine at load ~7-10)
-#   S = 65,536, B = 2,048 rows: dedicated 104-124 ms,   fused 182-234 ms     (same machine and load)
-#   idle 2-core machine:        S = 4,096: 1.55 ms vs 1.63-1.71 ms; S = 65,536: 22.7 ms vs 31-32 ms
-# Command: a script timing the per-row form of ``attend_prefix_quads_f32`` (rows split in 2 shares by
-# prefix length, run with ``threads.run_jobs``) against ``fused.fused_parallel_nobias(q[None], k[None],
-# v[None], ..., indptr, indices, True, scale, B, 64, *bias.no_bias_args(1), 1, out, lse, True)`` inside
-# ``threads.worker_threads(2)``.  The two agree to 3.6e-7 (output) / 2.9e-6 (lse) in float32.
-def _attend_prefix_quads(Qs, n_vis, Ks, Vs, clamp, buf, out, lse):
-    """Exact attention of row r over the first ``n_vis[r]`` keys of ``Ks`` (the causal prefix rows).
+_PV_KEYS = 256  # keys per value product of the prefix tiles
 
-    Qs (R, E) scaled queries; n_vis (R,) int64, each in [0, B]; Ks (B, E) / Vs (B, Ev) the keys and values
-    in position order (so a causal query sees a prefix of them, read as one contiguous block: no
-    gathers); buf (4, >= B) scratch in Qs's dtype; writes out (R, Ev) and lse (R,) (zeros / -inf for
-    ``n_vis = 0``).  Four rows at a time, so each key row and value row is loaded once for four (one row
-    at a time was bound by those loads: 2,048 rows over 2,048 keys, E = 64, one thread, 21.8 -> 13.9 ms,
-    bit for bit the same result); per row: scores and their exact maximum, one ``_exp_row`` pass, the
-    weighted sum.  Why not the fused sparse kernel over an explicit pattern: building that pattern
-    (canonicalise + union) and the call around it cost 4.7 ms of a 20 ms causal attend at S = 4,096.  Why
-    plain loops and not BLAS: the result must not depend on the calling thread, and OpenBLAS ignores
-    thread limits set from a non-main thread (measured: a product split over its threads differs in the
-    last bit).  Serial and ``nogil``: each worker thread runs one call on its own rows.
 
-    Every row goes through the same code whatever its neighbours (the last quad repeats its last row,
-    written once), and a row's result depends only on its own query and ``n_vis``: scores are computed
-    up to the quad's largest ``n_vis`` but a row's maximum, weights and weighted sum stop at its own.  So
-    the result does not depend on how rows are shared over threads as long as shares start at multiples
-    of four (:func:`sparseattn.attention.routed.prefix_attention` cuts them so).
+def _attend_prefix_tiles(Qs, n_vis, Ks, Vs, clamp, T, sbuf, obuf, tots, out, lse):
+    """Exact attention of row r over the first ``n_vis[r]`` keys of ``Ks`` (the causal prefix rows), ``T``
+    rows at a time through BLAS.
+
+    Qs (R, E) scaled queries; n_vis (R,) int64, each in [0, B]; Ks (B, E) / Vs (B, Ev) the keys and values in
+    position order (a causal query sees a prefix of them, read as one contiguous block: no gathers); writes
+    out (R, Ev) and lse (R,) (zeros / -inf for ``n_vis = 0``).  A row's result depends on its inputs and on
+    which rows share its tile (the products' blocking follows the tile's shape), never on how many threads
+    run the tiles: callers cut the rows at multiples of T (:func:`sparseattn.attention.routed.prefix_attention`).
+    Why not the fused sparse kernel over an explicit pattern: building that pattern (canonicalise + union)
+    and the call around it cost 4.7 ms of a 20 ms causal attend at S = 4,096; why BLAS and not plain loops
+    over four rows at a time (the former kernel): 2,048 rows over 2,048 keys, one thread, 16.4 -> 6.8 ms
+    (the loops' dot products were bound by horizontal sums and stores; these are two GEMMs per tile).
+
+    Per tile of T rows with largest prefix ``nmax``: ``S = Q_tile Ks[:nmax]^T`` (one GEMM), per row its
+    exact maximum over its own prefix and one ``_exp_row`` pass (keys after the row get weight 0), then
+    ``S Vs[:nmax]`` (one GEMM) divided by the row sums.  Scratch: sbuf (>= T * B), obuf (>= T * Ev),
+    tots (>= T), in Qs's dtype.  Serial and ``nogil``: each worker thread runs one call on its own rows.
     """
-    R, E = Qs.shape
+    R = Qs.shape[0]
     Ev = Vs.shape[1]
-    zero = np.zeros(1, dtype=buf.dtype)
-    tots = np.zeros(4, dtype=buf.dtype)  # the four rows' weight sums
-    for r0 in range(0, R, 4):
-        a = min(r0 + 1, R - 1)
-        b = min(r0 + 2, R - 1)
-        c = min(r0 + 3, R - 1)
-        q0, q1, q2, q3 = Qs[r0], Qs[a], Qs[b], Qs[c]
-        nmax = max(max(n_vis[r0], n_vis[a]), max(n_vis[b], n_vis[c]))
-        for j in range(nmax):
-            kj = Ks[j]
-            s0 = zero[0]
-            s1 = zero[0]
-            s2 = zero[0]
-            s3 = zero[0]
-            for e in range(E):
-                ke = kj[e]
-                s0 += q0[e] * ke
-                s1 += q1[e] * ke
-                s2 += q2[e] * ke
-                s3 += q3[e] * ke
-            buf[0, j] = s0
-            buf[1, j] = s1
-            buf[2, j] = s2
-            buf[3, j] = s3
-        for u in range(4):
-            tots[u] = 0.0
-            r = min(r0 + u, R - 1)
-            n = n_vis[r] if r == r0 + u else 0  # a repeated last row adds nothing (its output is row r's)
-            row = buf[u]
+    for r0 in range(0, R, T):
+        r1 = min(R, r0 + T)
+        nmax = 0
+        for r in range(r0, r1):
+            nmax = max(nmax, n_vis[r])
+        if nmax == 0:
+            for r in range(r0, r1):
+                lse[r] = -np.inf
+                for e in range(Ev):
+                    out[r, e] = 0.0
+            continue
+        rows = r1 - r0
+        sc = sbuf[:rows * nmax].reshape((rows, nmax))
+        np.dot(Qs[r0:r1], Ks[:nmax].T, sc)
+        for u in range(rows):
+            r = r0 + u
+            n = n_vis[r]
+            row = sc[u]
             m = -np.inf
             for j in range(n):
                 if row[j] > m:
                     m = row[j]
-            if r < r0 + u:
-                for j in range(nmax):
-                    row[j] = 0.0
-                continue
+            tots[u] = 0.0
             if n == 0 or m == -np.inf:
                 lse[r] = -np.inf
                 for j in range(nmax):
@@ -532,38 +507,28 @@ def _attend_prefix_quads(Qs, n_vis, Ks, Vs, clamp, buf, out, lse):
                 continue
             tots[u] = _exp_row(row, n, m, clamp, False, 0, n_vis)
             for j in range(n, nmax):
-                row[j] = 0.0  # keys after the row: weight 0 in the shared sweep below
+                row[j] = 0.0  # keys after the row: weight 0 in the product below
             lse[r] = m + np.log(tots[u])
-        for u in range(4):
-            r = min(r0 + u, R - 1)
+        o = obuf[:rows * Ev].reshape((rows, Ev))
+        for u in range(rows):
             for e in range(Ev):
-                out[r, e] = 0.0
-        o0, o1, o2, o3 = out[r0], out[a], out[b], out[c]
-        for j in range(nmax):
-            vj = Vs[j]
-            w0 = buf[0, j]
-            w1 = buf[1, j]
-            w2 = buf[2, j]
-            w3 = buf[3, j]
-            for e in range(Ev):
-                ve = vj[e]
-                o0[e] += w0 * ve
-                o1[e] += w1 * ve
-                o2[e] += w2 * ve
-                o3[e] += w3 * ve
-        for u in range(4):
-            r = min(r0 + u, R - 1)
-            if r < r0 + u:
-                break  # a repeated last row: written once
-            if tots[u] > 0:
-                inv = 1.0 / tots[u]
+                out[r0 + u, e] = 0.0
+        for k0 in range(0, nmax, _PV_KEYS):  # the value product in key blocks, summed in this order
+            k1 = min(nmax, k0 + _PV_KEYS)
+            np.dot(np.ascontiguousarray(sc[:, k0:k1]), Vs[k0:k1], o)
+            for u in range(rows):
                 for e in range(Ev):
-                    out[r, e] *= inv
+                    out[r0 + u, e] += o[u, e]
+        for u in range(rows):
+            r = r0 + u
+            inv = 1.0 / tots[u] if tots[u] > 0 else 0.0
+            for e in range(Ev):
+                out[r, e] *= inv
 
 
-attend_prefix_quads_f32 = serial_and_parallel(_attend_prefix_quads, constants={"_exp_row": _exp_row_f32},
+attend_prefix_tiles_f32 = serial_and_parallel(_attend_prefix_tiles, constants={"_exp_row": _exp_row_f32},
                                               suffix="_f32", fastmath=FASTMATH, nogil=True)[0]
-attend_prefix_quads_f64 = serial_and_parallel(_attend_prefix_quads, constants={"_exp_row": _exp_row_f64},
+attend_prefix_tiles_f64 = serial_and_parallel(_attend_prefix_tiles, constants={"_exp_row": _exp_row_f64},
                                               suffix="_f64", fastmath=FASTMATH, nogil=True)[0]
 
 
