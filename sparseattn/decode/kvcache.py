@@ -355,7 +355,7 @@ class KVCache(CacheReport):
         self._stats["keys_read"] += int(n_keys)
         self._stats["clusters_estimated"] += int(n_est)
         self._stats["top_p_capped"] += int(res.ncap.sum())
-        self._last_read = (nread, res.nest, res.ncap)  # summarised by ``stats`` (not per step: a decode step is short)
+        self._last_read = (nread, res.nest, res.ncap)  # summarised by ``stats`` (a decode step is short)
         if squeeze:
             out, lse = out[:, 0], lse[:, 0]
         if torch_in:

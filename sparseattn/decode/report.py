@@ -63,12 +63,13 @@ class CacheReport:
         append / clustering / attend / the kernel, ``evicted_keys``, ``compactions``, ``index_rebuilds``,
         ``top_p_capped`` (rows whose ``top_p`` walk stopped at ``top_p_max_keys`` short of its goal: the cap
         bound).  Of the last attend: ``keys_read_per_query`` (mean), ``keys_read_max``, ``keys_read_min``,
-        ``clusters_estimated_per_query``, ``top_p_capped_rows``.  Now: segments, clusters, tail keys, slots, bytes.
+        ``clusters_estimated_per_query``, ``top_p_capped_rows``.  Now: segments, clusters, tail keys, slots,
+        bytes.
         ``keys_read / queries`` is the mean over every attend."""
         st = self._store
         out = {"cluster_seconds": 0.0, "segments_clustered": 0, "keys_read_per_query": 0.0, "keys_read_max": 0,
-               "keys_read_min": 0, "clusters_estimated_per_query": 0.0, "top_p_capped_rows": 0, "index_rebuilds": 0, "segments": 0,
-               "open_segment_keys": 0, "clusters_per_head": 0.0}
+               "keys_read_min": 0, "clusters_estimated_per_query": 0.0, "top_p_capped_rows": 0,
+               "index_rebuilds": 0, "segments": 0, "open_segment_keys": 0, "clusters_per_head": 0.0}
         out.update(self._stats)
         out.update(self._routing.stats())
         if self._last_read is not None:

@@ -123,7 +123,8 @@ class ClusterRouting(Routing):
         x = 0.5 * cfg.scale ** 2 * q2 * lay.cspread[g, :nc, 0].astype(np.float64)
         hb = abs(cfg.scale) * np.sqrt(q2) * lay.cspread[g, :nc, 1].astype(np.float64)
         knee = np.where(x <= ell, x, 2.0 * np.sqrt(x * ell) - ell)
-        la = np.where((cnt > 0) & (lay.cminpos[g, :nc] <= qp), qc * cfg.scale + ell + np.minimum(knee, hb), -np.inf)
+        seen = (cnt > 0) & (lay.cminpos[g, :nc] <= qp)
+        la = np.where(seen, qc * cfg.scale + ell + np.minimum(knee, hb), -np.inf)
         m = max(float(s_ex.max()) if s_ex.size else -np.inf, float(la.max()) if nc else -np.inf)
         cum = float(np.exp(s_ex - m).sum()) if s_ex.size else 0.0
         margin = kd.MASS_MARGIN
