@@ -60,7 +60,8 @@ def _oracle_routed(c: KVCache, q: np.ndarray, g: int = 0) -> tuple[np.ndarray, n
 def _check_two_stage(c: KVCache, q: np.ndarray, h: int = 0, sel: np.ndarray | None = None) -> None:
     """The routed slots query head h reads (``sel``, default ``selected_slots``) are the ``candidates`` best
     by the 4-bit estimate among the ``shortlist`` best by the sign estimate (live slots of its kv head
-    only), up to float rounding at the two cuts."""
+    only), up to float rounding at the two cuts; on a cache small enough for the one-stage scan
+    (``sketch_one_stage``), the ``candidates`` best of all live routed slots by the 4-bit estimate."""
     est1, est2, live, a0, b0 = _oracle_routed(c, q, h * c.num_kv_heads // c.num_heads)
     R1, R2 = c.stats["sketch_shortlist"], c.stats["sketch_candidates"]
     sel = np.asarray(c.selected_slots(q, h)) if sel is None else sel
@@ -69,6 +70,11 @@ def _check_two_stage(c: KVCache, q: np.ndarray, h: int = 0, sel: np.ndarray | No
     assert routed.size == min(R2, n_live) and live[routed].all()
     tol1 = 1e-9 * (np.abs(est1[live]).max() + 1e-300)
     tol2 = 1e-9 * (np.abs(est2[live]).max() + 1e-300)
+    if c.stats["sketch_one_stage"]:
+        kth2 = np.sort(est2)[::-1][min(R2, n_live) - 1]
+        assert (est2[routed] >= kth2 - tol2).all()
+        assert np.isin(np.flatnonzero(est2 > kth2 + tol2), routed).all()
+        return
     kth1 = np.sort(est1)[::-1][min(R1, n_live) - 1]
     assert (est1[routed] >= kth1 - tol1).all()  # every key read made the shortlist
     short = np.flatnonzero(est1 >= kth1 - tol1)
@@ -162,8 +168,9 @@ def test_planted_keys_found_at_every_depth(depth: float) -> None:
 def test_selection_is_the_top_estimates_brute_force() -> None:
     # the candidates are the best routed keys by the two estimates (recomputed here in numpy from the
     # codes), plus the sinks and the tail
-    for cand in (40, 100, 200):
+    for cand, one in ((40, False), (60, False), (200, True)):  # a shortlist of 800 of ~2,900 keys: one stage
         c, K, V = _cache(3000, hk=1, h=1, selector=f"sketch:candidates={cand}")
+        assert c.stats["sketch_one_stage"] is one
         for seed in range(3):
             _check_two_stage(c, np.random.default_rng(seed).standard_normal(E).astype(np.float32))
     c, K, V = _cache(3000, hk=1, h=1, selector="sketch:candidates=40,shortlist=0.9")

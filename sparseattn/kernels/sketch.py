@@ -159,6 +159,31 @@ def _estimate(planes, q, c1, c2, c0, b0, cw, fg, pg, qp, a, n, tmp):
             tmp[np.uint64(i)] = e if pg[j] <= qp else -np.inf
 
 
+@njit(cache=True, fastmath=FASTMATH, inline="always")
+def _estimate_fine(planes, q, c1, c2, c0, b0, cw, fine, sg, pg, qp, a, n, tmp):
+    """``tmp[i]`` = row ``q``'s 4-bit estimate of slot ``a + i``: ``b0 + fine_scale (sum_i qhat_i (c_i -
+    7.5))`` from the whole 4-bit code (planes 0-2 in ``fine`` (slots, 3 W), plane 3 the sign code ``cw``)
+    and the slot's ``sg`` scale; -inf after ``qp``.  The estimate :func:`_refine` gives a shortlisted key,
+    here for every slot in order (streamed, no gathers): the scan's single stage on small caches."""
+    W = cw.shape[1]
+    k_c, k_uc, k_0 = 0.5 * c2, 0.5 * c1, 7.5 * c0
+    u0 = np.uint64(a)
+    for i in range(n):
+        j = u0 + np.uint64(i)
+        sum_uc = 0
+        sum_c = 0
+        for w in range(W):
+            U0, U1, U2, U3 = planes[q, 0, w], planes[q, 1, w], planes[q, 2, w], planes[q, 3, w]
+            for b in range(4):
+                x = fine[j, b * W + w] if b < 3 else cw[j, w]
+                t = (popcount64(U0 & x) + (popcount64(U1 & x) << 1) + (popcount64(U2 & x) << 2)
+                     + (popcount64(U3 & x) << 3))
+                sum_uc += t << b
+                sum_c += popcount64(x) << b
+        e = b0 + np.float64(sg[j]) * (k_c * sum_c + k_uc * sum_uc + k_0)
+        tmp[np.uint64(i)] = e if pg[j] <= qp else -np.inf
+
+
 @njit(cache=True, fastmath=FASTMATH)
 def _refine(planes, c1, c2, c0, cg, fine, fac, fscale, g, ids, est, m):
     """Re-rank the shortlist ``ids[:m]`` (stage-1 estimates in ``est[:m]``) by the 4-bit codes, in place:
@@ -212,7 +237,7 @@ def _refine(planes, c1, c2, c0, cg, fine, fac, fscale, g, ids, est, m):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _sample_cut(planes, q, c1, c2, c0, base, cptr, g, nc, cg, fg, pg, qp, R):
+def _sample_cut(planes, q, c1, c2, c0, base, cptr, g, nc, cg, fg, pg, qp, R, fine_all, fineg, sg):
     """A provisional threshold: the estimate that about ``1.5 R`` of the routed keys exceed, from the
     estimates of every k-th cluster (about 4,096 keys, spread over the slots).  -inf when the sample is
     too small to tell."""
@@ -227,7 +252,10 @@ def _sample_cut(planes, q, c1, c2, c0, base, cptr, g, nc, cg, fg, pg, qp, R):
     w = 0
     for c in range(0, nc, stride):
         a, b = cptr[g, c], cptr[g, c + 1]
-        _estimate(planes, q, c1, c2, c0, base[q, c], cg, fg, pg, qp, a, b - a, sample[w:])
+        if fine_all:
+            _estimate_fine(planes, q, c1, c2, c0, base[q, c], cg, fineg, sg, pg, qp, a, b - a, sample[w:])
+        else:
+            _estimate(planes, q, c1, c2, c0, base[q, c], cg, fg, pg, qp, a, b - a, sample[w:])
         w += b - a
     above = int(1.5 * R * n / total) + 16  # keys of the sample expected above the cut, with a margin
     if above >= n:
@@ -237,7 +265,7 @@ def _sample_cut(planes, q, c1, c2, c0, base, cptr, g, nc, cg, fg, pg, qp, R):
 
 @njit(cache=True, fastmath=FASTMATH)
 def _scan_group(qs, qrs, qnorm, qp, g, cent, cscale, cptr, nc, rad, cw, fac, fine, fscale, pos, R, R2, outs, est,
-                ids, tmp):
+                ids, tmp, fine_all):
     """Rows ``qs`` (Q, E) float32 (rotated: ``qrs`` (Q, E) float64, norms ``qnorm`` (Q,)) of one kv head g at
     position ``qp``: the query heads of a GQA group, scanned together so each cluster's codes come from
     memory once for all of them (estimated row by row from L1).
@@ -249,7 +277,9 @@ def _scan_group(qs, qrs, qnorm, qp, g, cent, cscale, cptr, nc, rad, cw, fac, fin
     ``theta`` rises to the R-th best.  ``theta`` starts at a cut from a sample that about 1.5 R keys beat
     (on long caches): most keys are compared and passed over, and clusters whose bound ``q . mu + |q| rad``
     is below it are skipped; a row with fewer than R keys above it is scanned again from -inf (exact
-    either way).  ``tmp``: scratch for the estimates of up to ``min(len(tmp), B - R)`` keys at a time."""
+    either way).  ``tmp``: scratch for the estimates of up to ``min(len(tmp), B - R)`` keys at a time.
+    With ``fine_all`` every key's estimate is the 4-bit one (:func:`_estimate_fine`) and there is no second
+    stage (R = R2)."""
     Q, E = qs.shape[0], qs.shape[1]
     B = est.shape[0] // Q
     C = min(tmp.shape[0], B - R)  # keys estimated at a time (a cluster may be larger)
@@ -270,11 +300,14 @@ def _scan_group(qs, qrs, qnorm, qp, g, cent, cscale, cptr, nc, rad, cw, fac, fin
     cg = cw[g]
     fg = fac[g]
     pg = pos[g]
+    fineg = fine[g]
+    sg = fscale[g]
     long = cptr[g, nc] - cptr[g, 0] > 8 * R  # worth a threshold up front (to skip keys) only on long caches
     theta0 = np.full(Q, -np.inf)
     if long:
         for q in range(Q):
-            theta0[q] = _sample_cut(planes, q, cq[q, 0], cq[q, 1], cq[q, 2], base, cptr, g, nc, cg, fg, pg, qp, R)
+            theta0[q] = _sample_cut(planes, q, cq[q, 0], cq[q, 1], cq[q, 2], base, cptr, g, nc, cg, fg, pg, qp, R,
+                                    fine_all, fineg, sg)
     m = np.zeros(Q, np.int64)  # keys kept in each row's buffer
     scanned = np.zeros(Q, np.int64)
     theta = np.empty(Q, np.float64)  # a lower bound of the row's final R-th best (once checked)
@@ -306,7 +339,11 @@ def _scan_group(qs, qrs, qnorm, qp, g, cent, cscale, cptr, nc, rad, cw, fac, fin
                     scanned[q] += b - a
                     # estimates first (independent iterations that vectorise; hidden keys at -inf), then
                     # the filter, 8 at a time without a branch per key (about 1 key in 20 passes)
-                    _estimate(planes, q, cq[q, 0], cq[q, 1], cq[q, 2], base[q, c], cg, fg, pg, qp, a, b - a, tmp)
+                    if fine_all:
+                        _estimate_fine(planes, q, cq[q, 0], cq[q, 1], cq[q, 2], base[q, c], cg, fineg, sg, pg, qp, a,
+                                       b - a, tmp)
+                    else:
+                        _estimate(planes, q, cq[q, 0], cq[q, 1], cq[q, 2], base[q, c], cg, fg, pg, qp, a, b - a, tmp)
                     th = theta[q]
                     w = q * B + m[q]
                     i = 0
@@ -328,8 +365,9 @@ def _scan_group(qs, qrs, qnorm, qp, g, cent, cscale, cptr, nc, rad, cw, fac, fin
         eq, iq, mq = est[q * B:(q + 1) * B], ids[q * B:(q + 1) * B], m[q]
         if mq > R:
             mq = _shrink(eq, iq, mq, R)[0]
-        if mq > R2:  # stage 2: the best R2 of the shortlist by the 4-bit codes
-            _refine(planes[q], cq[q, 0], cq[q, 1], cq[q, 2], cg, fine[g], fac, fscale, g, iq, eq, mq)
+        if mq > R2 and not fine_all:  # stage 2: the best R2 of the shortlist by the 4-bit codes
+            _refine(planes[q], cq[q, 0], cq[q, 1], cq[q, 2], cg, fineg, fac, fscale, g, iq, eq, mq)
+        if mq > R2:
             mq = _shrink(eq, iq, mq, R2)[0]
         _ascending(iq, mq, cptr[g, 0], cptr[g, nc], outs[q])
         for i in range(mq, R2):
@@ -423,13 +461,15 @@ def _shrink(est, ids, m, R):
 
 
 def _scan(q, qpos, rep, Qg, rot, cent, cscale, cptr, n_cent, rad, cw, fac, fine, fscale, pos, R, out, scanned, est,
-          ids, tmp):
+          ids, tmp, fine_all):
     """Rows r = h * T + t of queries ``q`` (H, T, E) float32 at ``qpos`` (T,): ``out[r]`` (R2 slots, the
     best of a shortlist of ``R`` >= R2) and ``scanned[r]`` (keys estimated).  The ``rep`` query heads of a
     kv head go in groups of ``Qg`` (a divisor of ``rep``) scanned together.  ``cw``: the sign codes as
     (G, slots, W) uint64 words, ``fine`` the lower code planes (G, slots, 3 W), ``fscale`` (G, slots).
     ``est`` (P, Qg B) float64, ``ids`` (P, Qg B) int64 and ``tmp`` (P, C) float64: scratch of P workers
-    (groups p, p + P, ...; every group costs the same), B > R (4 R + a segment: few cut-backs), C >= 1."""
+    (groups p, p + P, ...; every group costs the same), B > R (4 R + a segment: few cut-backs), C >= 1.
+    ``fine_all``: one stage, every key estimated from its whole 4-bit code (``R`` = R2; for caches so small
+    that the shortlist would be a large share of them and re-ranking it by scattered reads costs more)."""
     H, T, E = q.shape[0], q.shape[1], q.shape[2]
     n_sub = rep // Qg
     n_groups = (H // rep) * n_sub * T
@@ -450,7 +490,7 @@ def _scan(q, qpos, rep, Qg, rot, cent, cscale, cptr, n_cent, rad, cw, fac, fine,
                 qn[j] = np.sqrt(np.sum(qs[j].astype(np.float64) ** 2))
             outs = np.empty((Qg, R2), np.int64)
             sc = _scan_group(qs, qrs, qn, qpos[t], g, cent, cscale, cptr, n_cent[g], rad, cw, fac, fine, fscale,
-                             pos, R, R2, outs, est[p], ids[p], tmp[p])
+                             pos, R, R2, outs, est[p], ids[p], tmp[p], fine_all)
             for j in range(Qg):
                 out[(h0 + j) * T + t] = outs[j]
                 scanned[(h0 + j) * T + t] = sc[j]

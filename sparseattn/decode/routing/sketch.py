@@ -45,6 +45,9 @@ DEFAULT_FRACTION = 1 / 128  # keys read exactly (at least MIN_CANDIDATES)
 DEFAULT_SHORTLIST = 0.03  # keys re-ranked by the 4-bit codes (at least SHORTLIST_RATIO x the candidates)
 SHORTLIST_RATIO = 4
 DENSE_RATIO = 8  # candidates above 1/8 of the routed keys: read every key instead (see reads_all)
+# A shortlist above 1/ONE_STAGE_RATIO of the routed keys: every key is estimated from its whole 4-bit code
+# in one streamed pass instead (re-ranking that many keys by scattered reads costs more; see one_stage)
+ONE_STAGE_RATIO = 8
 PLAN_BYTES = 32 << 20  # candidate lists of one plan (a long prefill runs in token blocks)
 
 
@@ -191,7 +194,8 @@ class SketchRouting(ClusterRouting):
         threads = get_num_threads() if par else 1
         Qg = group_size(cfg.rep, (H // cfg.rep) * T, threads)
         P = min(threads, H * T // Qg)
-        R1 = self.shortlist()
+        one = self.one_stage()
+        R1 = R if one else self.shortlist()
         need = Qg * (4 * R1 + cfg.segment)  # the scan's buffers (each cut back to R1 when a cluster may not fit)
         with self._scratch_lock:
             if self._est.shape[0] < P or self._est.shape[1] < need:
@@ -201,8 +205,15 @@ class SketchRouting(ClusterRouting):
             fn(q, qpos, cfg.rep, Qg, self.rot, lay.cent, lay.cscale, lay.cptr,
                lay.n_cent if n_cent is None else n_cent, self.rad, st.sketch_codes.view(np.uint64), st.sketch_fac,
                st.sketch_fine.view(np.uint64), st.sketch_fscale, st.pos, R1, rows, scanned,
-               self._est[:P, :need], self._ids[:P, :need], self._tmp[:P])
+               self._est[:P, :need], self._ids[:P, :need], self._tmp[:P], one)
         return rows, scanned
+
+    def one_stage(self) -> bool:
+        """True when the shortlist would hold more than 1/``ONE_STAGE_RATIO`` of the routed keys (small
+        caches: the ``MIN_CANDIDATES`` floor times ``SHORTLIST_RATIO``): then every routed key is estimated
+        from its whole 4-bit code, read in slot order, and the best ``candidates`` are read exactly."""
+        routed = self.layout.open_end - self.store.s0
+        return ONE_STAGE_RATIO * self.shortlist() > routed
 
     def reads_all(self) -> bool:
         """True when the step reads every key exactly: nothing is clustered yet, or the candidates would be
@@ -247,8 +258,9 @@ class SketchRouting(ClusterRouting):
     def debug_arrays(self) -> dict[str, Any]:
         return {**super().debug_arrays(), "sketch_rotation": self.rot, "sketch_radius": self.rad,
                 "sketch_plan_rows": max(1, PLAN_BYTES // (8 * self.candidates())),
-                "sketch_reads_all": self.reads_all()}
+                "sketch_reads_all": self.reads_all(), "sketch_one_stage": self.one_stage()}
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "sketch_candidates": self.candidates(), "sketch_shortlist": self.shortlist(),
+                "sketch_one_stage": self.one_stage(),
                 "sketch_keys_scanned_per_query": self.scanned / max(self.steps, 1)}
