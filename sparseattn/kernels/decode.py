@@ -68,6 +68,8 @@ from .decode_route import (
     MODE_NONE,
     MODE_PAGES,
     MODE_TOPK,
+    cluster_log_mass,
+    mass_goal,
     mass_next,
     mass_open,
     route_row_bf16,
@@ -93,8 +95,8 @@ from .storage import (
     widen_f16,
 )
 
-__all__ = ["CHUNK", "EVICTED", "MASS_MARGIN", "MODE_CLUSTER", "MODE_LIST", "MODE_MASS", "MODE_NONE", "MODE_PAGES", "MODE_TOPK",
-           "accumulate_parallel", "accumulate_parallel_bf16", "accumulate_serial", "accumulate_serial_bf16",
+__all__ = ["CHUNK", "EVICTED", "MASS_MARGIN", "MODE_CLUSTER", "MODE_LIST", "MODE_MASS", "MODE_NONE", "MODE_PAGES",
+           "MODE_TOPK", "cluster_log_mass", "mass_goal", "accumulate_parallel", "accumulate_parallel_bf16", "accumulate_serial", "accumulate_serial_bf16",
            "decode_parallel", "decode_parallel_bf16", "decode_serial", "decode_serial_bf16", "float32_bits",
            "narrow_f16", "page_bounds", "step_summary", "store_token_bf16", "store_token_f16", "store_token_f32", "widen_bf16",
            "widen_f16"]

@@ -12,7 +12,8 @@ from .storage import clone_with, widen_bf16, widen_f16
 from .topk import ORDER_BEST, heap_finish, heap_offer
 
 __all__ = ["EVICTED", "MODE_CLUSTER", "MODE_LIST", "MODE_MASS", "MODE_NONE", "MODE_PAGES", "MODE_TOPK",
-           "MASS_MARGIN", "mass_next", "mass_open", "route_clusters", "route_pages_bf16", "route_pages_f32", "route_topk_bf16",
+           "MASS_MARGIN", "cluster_log_mass", "mass_goal", "mass_next", "mass_open", "route_clusters",
+           "route_pages_bf16", "route_pages_f32", "route_topk_bf16",
            "route_row_bf16", "route_row_f32", "route_topk_f32"]
 
 MODE_NONE = 0
@@ -45,7 +46,6 @@ def route_clusters(qi, g, qp, mode, cent, cscale, n_cent, ccount, cminpos, cspre
     if mode != MODE_CLUSTER:
         for e in range(E):
             q2 += np.float64(qi[e]) * np.float64(qi[e])
-    s2 = np.float64(scale) * np.float64(scale)
     for c in range(n_cent[g]):
         cv = cent[g, c]
         s = np.float32(0.0)
@@ -62,11 +62,7 @@ def route_clusters(qi, g, qp, mode, cent, cscale, n_cent, ccount, cminpos, cspre
             if ccount[g, c] <= 0 or cminpos[g, c] > qp:
                 la[c] = -np.inf  # nothing the row may see
             else:
-                ell = np.log(np.float64(ccount[g, c]))
-                x = 0.5 * s2 * q2 * np.float64(cspread[g, c, 0])
-                hb_c = abs(np.float64(scale)) * np.sqrt(q2) * np.float64(cspread[g, c, 1])
-                g2 = second_order(x, ell, hb_c)[0]
-                la[c] = np.float32(np.float64(s) * np.float64(scale) + ell + g2)
+                la[c] = np.float32(cluster_log_mass(s, scale, q2, ccount[g, c], cspread[g, c, 0], cspread[g, c, 1]))
     return n_sel
 
 
@@ -171,7 +167,25 @@ def mass_open(la, nc, m_run, l_run, top_p):
         for c in range(nc):
             if la[c] > -np.inf:
                 tot += np.exp(np.float64(la[c]) - np.float64(mshift))
-    return order, mshift, cum, top_p * MASS_MARGIN * tot / (1.0 + (MASS_MARGIN - 1.0) * top_p)
+    return order, mshift, cum, mass_goal(top_p, tot)
+
+
+@njit(cache=True)
+def mass_goal(top_p, total):
+    """The mass the walk must read of an estimated ``total``: m_in >= ``top_p (m_in + MASS_MARGIN m_out)``
+    with ``m_out = total - m_in``, i.e. ``top_p MASS_MARGIN total / (1 + (MASS_MARGIN - 1) top_p)``."""
+    return top_p * MASS_MARGIN * total / (1.0 + (MASS_MARGIN - 1.0) * top_p)
+
+
+@njit(cache=True, inline="always")
+def cluster_log_mass(s, scale, q2, count, sig2, rmax):
+    """A cluster's estimated log mass for the walk: ``scale s + log n + g`` with ``s = q . c``, ``q2 =
+    |q|^2``, n ``count``, g the capped second-order spread term of ``x = scale^2 q2 sig2 / 2``
+    (:func:`sparseattn.kernels.estimate.second_order`, at most ``|scale| |q| rmax``); float64."""
+    ell = np.log(np.float64(count))
+    x = 0.5 * np.float64(scale) * np.float64(scale) * q2 * np.float64(sig2)
+    return np.float64(s) * np.float64(scale) + ell + second_order(x, ell, abs(np.float64(scale)) * np.sqrt(q2)
+                                                                  * np.float64(rmax))[0]
 
 
 @njit(cache=True, inline="always")

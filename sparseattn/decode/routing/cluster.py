@@ -119,16 +119,12 @@ class ClusterRouting(Routing):
         cnt = lay.ccount[g, :nc]
         qc = lay.routing(g, nc).astype(np.float64) @ q64
         q2 = float(q64 @ q64)
-        ell = np.log(np.maximum(cnt, 1).astype(np.float64))
-        x = 0.5 * cfg.scale ** 2 * q2 * lay.cspread[g, :nc, 0].astype(np.float64)
-        hb = abs(cfg.scale) * np.sqrt(q2) * lay.cspread[g, :nc, 1].astype(np.float64)
-        knee = np.where(x <= ell, x, 2.0 * np.sqrt(x * ell) - ell)
-        seen = (cnt > 0) & (lay.cminpos[g, :nc] <= qp)
-        la = np.where(seen, qc * cfg.scale + ell + np.minimum(knee, hb), -np.inf)
+        sp = lay.cspread[g, :nc]
+        la = np.array([kd.cluster_log_mass(qc[c], cfg.scale, q2, cnt[c], sp[c, 0], sp[c, 1])
+                       if cnt[c] > 0 and lay.cminpos[g, c] <= qp else -np.inf for c in range(nc)], np.float64)
         m = max(float(s_ex.max()) if s_ex.size else -np.inf, float(la.max()) if nc else -np.inf)
         cum = float(np.exp(s_ex - m).sum()) if s_ex.size else 0.0
-        margin = kd.MASS_MARGIN
-        goal = cfg.top_p * margin * (cum + float(np.exp(la - m).sum())) / (1.0 + (margin - 1.0) * cfg.top_p)
+        goal = kd.mass_goal(cfg.top_p, cum + float(np.exp(la - m).sum()))
         out, nk = [], 0
         for c in np.argsort(-la, kind="stable"):
             if la[c] == -np.inf or (cfg.top_p < 1.0 and cum >= goal and nk >= cfg.top_p_min_keys):

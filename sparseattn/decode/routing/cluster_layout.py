@@ -67,13 +67,15 @@ def cluster_segment(keys: np.ndarray, n_clusters: int, *, seed: int = 0, niter: 
 
 def key_spread(x: np.ndarray, starts: np.ndarray, counts: np.ndarray, means: np.ndarray) -> np.ndarray:
     """Per cluster (members ``x[starts[c]:starts[c] + counts[c]]`` of the (n, E) keys, mean ``means[c]``):
-    (m, 2) float32 ``[mean per-dimension variance, largest member distance to the mean]`` (float64 sums)."""
+    (m, 2) float32 ``[mean per-dimension variance, largest member distance to the mean]`` (float64 sums;
+    a variance beyond float32's range, from keys near 1e19 and up, is stored as float32's largest value)."""
     d = x.astype(np.float64) - np.repeat(np.asarray(means, np.float64), counts, axis=0)
     sq = np.einsum("ij,ij->i", d, d)
     out = np.empty((counts.shape[0], 2), np.float32)
     if counts.shape[0]:
-        out[:, 0] = np.add.reduceat(sq, starts) / (counts * max(x.shape[1], 1))
-        out[:, 1] = np.sqrt(np.maximum.reduceat(sq, starts))
+        big = float(np.finfo(np.float32).max)
+        out[:, 0] = np.minimum(np.add.reduceat(sq, starts) / (counts * max(x.shape[1], 1)), big)
+        out[:, 1] = np.minimum(np.sqrt(np.maximum.reduceat(sq, starts)), big)
     return out
 
 
