@@ -3,7 +3,7 @@ aggregation task and per-token decode time, dense cache vs sparse settings.
 
 Run:  python benchmarks/bench_llm.py [--model smollm2|gemma3] [--lengths 2048,4096] [--depths 0,50,100]
                                      [--prompts 3] [--settings dense,cluster] [--new-tokens 10]
-                                     [--ppl-tokens 512] [--segment 1024] [--threads 1] [--seed 0] [--out PATH.json]
+                                     [--ppl-tokens 512] [--ppl-windows 1] [--segment 1024] [--threads 1] [--seed 0] [--out PATH.json]
 Full grid:  python benchmarks/bench_llm.py --lengths 2048,4096,8192 --depths 0,25,50,75,100 --prompts 20 \\
                 --settings dense,cluster,cluster-top_p,cluster-estimate     (hours on 2 cores)
 
@@ -35,7 +35,10 @@ Settings (``--settings``):
 * ``sketch``: the KVCache default selector (1-bit residual codes of every clustered key scanned, the best
   3 % and at least 1,024 read exactly; below about 8,000 cached keys it reads every key), same segment,
   sinks and window;
-* ``sketch-256``: ``sketch:candidates=256`` (scans from about 2,000 cached keys on).
+* ``sketch-256``: ``sketch:candidates=256`` (scans from about 2,000 cached keys on); ``sketch-4096``:
+  ``sketch:candidates=4096``;
+* ``exact``: the sparse cache with ``selector="dense"`` (every key read through sparseattn's kernel): it
+  must equal ``dense`` up to float32 rounding, a check of the plumbing rather than a sparse setting.
 
 Every prompt is prefilled once, densely (``DynamicCache`` + SDPA, all prompt tokens but the last; in chunks
 of ``--prefill-chunk`` tokens, by default 2,048 for gemma3 and one chunk for smollm2); each
@@ -50,8 +53,9 @@ Tasks:
   is"; exact match of the first digit run of the greedy answer (``--new-tokens`` tokens) with the key, and
   for the sparse settings the share of prompts whose greedy tokens equal the dense cache's (a 135M model
   misses many keys even densely: agreement with dense isolates what the cache changes);
-* perplexity: the last ``--ppl-tokens`` tokens of a KJV window of the longest length, fed as one chunk
-  after a dense prefill of the rest; sparse settings attend the chunk's rows through the selector
+* perplexity: the last ``--ppl-tokens`` tokens of each of ``--ppl-windows`` KJV windows of the longest
+  length (exp of the mean NLL over all of them; each window's own ppl is kept too), fed as one chunk
+  after a dense prefill of the rest (one prefill shared by every setting); sparse settings attend the chunk's rows through the selector
   (``prefill="sparse"``); ppl = exp(mean NLL);
 * aggregation: three words planted 5, 3 and 2 times ("The secret word is W.") at random places of a
   context of the longest length; asked which appeared most often; exact match of the first word;
@@ -59,7 +63,8 @@ Tasks:
   layer's KVCache keys, values and index; what ``update`` returns is a stride-0 handle, 4 bytes);
 * per generated token (passkey decode steps after the first): whole-step time of ``model(...)`` and the time
   inside attention (SDPA for ``dense``, timed by a wrapping attention function; the cache's attend for
-  the others), medians; keys read per query row and step, and that as a fraction of the keys cached.
+  the others), medians, also split out for the full-attention layers alone (the ones a sparse cache
+  serves: attention minus the sliding-window layers' SDPA); keys read per query row and step, and that as a fraction of the keys cached.
 
 Writes benchmarks/results/llm-<label>.json and .md (``--out``).  ``--threads`` (default 1) sets torch's
 and Numba's threads for every setting alike.
@@ -78,7 +83,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-SETTINGS = ("dense", "cluster", "cluster-top_p", "cluster-estimate", "sketch", "sketch-256")
+SETTINGS = ("dense", "exact", "cluster", "cluster-top_p", "cluster-estimate", "sketch", "sketch-256", "sketch-4096")
 WORDS = ("apple", "lantern", "violin", "pepper", "marble", "harbor", "candle", "meadow")
 #: --model -> (sparseattn.hf.GGUF_MODELS key, description written to the results, trained context,
 #: default prefill chunk (0: the whole prompt at once))
@@ -124,6 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--settings", default="dense,cluster")
     p.add_argument("--new-tokens", type=int, default=10)
     p.add_argument("--ppl-tokens", type=int, default=512)
+    p.add_argument("--ppl-windows", type=int, default=1)
     p.add_argument("--no-ppl", action="store_true")
     p.add_argument("--no-aggregation", action="store_true")
     p.add_argument("--segment", type=int, default=1024)
@@ -144,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad or not a.settings or "dense" not in a.settings:
         raise BenchError(f"--settings must list 'dense' and any of {list(SETTINGS[1:])}; got {a.settings}")
     a.settings = ["dense"] + [s for s in dict.fromkeys(a.settings) if s != "dense"]  # dense first: the reference
-    for name, lo, hi in (("prompts", 1, 1000), ("new_tokens", 2, 64), ("ppl_tokens", 16, 4096),
+    for name, lo, hi in (("prompts", 1, 1000), ("new_tokens", 2, 64), ("ppl_tokens", 16, 4096), ("ppl_windows", 1, 100),
                          ("segment", 64, 1 << 16), ("n_probe", 1, 4096), ("threads", 1, 64), ("seed", 0, 2**31 - 1)):
         v = getattr(a, name)
         if not lo <= v <= hi:
@@ -169,6 +175,10 @@ def cache_kwargs(setting: str, segment: int, n_probe: int = 8) -> dict:
         return {**base, "selector": "sketch"}
     if setting == "sketch-256":
         return {**base, "selector": "sketch:candidates=256"}
+    if setting == "sketch-4096":
+        return {**base, "selector": "sketch:candidates=4096"}
+    if setting == "exact":  # the sparse cache reading every key: checks the plumbing against dense
+        return {"selector": "dense", "segment": segment}
     raise ValueError(setting)
 
 
@@ -245,11 +255,17 @@ class Engine:
         self.load_seconds = time.perf_counter() - t0
         self.bos = list(self.tok("").input_ids)  # what the tokenizer puts first: [<bos>] for Gemma, [] for SmolLM2
         self.sdpa_seconds = 0.0
+        self.sliding_seconds = 0.0  # the part of sdpa_seconds spent in sliding-window layers
+        types = getattr(self.model.config, "layer_types", None) or []
+        sliding = {i for i, t in enumerate(types) if t == "sliding_attention"}
 
-        def timed_sdpa(*a, **kw):
+        def timed_sdpa(module, *a, **kw):
             t = time.perf_counter()
-            out = sdpa_attention_forward(*a, **kw)
-            self.sdpa_seconds += time.perf_counter() - t
+            out = sdpa_attention_forward(module, *a, **kw)
+            dt = time.perf_counter() - t
+            self.sdpa_seconds += dt
+            if getattr(module, "layer_idx", None) in sliding:
+                self.sliding_seconds += dt
             return out
 
         def cache_attention_timing_sliding(module, query, key, *a, **kw):
@@ -306,20 +322,22 @@ class Engine:
         """Greedy decode from the prefilled state: tokens, per-step whole/attention seconds, keys read."""
         torch = self.torch
         cache = self.make_cache(setting, state)
-        self.sdpa_seconds = 0.0
+        self.sdpa_seconds = self.sliding_seconds = 0.0
         tok = torch.tensor([[last]])
-        out, steps, attn = [], [], []
+        out, steps, attn, slid = [], [], [], []
         with torch.no_grad():
             for _ in range(n_new):
-                a0 = self.attention_seconds(setting, cache)
+                a0, s0 = self.attention_seconds(setting, cache), self.sliding_seconds
                 t0 = time.perf_counter()
                 logits = self.model(tok, cache=cache).logits[0, -1]
                 steps.append(time.perf_counter() - t0)
                 attn.append(self.attention_seconds(setting, cache) - a0)
+                slid.append(self.sliding_seconds - s0)
                 nxt = int(logits.argmax())
                 out.append(nxt)
                 tok = torch.tensor([[nxt]])
-        res = {"tokens": out, "step_s": steps[1:], "attention_s": attn[1:]}  # step 0 warms the new cache
+        res = {"tokens": out, "step_s": steps[1:], "attention_s": attn[1:],  # step 0 warms the new cache
+               "sliding_s": slid[1:]}
         if setting == "dense":
             res["cache_mb"] = sum(la.keys.nbytes + la.values.nbytes for la in cache.layers) / 2**20
         else:
@@ -331,11 +349,9 @@ class Engine:
                        read_fraction=st["read_fraction"])
         return res
 
-    def chunk_nll(self, setting: str, ids: list[int], n: int) -> float:
-        """Mean NLL of the last n tokens, fed as one chunk after a dense prefill of the rest."""
+    def chunk_nll(self, setting: str, state, chunk: list[int]) -> float:
+        """Mean NLL of ``chunk[1:]``, ``chunk`` fed as one chunk after the dense prefill ``state`` of the rest."""
         torch = self.torch
-        ctx, chunk = ids[:-(n + 1)], ids[-(n + 1):]
-        state = self.prefill(ctx + [0])  # prefill() drops the last token
         cache = self.make_cache(setting, state, prefill="sparse")
         with torch.no_grad():
             logits = self.model(torch.tensor([chunk]), cache=cache).logits[0, :-1].double()
@@ -390,12 +406,19 @@ def run(args: argparse.Namespace) -> dict:
                         + (f" read {d['read_fraction']:.3f}" if s != "dense" else ""))
     longest = max(args.lengths)
     if not args.no_ppl:
-        ids = bos + filler.window(longest - len(bos))
+        nlls: dict[str, list[float]] = {s: [] for s in args.settings}
+        for w in range(args.ppl_windows):
+            ids = bos + filler.window(longest - len(bos))
+            chunk = ids[-(args.ppl_tokens + 1):]
+            state = eng.prefill(ids[:-(args.ppl_tokens + 1)] + [0])  # one prefill for every setting (drops the 0)
+            for s in args.settings:
+                nlls[s].append(eng.chunk_nll(s, state, chunk))
+                log(f"perplexity window {w} {s}: {np.exp(nlls[s][-1]):.3f}")
         for s in args.settings:
-            nll = eng.chunk_nll(s, ids, args.ppl_tokens)
+            nll = float(np.mean(nlls[s]))
             res["perplexity"][s] = {"nll": nll, "ppl": float(np.exp(nll)), "context": longest,
-                                    "tokens": args.ppl_tokens}
-            log(f"perplexity {s}: {np.exp(nll):.3f}")
+                                    "tokens": args.ppl_tokens, "windows": len(nlls[s]),
+                                    "window_ppl": [float(np.exp(x)) for x in nlls[s]]}
     if not args.no_aggregation:
         for i in range(args.prompts):
             words = [str(w) for w in rng.choice(WORDS, 3, replace=False)]
@@ -426,8 +449,9 @@ def summarise(args: argparse.Namespace, res: dict) -> dict:
             rows = [r for r in res["passkey"] if r["target_length"] == L and r["setting"] == s]
             step = [x for r in rows for x in r["step_s"]]
             attn = [x for r in rows for x in r["attention_s"]]
+            glob = [a - w for r in rows for a, w in zip(r["attention_s"], r["sliding_s"], strict=True)]
             t = {"length": L, "setting": s, "steps": len(step), "step_ms": 1e3 * float(np.median(step)),
-                 "attention_ms": 1e3 * float(np.median(attn)),
+                 "attention_ms": 1e3 * float(np.median(attn)), "global_ms": 1e3 * float(np.median(glob)),
                  "accuracy": float(np.mean([r["correct"] for r in rows])),
                  "same_as_dense": float(np.mean([r["same_as_dense"] for r in rows])),
                  "cache_mb": float(np.mean([r["cache_mb"] for r in rows]))}
@@ -439,6 +463,7 @@ def summarise(args: argparse.Namespace, res: dict) -> dict:
     for t in timing:
         d = next(x for x in timing if x["length"] == t["length"] and x["setting"] == "dense")
         t["attention_speedup"] = d["attention_ms"] / t["attention_ms"]
+        t["global_speedup"] = d["global_ms"] / t["global_ms"]
         t["step_speedup"] = d["step_ms"] / t["step_ms"]
     agg = {s: float(np.mean([r["correct"] for r in res["aggregation"] if r["setting"] == s]))
            for s in args.settings} if res["aggregation"] else {}
@@ -465,22 +490,29 @@ def write_md(path: Path, data: dict) -> None:
             lines.append(f"| {L} | {d} | " + " | ".join(f"{c['accuracy'] * c['n']:.0f}/{c['n']}" for c in accs)
                          + " |")
     lines += ["", "## Per generated token (medians over decode steps)", "",
-              "| length | setting | passkey acc | same tokens as dense | step ms | attention ms | attention speed-up | step speed-up "
-              "| keys read / row | keys cached | read fraction | cache MB |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| length | setting | passkey acc | same tokens as dense | step ms | attention ms | attention speed-up | "
+              "full-attention layers ms | their speed-up | step speed-up "
+              "| keys read / row | keys cached | read fraction | cache MB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in s["timing"]:
         extra = (f"{t['keys_read']:.0f} | {t['keys_cached']:.0f} | {t['read_fraction']:.3f}"
                  if "keys_read" in t else "all | - | 1")
         lines.append(f"| {t['length']} | {t['setting']} | {t['accuracy']:.2f} | {t['same_as_dense']:.2f} | "
                      f"{t['step_ms']:.1f} | "
-                     f"{t['attention_ms']:.2f} | {t['attention_speedup']:.2f}x | {t['step_speedup']:.2f}x | "
+                     f"{t['attention_ms']:.2f} | {t['attention_speedup']:.2f}x | {t['global_ms']:.2f} | "
+                     f"{t['global_speedup']:.2f}x | {t['step_speedup']:.2f}x | "
                      f"{extra} | {t['cache_mb']:.1f} |")
     if data["results"]["perplexity"]:
         lines += ["", "## Perplexity of the last tokens after the longest context", "",
-                  "| setting | context | tokens | ppl | vs dense |", "|---|---|---|---|---|"]
+                  "| setting | context | tokens x windows | ppl | vs dense | per window vs dense |",
+                  "|---|---|---|---|---|---|"]
         dense = data["results"]["perplexity"]["dense"]["ppl"]
         for name, p in data["results"]["perplexity"].items():
-            lines.append(f"| {name} | {p['context']} | {p['tokens']} | {p['ppl']:.3f} | "
-                         f"{100 * (p['ppl'] / dense - 1):+.2f} % |")
+            dw = data["results"]["perplexity"]["dense"].get("window_ppl", [dense])
+            per = ", ".join(f"{100 * (x / y - 1):+.2f} %" for x, y in zip(p.get("window_ppl", [p["ppl"]]), dw,
+                                                                          strict=True))
+            lines.append(f"| {name} | {p['context']} | {p['tokens']} x {p.get('windows', 1)} | {p['ppl']:.3f} | "
+                         f"{100 * (p['ppl'] / dense - 1):+.2f} % | {per} |")
     if s["aggregation_accuracy"]:
         lines += ["", "## Aggregation (most frequent of 3 planted words, 5/3/2 times)", "",
                   "| setting | accuracy |", "|---|---|"]
