@@ -27,6 +27,8 @@ SPEC.loader.exec_module(bl)
     (["--model", "gpt2"], r"argument --model: invalid choice: 'gpt2'"),
     (["--model", "gemma3", "--lengths", "40000"], r"--lengths must be integers in \[256, 32768\]"),
     (["--prefill-chunk", "-1"], r"--prefill-chunk must be in \[0, 1048576\]"),
+    (["--ppl-windows", "0"], r"--ppl-windows must be in \[1, 100\]; got 0"),
+    (["--ppl-windows", "two"], r"argument --ppl-windows: invalid int value: 'two'"),
 ])
 def test_bad_flags_one_line_exit_2(argv, message, capsys):
     assert bl.main(argv) == 2

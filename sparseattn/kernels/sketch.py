@@ -264,6 +264,39 @@ def _sample_cut(planes, q, c1, c2, c0, base, cptr, g, nc, cg, fg, pg, qp, R, fin
 
 
 @njit(cache=True, fastmath=FASTMATH)
+def _bounds(qs, qnorm, g, cent, cscale, rad, nc):
+    """Per row and cluster of kv head g: ``base = q . mu`` (Q, nc) and the ball bound ``base + |q| rad``
+    (Q, nc), float64, from queries ``qs`` (Q, E) float32 and their norms ``qnorm`` (Q,)."""
+    Q, E = qs.shape[0], qs.shape[1]
+    base = np.empty((Q, nc), np.float64)
+    ub = np.empty((Q, nc), np.float64)
+    for c in range(nc):
+        for q in range(Q):
+            s = 0.0
+            for e in range(E):
+                s += np.float64(cent[g, c, e]) * np.float64(qs[q, e])
+            base[q, c] = s * np.float64(cscale[g, c])
+            ub[q, c] = base[q, c] + qnorm[q] * rad[g, c]
+    return base, ub
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _finish_row(planes_q, cq_q, cg, fineg, fac, fscale, g, eq, iq, mq, R, R2, lo, hi, out, fine_all):
+    """Row q's buffer ``eq`` / ``iq`` (``mq`` kept) to its answer: the best R (the shortlist), re-ranked by
+    the 4-bit codes unless ``fine_all`` (stage 2), the best R2 of those written ascending to ``out`` (R2,),
+    -1 padded."""
+    if mq > R:
+        mq = _shrink(eq, iq, mq, R)[0]
+    if mq > R2 and not fine_all:
+        _refine(planes_q, cq_q[0], cq_q[1], cq_q[2], cg, fineg, fac, fscale, g, iq, eq, mq)
+    if mq > R2:
+        mq = _shrink(eq, iq, mq, R2)[0]
+    _ascending(iq, mq, lo, hi, out)
+    for i in range(mq, R2):
+        out[i] = -1
+
+
+@njit(cache=True, fastmath=FASTMATH)
 def _scan_group(qs, qrs, qnorm, qp, g, cent, cscale, cptr, nc, rad, cw, fac, fine, fscale, pos, R, R2, outs, est,
                 ids, tmp, fine_all):
     """Rows ``qs`` (Q, E) float32 (rotated: ``qrs`` (Q, E) float64, norms ``qnorm`` (Q,)) of one kv head g at
@@ -280,7 +313,7 @@ def _scan_group(qs, qrs, qnorm, qp, g, cent, cscale, cptr, nc, rad, cw, fac, fin
     either way).  ``tmp``: scratch for the estimates of up to ``min(len(tmp), B - R)`` keys at a time.
     With ``fine_all`` every key's estimate is the 4-bit one (:func:`_estimate_fine`) and there is no second
     stage (R = R2)."""
-    Q, E = qs.shape[0], qs.shape[1]
+    Q = qs.shape[0]
     B = est.shape[0] // Q
     C = min(tmp.shape[0], B - R)  # keys estimated at a time (a cluster may be larger)
     W = cw.shape[2]
@@ -288,20 +321,8 @@ def _scan_group(qs, qrs, qnorm, qp, g, cent, cscale, cptr, nc, rad, cw, fac, fin
     cq = np.empty((Q, 3), np.float64)
     for q in range(Q):
         planes[q], cq[q, 0], cq[q, 1], cq[q, 2] = query_planes(qrs[q])
-    base = np.empty((Q, nc), np.float64)
-    ub = np.empty((Q, nc), np.float64)
-    for c in range(nc):
-        for q in range(Q):
-            s = 0.0
-            for e in range(E):
-                s += np.float64(cent[g, c, e]) * np.float64(qs[q, e])
-            base[q, c] = s * np.float64(cscale[g, c])
-            ub[q, c] = base[q, c] + qnorm[q] * rad[g, c]
-    cg = cw[g]
-    fg = fac[g]
-    pg = pos[g]
-    fineg = fine[g]
-    sg = fscale[g]
+    base, ub = _bounds(qs, qnorm, g, cent, cscale, rad, nc)
+    cg, fg, pg, fineg, sg = cw[g], fac[g], pos[g], fine[g], fscale[g]
     long = cptr[g, nc] - cptr[g, 0] > 8 * R  # worth a threshold up front (to skip keys) only on long caches
     theta0 = np.full(Q, -np.inf)
     if long:
@@ -331,7 +352,7 @@ def _scan_group(qs, qrs, qnorm, qp, g, cent, cscale, cptr, nc, rad, cw, fac, fin
                 for q in range(Q):
                     if not live[q]:
                         continue
-                    if m[q] + (b - a) > B:
+                    if m[q] + (b - a) > B:  # the buffer is full: cut back to the best R, raise theta
                         m[q], theta[q] = _shrink(est[q * B:(q + 1) * B], ids[q * B:(q + 1) * B], m[q], R)
                         if ub[q, c] < theta[q]:
                             live[q] = False
@@ -362,16 +383,8 @@ def _scan_group(qs, qrs, qnorm, qp, g, cent, cscale, cptr, nc, rad, cw, fac, fin
         if not todo.any():
             break
     for q in range(Q):
-        eq, iq, mq = est[q * B:(q + 1) * B], ids[q * B:(q + 1) * B], m[q]
-        if mq > R:
-            mq = _shrink(eq, iq, mq, R)[0]
-        if mq > R2 and not fine_all:  # stage 2: the best R2 of the shortlist by the 4-bit codes
-            _refine(planes[q], cq[q, 0], cq[q, 1], cq[q, 2], cg, fineg, fac, fscale, g, iq, eq, mq)
-        if mq > R2:
-            mq = _shrink(eq, iq, mq, R2)[0]
-        _ascending(iq, mq, cptr[g, 0], cptr[g, nc], outs[q])
-        for i in range(mq, R2):
-            outs[q, i] = -1
+        _finish_row(planes[q], cq[q], cg, fineg, fac, fscale, g, est[q * B:(q + 1) * B], ids[q * B:(q + 1) * B], m[q],
+                    R, R2, cptr[g, 0], cptr[g, nc], outs[q], fine_all)
     return scanned
 
 
