@@ -295,6 +295,48 @@ def test_overflow_raises() -> None:
         cache.attend(np.full((1, 1, 4), 1e30, np.float32))
 
 
+@pytest.mark.parametrize("score, warns", [(2.0**22, True), (-(2.0**22), True), (3e9, True),
+                                          (2.0**22 - 1, False), (-(2.0**22 - 1), False), (100.0, False)])
+def test_scores_float32_cannot_resolve_warn_naming_the_fix(score: float, warns: bool) -> None:
+    """One key, scale 1: the step's lse is the score itself.  From |score| = 2**22 float32 spaces scores
+    0.5 or more apart (softmax weights uncertain by e**0.25 and more): a RuntimeWarning says so and names
+    the fix; below it nothing is said.  The output is the one value either way."""
+    import warnings
+
+    c = KVCache(1, 4, selector="dense", scale=1.0)
+    c.append(np.array([[[1.0, 0, 0, 0]]], np.float32), np.array([[[2.0, -3.0, 0, 1.0]]], np.float32))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, lse = c.attend(np.array([[[score, 0, 0, 0]]], np.float32), return_lse=True)
+    mine = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert float(lse[0, 0]) == np.float32(score)
+    np.testing.assert_array_equal(out[0, 0], [2.0, -3.0, 0, 1.0])
+    if warns:
+        assert len(mine) == 1, [str(w.message) for w in caught]
+        msg = str(mine[0].message)
+        assert "float32 spaces its values" in msg and "scale the keys or queries down" in msg
+        assert mine[0].filename == __file__  # points at the caller's attend
+    else:
+        assert not mine, [str(w.message) for w in mine]
+
+
+def test_default_cache_warns_when_scores_outgrow_float32_resolution() -> None:
+    """The default selector on keys and queries of magnitude 1e4 (scores ~1e8): the warning is raised;
+    at magnitude 1 it is not."""
+    import warnings
+
+    rng = np.random.default_rng(3)
+    for mag, warns in ((1e4, True), (1.0, False)):
+        c = KVCache(2, 64)
+        c.append((rng.standard_normal((2, 300, 64)) * mag).astype(np.float32),
+                 rng.standard_normal((2, 300, 64)).astype(np.float32))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = c.attend((rng.standard_normal((2, 1, 64)) * mag).astype(np.float32))
+        assert np.isfinite(out).all()
+        assert any("float32 spaces" in str(w.message) for w in caught) == warns
+
+
 def test_float16_range_overflow_on_append() -> None:
     cache = KVCache(1, 4, dtype=np.float16)
     with pytest.raises(ValueError, match="float16"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import warnings
 
 import numpy as np
 
@@ -10,11 +11,24 @@ from ..inputs import check_positive_int
 from .config import CacheConfig
 from .store import check_float, to_numpy
 
-__all__ = ["OVERFLOW_FIX", "check_budget", "check_kv", "check_kv_head", "check_output", "check_queries", "check_query",
-           "check_query_tokens"]
+__all__ = ["OVERFLOW_FIX", "RESOLUTION_LIMIT", "check_budget", "check_kv", "check_kv_head", "check_output", "check_queries", "check_query",
+           "check_query_tokens", "warn_resolution"]
 
 # what to change when scores overflow (the kernels compute in float32 whatever the inputs)
 OVERFLOW_FIX = "the cache computes in float32: scale the keys or queries down, or pass a smaller scale"
+#: |log-sum-exp| from which float32 spaces scores 0.5 or more apart (2**22): a row's softmax weights are
+#: then uncertain by a factor e**0.25 or more, and equally exact computations (another selector, another
+#: summation order) give visibly different outputs
+RESOLUTION_LIMIT = float(2**22)
+
+
+def warn_resolution(big: float) -> None:
+    """RuntimeWarning for a step whose largest finite ``|lse|`` is ``big`` >= :data:`RESOLUTION_LIMIT`."""
+    gap = float(np.spacing(np.float32(big)))
+    warnings.warn(f"attention scores reach |q.k * scale| ~ {big:.3g}, where float32 spaces its values {gap:g} "
+                  f"apart: softmax weights are uncertain by up to a factor e**{gap / 2:g}, so outputs can differ "
+                  f"between selectors (even selector='dense') and from a float64 reference; {OVERFLOW_FIX}.",
+                  RuntimeWarning, stacklevel=4)  # the caller of KVCache.attend (through its lock wrapper)
 
 
 def check_kv(cfg: CacheConfig, keys: object, values: object) -> tuple[np.ndarray, np.ndarray]:

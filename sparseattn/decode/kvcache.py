@@ -338,11 +338,13 @@ class KVCache(CacheReport):
                              f"use one: a cache with estimate=0, or tail=None.")
         res = self._run(q, qpos, k, strategy, record=tail is not None)
         out, lse, nread = res.out, res.lse, res.nread
-        status, n_keys, n_est = step_summary(out, lse, nread, res.nest)  # one pass: checks and counts
+        status, n_keys, n_est, big = step_summary(out, lse, nread, res.nest)  # one pass: checks and counts
         if status == 1:
             raise ValueError(overflow_message(np.float32, self.scale, ck.OVERFLOW_FIX))
         if status == 2:
             ck.check_output(out)
+        if big >= ck.RESOLUTION_LIMIT:
+            ck.warn_resolution(float(big))
         if tail is not None:
             from ..attention.cache_tail import cache_tail
 

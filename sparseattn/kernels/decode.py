@@ -235,17 +235,22 @@ def _finish(out, lse, h, t, acc, m_run, l_run, overflow):
 @njit(cache=True)
 def step_summary(out, lse, nread, nest):
     """One pass over a step's outputs (out (H, T, Ev) float32, lse (H, T) float32, nread / nest (R,)
-    int64): (status, keys read, clusters estimated); status 1 when a row's scores overflowed (``lse =
-    +inf``), 2 when an output is not finite (its weighted value sum overflowed float32), else 0."""
+    int64): (status, keys read, clusters estimated, largest finite ``|lse|``); status 1 when a row's scores
+    overflowed (``lse = +inf``), 2 when an output is not finite (its weighted value sum overflowed
+    float32), else 0."""
     status = 0
+    big = np.float32(0.0)
     for h in range(lse.shape[0]):
         for t in range(lse.shape[1]):
-            if lse[h, t] == np.inf:
-                return 1, 0, 0
+            x = lse[h, t]
+            if x == np.inf:
+                return 1, 0, 0, np.float32(0.0)
+            if x > -np.inf:
+                big = max(big, abs(x))
             for e in range(out.shape[2]):
                 if not (out[h, t, e] - out[h, t, e] == 0):
                     status = 2
-    return status, nread.sum(), nest.sum()
+    return status, nread.sum(), nest.sum(), big
 
 
 # ---------------------------------------------------------------------------------------------- a row
