@@ -3,7 +3,8 @@ aggregation task and per-token decode time, dense cache vs sparse settings.
 
 Run:  python benchmarks/bench_llm.py [--model smollm2|gemma3] [--lengths 2048,4096] [--depths 0,50,100]
                                      [--prompts 3] [--settings dense,cluster] [--new-tokens 10]
-                                     [--ppl-tokens 512] [--ppl-windows 1] [--segment 1024] [--threads 1] [--seed 0] [--out PATH.json]
+                                     [--ppl-tokens 512] [--ppl-windows 1] [--segment 1024] [--threads 1]
+                                     [--seed 0] [--out PATH.json]
 Full grid:  python benchmarks/bench_llm.py --lengths 2048,4096,8192 --depths 0,25,50,75,100 --prompts 20 \\
                 --settings dense,cluster,cluster-top_p,cluster-estimate     (hours on 2 cores)
 
@@ -33,10 +34,11 @@ Settings (``--settings``):
 * ``cluster-top_p``: the same with ``top_p=0.9`` (mass-driven budget) instead of ``n_probe``;
 * ``cluster-estimate``: the same ``n_probe`` plus ``estimate=16`` clusters estimated from their statistics;
 * ``sketch``: the KVCache default selector (1-bit residual codes of every clustered key scanned, the best
-  3 % and at least 1,024 read exactly; below about 8,000 cached keys it reads every key), same segment,
-  sinks and window;
+  3 % re-ranked by 4-bit codes, the best 1,024 or 1/128 of the keys read exactly; one 4-bit pass instead
+  below about 32,000 keys; below about 8,200 clustered keys it reads every key), same segment, sinks and
+  window;
 * ``sketch-256``: ``sketch:candidates=256`` (scans from about 2,000 cached keys on); ``sketch-4096``:
-  ``sketch:candidates=4096``;
+  ``sketch:candidates=4096`` (reads every key up to about 32,000);
 * ``exact``: the sparse cache with ``selector="dense"`` (every key read through sparseattn's kernel): it
   must equal ``dense`` up to float32 rounding, a check of the plumbing rather than a sparse setting.
 
@@ -55,8 +57,8 @@ Tasks:
   misses many keys even densely: agreement with dense isolates what the cache changes);
 * perplexity: the last ``--ppl-tokens`` tokens of each of ``--ppl-windows`` KJV windows of the longest
   length (exp of the mean NLL over all of them; each window's own ppl is kept too), fed as one chunk
-  after a dense prefill of the rest (one prefill shared by every setting); sparse settings attend the chunk's rows through the selector
-  (``prefill="sparse"``); ppl = exp(mean NLL);
+  after a dense prefill of the rest (one prefill shared by every setting); sparse settings attend the
+  chunk's rows through the selector (``prefill="sparse"``); ppl = exp(mean NLL);
 * aggregation: three words planted 5, 3 and 2 times ("The secret word is W.") at random places of a
   context of the longest length; asked which appeared most often; exact match of the first word;
 * memory: the bytes each cache holds after decoding (DynamicCache: its K/V tensors; SparseCache: every
@@ -64,7 +66,8 @@ Tasks:
 * per generated token (passkey decode steps after the first): whole-step time of ``model(...)`` and the time
   inside attention (SDPA for ``dense``, timed by a wrapping attention function; the cache's attend for
   the others), medians, also split out for the full-attention layers alone (the ones a sparse cache
-  serves: attention minus the sliding-window layers' SDPA); keys read per query row and step, and that as a fraction of the keys cached.
+  serves: attention minus the sliding-window layers' SDPA); keys read per query row and step, and that
+  as a fraction of the keys cached.
 
 Writes benchmarks/results/llm-<label>.json and .md (``--out``).  ``--threads`` (default 1) sets torch's
 and Numba's threads for every setting alike.
@@ -83,7 +86,8 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-SETTINGS = ("dense", "exact", "cluster", "cluster-top_p", "cluster-estimate", "sketch", "sketch-256", "sketch-4096")
+SETTINGS = ("dense", "exact", "cluster", "cluster-top_p", "cluster-estimate", "sketch", "sketch-256",
+            "sketch-4096")
 WORDS = ("apple", "lantern", "violin", "pepper", "marble", "harbor", "candle", "meadow")
 #: --model -> (sparseattn.hf.GGUF_MODELS key, description written to the results, trained context,
 #: default prefill chunk (0: the whole prompt at once))
@@ -150,7 +154,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad or not a.settings or "dense" not in a.settings:
         raise BenchError(f"--settings must list 'dense' and any of {list(SETTINGS[1:])}; got {a.settings}")
     a.settings = ["dense"] + [s for s in dict.fromkeys(a.settings) if s != "dense"]  # dense first: the reference
-    for name, lo, hi in (("prompts", 1, 1000), ("new_tokens", 2, 64), ("ppl_tokens", 16, 4096), ("ppl_windows", 1, 100),
+    for name, lo, hi in (("prompts", 1, 1000), ("new_tokens", 2, 64), ("ppl_tokens", 16, 4096),
+                         ("ppl_windows", 1, 100),
                          ("segment", 64, 1 << 16), ("n_probe", 1, 4096), ("threads", 1, 64), ("seed", 0, 2**31 - 1)):
         v = getattr(a, name)
         if not lo <= v <= hi:

@@ -11,8 +11,8 @@ from ..inputs import check_positive_int
 from .config import CacheConfig
 from .store import check_float, to_numpy
 
-__all__ = ["OVERFLOW_FIX", "RESOLUTION_LIMIT", "check_budget", "check_kv", "check_kv_head", "check_output", "check_queries", "check_query",
-           "check_query_tokens", "warn_resolution"]
+__all__ = ["OVERFLOW_FIX", "RESOLUTION_LIMIT", "check_budget", "check_kv", "check_kv_head", "check_output",
+           "check_queries", "check_query", "check_query_tokens", "warn_resolution"]
 
 # what to change when scores overflow (the kernels compute in float32 whatever the inputs)
 OVERFLOW_FIX = "the cache computes in float32: scale the keys or queries down, or pass a smaller scale"
