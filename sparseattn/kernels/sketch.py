@@ -127,13 +127,21 @@ def query_planes(qr):
 
 
 @njit(cache=True, fastmath=FASTMATH, inline="always")
+def _wpop(U0, U1, U2, U3, x):
+    """``sum_b 2^b popcount(U_b & x)``: the 4-bit query (bit planes ``U0..U3``) dotted with one 64-bit word
+    of a key's bit plane ``x``."""
+    return (popcount64(U0 & x) + (popcount64(U1 & x) << 1) + (popcount64(U2 & x) << 2)
+            + (popcount64(U3 & x) << 3))
+
+
+@njit(cache=True, fastmath=FASTMATH, inline="always")
 def _estimate(planes, q, c1, c2, c0, b0, cw, fg, pg, qp, a, n, tmp):
     """``tmp[i]`` = row ``q``'s (``planes[q]``) estimated score of slot ``a + i`` (i < n) from its code
-    ``cw[a + i]`` (W,) uint64 and
-    factor ``fg[a + i]``: ``b0 + f (c1 S + c2 c + c0)``; -inf where the slot's position ``pg[a + i]`` is
-    after ``qp`` (a future key, or an evicted one: its position is the largest int32).  (Unsigned indices: LLVM then knows they are not
-    negative, so the loads need no wraparound and vectorise instead of becoming gathers; no slices, whose
-    reference counts cost more than a small cluster's arithmetic.)"""
+    ``cw[a + i]`` (W,) uint64 and factor ``fg[a + i]``: ``b0 + f (c1 S + c2 c + c0)``; -inf where the slot's
+    position ``pg[a + i]`` is after ``qp`` (a future key, or an evicted one: its position is the largest
+    int32).  (Unsigned indices: LLVM then knows they are not negative, so the loads need no wraparound and
+    vectorise instead of becoming gathers; no slices, whose reference counts cost more than a small
+    cluster's arithmetic.)"""
     W = cw.shape[1]
     u0 = np.uint64(a)
     if W == 1:  # E <= 64: one word a key, five popcounts (the loop LLVM vectorises)
@@ -141,8 +149,7 @@ def _estimate(planes, q, c1, c2, c0, b0, cw, fg, pg, qp, a, n, tmp):
         for i in range(n):
             j = u0 + np.uint64(i)
             x = cw[j, 0]
-            S = (popcount64(U0 & x) + (popcount64(U1 & x) << 1) + (popcount64(U2 & x) << 2)
-                 + (popcount64(U3 & x) << 3))
+            S = _wpop(U0, U1, U2, U3, x)
             e = b0 + np.float64(fg[j]) * (c1 * S + c2 * popcount64(x) + c0)
             tmp[np.uint64(i)] = e if pg[j] <= qp else -np.inf
     else:
@@ -152,8 +159,7 @@ def _estimate(planes, q, c1, c2, c0, b0, cw, fg, pg, qp, a, n, tmp):
             c = 0
             for w in range(W):
                 x = cw[j, w]
-                S += (popcount64(planes[q, 0, w] & x) + (popcount64(planes[q, 1, w] & x) << 1)
-                      + (popcount64(planes[q, 2, w] & x) << 2) + (popcount64(planes[q, 3, w] & x) << 3))
+                S += _wpop(planes[q, 0, w], planes[q, 1, w], planes[q, 2, w], planes[q, 3, w], x)
                 c += popcount64(x)
             e = b0 + np.float64(fg[j]) * (c1 * S + c2 * c + c0)
             tmp[np.uint64(i)] = e if pg[j] <= qp else -np.inf
@@ -176,8 +182,7 @@ def _estimate_fine(planes, q, c1, c2, c0, b0, cw, fine, sg, pg, qp, a, n, tmp):
             U0, U1, U2, U3 = planes[q, 0, w], planes[q, 1, w], planes[q, 2, w], planes[q, 3, w]
             for b in range(4):
                 x = fine[j, b * W + w] if b < 3 else cw[j, w]
-                t = (popcount64(U0 & x) + (popcount64(U1 & x) << 1) + (popcount64(U2 & x) << 2)
-                     + (popcount64(U3 & x) << 3))
+                t = _wpop(U0, U1, U2, U3, x)
                 sum_uc += t << b
                 sum_c += popcount64(x) << b
         e = b0 + np.float64(sg[j]) * (k_c * sum_c + k_uc * sum_uc + k_0)
@@ -224,8 +229,7 @@ def _refine(planes, c1, c2, c0, cg, fine, fac, fscale, g, ids, est, m):
             pc3 = 0
             for b in range(4):
                 x = X[b * W + w, i]
-                t = (popcount64(U0 & x) + (popcount64(U1 & x) << 1) + (popcount64(U2 & x) << 2)
-                     + (popcount64(U3 & x) << 3))
+                t = _wpop(U0, U1, U2, U3, x)
                 sum_uc += t << b
                 sum_c += popcount64(x) << b
                 if b == 3:

@@ -18,12 +18,12 @@ the routed keys, at least 1024), and ``shortlist=S`` (the share of the routed ke
 to the re-ranking, default 0.03, at least 4 x the candidates), e.g. ``"sketch:candidates=2048,shortlist=0.05"``.
 While the candidates would be more than an eighth of the routed keys (a cache of up to about 8,000 keys
 at the default) the step reads every key exactly instead: the scan and scattered reads would cost more
-than reading the keys in order.  While the shortlist would be more than an eighth of the routed keys (up to about 32,000
-keys at the default) there is one stage: every routed key is estimated from its whole 4-bit code, streamed
-in slot order, and the best ``candidates`` are read (re-ranking a quarter of the keys by scattered reads
-cost more: 4 query / 1 kv heads at E = 256 and 16,384 keys, 2.7 ms two-stage against 1.9 ms, recall@64
-0.997 against 1.000; at E = 64, 8 heads, 2.3-2.5 ms against 2.6 ms at 16,384 and 6.9 against 4.0 ms at
-32,768).  The layout (segments, k-means clusters of about ``cluster_size`` keys) is
+than reading the keys in order.  While the shortlist would be more than an eighth of the routed keys (up
+to about 32,000 keys at the default) there is one stage: every routed key is estimated from its whole 4-bit
+code, streamed in slot order, and the best ``candidates`` are read (re-ranking a quarter of the keys by
+scattered reads cost more: 4 query / 1 kv heads at E = 256 and 16,384 keys, 2.7 ms two-stage against
+1.9 ms, recall@64 0.997 against 1.000; at E = 64, 8 heads, 2.3-2.5 ms against 2.6 ms at 16,384 and 6.9
+against 4.0 ms at 32,768).  The layout (segments, k-means clusters of about ``cluster_size`` keys) is
 the ``cluster`` strategy's; ``estimate`` and ``top_p`` are not supported.
 """
 
