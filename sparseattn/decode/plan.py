@@ -20,16 +20,24 @@ import numpy as np
 from ..kernels import decode as kd
 from .store import SlotStore
 
-__all__ = ["PARALLEL_MIN_KEYS", "StepPlan", "StepResult", "concat_results", "run_plan", "run_strategy"]
+__all__ = ["PARALLEL_MIN_KEYS", "StepPlan", "parallel_step", "StepResult", "concat_results", "run_plan", "run_strategy"]
 
-# Work per call (keys scored, plus routing vectors weighted by their bytes against a key's key + value)
-# below which the kernel runs on one thread.  Measured on 2 cores, 8 heads, E = 64, median of 40 steps:
+# Work per call (keys scored, plus routing vectors weighted by their bytes against a key's key + value, in
+# keys of E = Ev = 64: a key of E = Ev = 256 counts 4, see parallel_step) below which the kernel runs on one
+# thread.  Measured on 2 cores, 8 heads, E = 64, median of 40 steps:
 # 8,192 keys per step (1,024 per head, all exact) 0.22 ms serial against 0.26 ms parallel with warm
 # caches; about 17,000 (16,384 cached keys, cluster selector) 1.30 against 0.80 ms; about 25,000 of a
 # 131,072-key step 2.30 against 1.46 ms with cold caches.  The cost of going parallel: on a busy shared
 # machine a descheduled worker costs up to a scheduler time slice (~10-20 ms per step at load average 9
-# on 2 cores); ``KVCache(parallel=False)`` opts out.
+# on 2 cores); ``KVCache(parallel=False)`` opts out.  Scaled by the key width: 4 query / 1 kv heads, E = 256,
+# 32,768 keys, the default sketch (1,536 keys read a row) read 0.55 ms parallel against 1.22 ms serial.
 PARALLEL_MIN_KEYS = 12288
+
+
+def parallel_step(work: float, parallel: bool | None) -> bool:
+    """The user's ``parallel`` if set, else whether ``work`` (keys of E = Ev = 64 scored, or their
+    equivalent: callers scale by ``(E + Ev) / 128``) reaches :data:`PARALLEL_MIN_KEYS`."""
+    return parallel if parallel is not None else work >= PARALLEL_MIN_KEYS
 
 # kernel inputs of a step that lists no rows / records nothing (the kernel never writes them)
 _NO_ROWS = np.full((1, 1), -1, np.int64)
@@ -133,7 +141,7 @@ def run_plan(store: SlotStore, plan: StepPlan, q: np.ndarray, qpos: np.ndarray, 
     nread = np.empty(R, np.int64)
     nest = np.empty(R, np.int64)  # written for every row
     ncap = np.empty(R, np.int8)
-    par = parallel if parallel is not None else plan.work >= PARALLEL_MIN_KEYS
+    par = parallel_step(plan.work * (E + Ev) / 128, parallel)
     bf16 = store.storage == "bfloat16"
     if bf16:
         fn = kd.decode_parallel_bf16 if par else kd.decode_serial_bf16

@@ -477,6 +477,18 @@ def _shrink(est, ids, m, R):
     return w, cand[sel[need - 1]]
 
 
+@njit(cache=True, fastmath=FASTMATH)
+def _rotate(rot, x, out):
+    """``out`` (E,) float64 = ``rot`` (E, E) float64 @ ``x`` (E,) float32, in plain loops: Numba's ``@`` would
+    call BLAS from inside a parallel worker, whose own threads then spin against the workers."""
+    E = x.shape[0]
+    for i in range(E):
+        s = 0.0
+        for e in range(E):
+            s += rot[i, e] * np.float64(x[e])
+        out[i] = s
+
+
 def _scan(q, qpos, rep, Qg, rot, cent, cscale, cptr, n_cent, rad, cw, fac, fine, fscale, pos, R, out, scanned, est,
           ids, tmp, fine_all):
     """Rows r = h * T + t of queries ``q`` (H, T, E) float32 at ``qpos`` (T,): ``out[r]`` (R2 slots, the
@@ -503,7 +515,7 @@ def _scan(q, qpos, rep, Qg, rot, cent, cscale, cptr, n_cent, rad, cw, fac, fine,
             qn = np.empty(Qg, np.float64)
             for j in range(Qg):
                 qs[j] = q[h0 + j, t]
-                qrs[j] = rot @ qs[j].astype(np.float64)
+                _rotate(rot, qs[j], qrs[j])
                 qn[j] = np.sqrt(np.sum(qs[j].astype(np.float64) ** 2))
             outs = np.empty((Qg, R2), np.int64)
             sc = _scan_group(qs, qrs, qn, qpos[t], g, cent, cscale, cptr, n_cent[g], rad, cw, fac, fine, fscale,
