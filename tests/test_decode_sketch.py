@@ -348,3 +348,65 @@ def test_audit_against_brute_force() -> None:
     np.testing.assert_allclose(full["mass"], 1.0, rtol=1e-12)
     with pytest.raises(ValueError, match="queries must have shape"):
         c.audit(np.zeros((3, E)))
+
+
+def test_wide_heads_serial_and_parallel_agree() -> None:
+    # E = 256, 4 query heads on 1 kv head (Gemma 3's full-attention layers): the step and the scan run in
+    # parallel from a smaller key count than at E = 64 (the work counts bytes); rows are independent, so
+    # serial and parallel steps give bit-identical outputs, and both match float64 attention over the
+    # slots read
+    from sparseattn.decode.plan import PARALLEL_MIN_KEYS, parallel_step
+
+    Ew, n = 256, 9000
+    rng = np.random.default_rng(11)
+    K = rng.standard_normal((1, n, Ew)).astype(np.float32)
+    V = rng.standard_normal((1, n, Ew)).astype(np.float32)
+    q = rng.standard_normal((4, Ew)).astype(np.float32)
+    outs = []
+    for par in (False, True, None):
+        c = KVCache(4, Ew, num_kv_heads=1, selector="sketch:candidates=256", parallel=par,
+                    **group_options({"segment": 1024, "cluster_size": 64, "window": 64, "sinks": 4}))
+        c.append(K, V)
+        outs.append(c.attend(q))
+        for h in range(4):
+            slots = c.selected_slots(q[h], h)
+            ref = _attend64(q[h], c.store.K[0, slots], c.store.V[0, slots], c.scale)
+            np.testing.assert_allclose(outs[-1][h], ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], outs[2])
+    assert parallel_step(PARALLEL_MIN_KEYS, None) and not parallel_step(PARALLEL_MIN_KEYS - 1, None)
+    assert parallel_step(0, True) and not parallel_step(10**9, False)
+
+
+def test_query_rotation_matches_float64_product() -> None:
+    rng = np.random.default_rng(12)
+    for Ew in (1, 16, 64, 256):
+        rot = np.linalg.qr(rng.standard_normal((Ew, Ew)))[0]
+        x = (rng.standard_normal(Ew) * 10.0 ** rng.integers(-30, 30)).astype(np.float32)
+        out = np.empty(Ew)
+        ks._rotate(rot, x, out)
+        np.testing.assert_allclose(out, rot @ x.astype(np.float64), rtol=1e-12,
+                                   atol=1e-12 * np.abs(x).max())
+
+
+def test_encode_runs_on_one_blas_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the codes of a closed segment are computed on one BLAS thread (a multi-threaded product leaves
+    # BLAS's threads spinning against the next decode steps); the user's setting comes back afterwards
+    import threadpoolctl
+
+    def blas_threads() -> list[int]:
+        return [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+
+    seen: list[list[int]] = []
+    real = ks.encode_residuals
+
+    def spy(*a, **kw):
+        seen.append(blas_threads())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ks, "encode_residuals", spy)
+    before = blas_threads()
+    c, _, _ = _cache(1200, hk=1, h=1)  # closes four segments of 256
+    assert c.debug_view()["n_clusters"][0] > 0 and seen
+    assert all(set(t) == {1} for t in seen), seen  # every BLAS library loaded (faiss may add one)
+    assert blas_threads()[:len(before)] == before
