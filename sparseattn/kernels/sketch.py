@@ -135,58 +135,81 @@ def _wpop(U0, U1, U2, U3, x):
 
 
 @njit(cache=True, fastmath=FASTMATH, inline="always")
-def _estimate(planes, q, c1, c2, c0, b0, cw, fg, pg, qp, a, n, tmp):
-    """``tmp[i]`` = row ``q``'s (``planes[q]``) estimated score of slot ``a + i`` (i < n) from its code
-    ``cw[a + i]`` (W,) uint64 and factor ``fg[a + i]``: ``b0 + f (c1 S + c2 c + c0)``; -inf where the slot's
-    position ``pg[a + i]`` is after ``qp`` (a future key, or an evicted one: its position is the largest
-    int32).  (Unsigned indices: LLVM then knows they are not negative, so the loads need no wraparound and
-    vectorise instead of becoming gathers; no slices, whose reference counts cost more than a small
+def _estimate_w(planes, q, c1, c2, c0, b0, cwf, fg, pg, qp, a, n, tmp, WC):
+    """``tmp[i]`` = row ``q``'s (``planes[q]``) estimated score of slot ``a + i`` (i < n) from its code (the
+    ``WC`` words ``cwf[WC (a + i):WC (a + i + 1)]`` of the flat uint64 codes) and factor ``fg[a + i]``:
+    ``b0 + f (c1 S + c2 c + c0)``; -inf where the slot's position ``pg[a + i]`` is after ``qp`` (a future
+    key, or an evicted one: its position is the largest int32).  ``WC`` is a literal at the calls of
+    :func:`_estimate` for 1, 2 and 4 words: the stride is then a constant, the loop over the words unrolls
+    and the loop over the keys vectorises (E = 256: 2.0 against 11 ns a key with the stride read from a
+    2-D array at run time, which LLVM vectorised only under a stride-1 check that failed).  (Unsigned
+    indices: the loads need no wraparound; no slices, whose reference counts cost more than a small
     cluster's arithmetic.)"""
-    W = cw.shape[1]
     u0 = np.uint64(a)
-    if W == 1:  # E <= 64: one word a key, five popcounts (the loop LLVM vectorises)
-        U0, U1, U2, U3 = planes[q, 0, 0], planes[q, 1, 0], planes[q, 2, 0], planes[q, 3, 0]
-        for i in range(n):
-            j = u0 + np.uint64(i)
-            x = cw[j, 0]
-            S = _wpop(U0, U1, U2, U3, x)
-            e = b0 + np.float64(fg[j]) * (c1 * S + c2 * popcount64(x) + c0)
-            tmp[np.uint64(i)] = e if pg[j] <= qp else -np.inf
-    else:
-        for i in range(n):
-            j = u0 + np.uint64(i)
-            S = 0
-            c = 0
-            for w in range(W):
-                x = cw[j, w]
-                S += _wpop(planes[q, 0, w], planes[q, 1, w], planes[q, 2, w], planes[q, 3, w], x)
-                c += popcount64(x)
-            e = b0 + np.float64(fg[j]) * (c1 * S + c2 * c + c0)
-            tmp[np.uint64(i)] = e if pg[j] <= qp else -np.inf
+    uw = np.uint64(WC)
+    for i in range(np.uint64(n)):
+        j = u0 + i
+        S = 0
+        c = 0
+        for w in range(WC):
+            x = cwf[j * uw + np.uint64(w)]
+            S += _wpop(planes[q, 0, w], planes[q, 1, w], planes[q, 2, w], planes[q, 3, w], x)
+            c += popcount64(x)
+        e = b0 + np.float64(fg[j]) * (c1 * S + c2 * c + c0)
+        tmp[i] = e if pg[j] <= qp else -np.inf
 
 
 @njit(cache=True, fastmath=FASTMATH, inline="always")
-def _estimate_fine(planes, q, c1, c2, c0, b0, cw, fine, sg, pg, qp, a, n, tmp):
+def _estimate(planes, q, c1, c2, c0, b0, cwf, W, fg, pg, qp, a, n, tmp):
+    """:func:`_estimate_w` with ``W`` words a code, a compile-time constant for W = 1, 2, 4 (E <= 64, 128,
+    256)."""
+    if W == 1:
+        _estimate_w(planes, q, c1, c2, c0, b0, cwf, fg, pg, qp, a, n, tmp, 1)
+    elif W == 2:
+        _estimate_w(planes, q, c1, c2, c0, b0, cwf, fg, pg, qp, a, n, tmp, 2)
+    elif W == 4:
+        _estimate_w(planes, q, c1, c2, c0, b0, cwf, fg, pg, qp, a, n, tmp, 4)
+    else:
+        _estimate_w(planes, q, c1, c2, c0, b0, cwf, fg, pg, qp, a, n, tmp, W)
+
+
+@njit(cache=True, fastmath=FASTMATH, inline="always")
+def _estimate_fine_w(planes, q, c1, c2, c0, b0, cwf, finef, sg, pg, qp, a, n, tmp, WC):
     """``tmp[i]`` = row ``q``'s 4-bit estimate of slot ``a + i``: ``b0 + fine_scale (sum_i qhat_i (c_i -
-    7.5))`` from the whole 4-bit code (planes 0-2 in ``fine`` (slots, 3 W), plane 3 the sign code ``cw``)
-    and the slot's ``sg`` scale; -inf after ``qp``.  The estimate :func:`_refine` gives a shortlisted key,
-    here for every slot in order (streamed, no gathers): the scan's single stage on small caches."""
-    W = cw.shape[1]
+    7.5))`` from the whole 4-bit code (planes 0-2: the ``3 WC`` words of the slot in the flat ``finef``,
+    plane 3 the sign code in ``cwf``) and the slot's ``sg`` scale; -inf after ``qp``.  The estimate
+    :func:`_refine` gives a shortlisted key, here for every slot in order (streamed, no gathers): the
+    scan's single stage on small caches.  ``WC`` as in :func:`_estimate_w`."""
     k_c, k_uc, k_0 = 0.5 * c2, 0.5 * c1, 7.5 * c0
     u0 = np.uint64(a)
-    for i in range(n):
-        j = u0 + np.uint64(i)
+    uw = np.uint64(WC)
+    uf = np.uint64(3 * WC)
+    for i in range(np.uint64(n)):
+        j = u0 + i
         sum_uc = 0
         sum_c = 0
-        for w in range(W):
+        for w in range(WC):
             U0, U1, U2, U3 = planes[q, 0, w], planes[q, 1, w], planes[q, 2, w], planes[q, 3, w]
             for b in range(4):
-                x = fine[j, b * W + w] if b < 3 else cw[j, w]
+                x = finef[j * uf + np.uint64(b * WC + w)] if b < 3 else cwf[j * uw + np.uint64(w)]
                 t = _wpop(U0, U1, U2, U3, x)
                 sum_uc += t << b
                 sum_c += popcount64(x) << b
         e = b0 + np.float64(sg[j]) * (k_c * sum_c + k_uc * sum_uc + k_0)
-        tmp[np.uint64(i)] = e if pg[j] <= qp else -np.inf
+        tmp[i] = e if pg[j] <= qp else -np.inf
+
+
+@njit(cache=True, fastmath=FASTMATH, inline="always")
+def _estimate_fine(planes, q, c1, c2, c0, b0, cwf, finef, W, sg, pg, qp, a, n, tmp):
+    """:func:`_estimate_fine_w` with ``W`` words a code plane, a compile-time constant for W = 1, 2, 4."""
+    if W == 1:
+        _estimate_fine_w(planes, q, c1, c2, c0, b0, cwf, finef, sg, pg, qp, a, n, tmp, 1)
+    elif W == 2:
+        _estimate_fine_w(planes, q, c1, c2, c0, b0, cwf, finef, sg, pg, qp, a, n, tmp, 2)
+    elif W == 4:
+        _estimate_fine_w(planes, q, c1, c2, c0, b0, cwf, finef, sg, pg, qp, a, n, tmp, 4)
+    else:
+        _estimate_fine_w(planes, q, c1, c2, c0, b0, cwf, finef, sg, pg, qp, a, n, tmp, W)
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -241,7 +264,7 @@ def _refine(planes, c1, c2, c0, cg, fine, fac, fscale, g, ids, est, m):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _sample_cut(planes, q, c1, c2, c0, base, cptr, g, nc, cg, fg, pg, qp, R, fine_all, fineg, sg):
+def _sample_cut(planes, q, c1, c2, c0, base, cptr, g, nc, cgf, W, fg, pg, qp, R, fine_all, finegf, sg):
     """A provisional threshold: the estimate that about ``1.5 R`` of the routed keys exceed, from the
     estimates of every k-th cluster (about 4,096 keys, spread over the slots).  -inf when the sample is
     too small to tell."""
@@ -257,9 +280,9 @@ def _sample_cut(planes, q, c1, c2, c0, base, cptr, g, nc, cg, fg, pg, qp, R, fin
     for c in range(0, nc, stride):
         a, b = cptr[g, c], cptr[g, c + 1]
         if fine_all:
-            _estimate_fine(planes, q, c1, c2, c0, base[q, c], cg, fineg, sg, pg, qp, a, b - a, sample[w:])
+            _estimate_fine(planes, q, c1, c2, c0, base[q, c], cgf, finegf, W, sg, pg, qp, a, b - a, sample[w:])
         else:
-            _estimate(planes, q, c1, c2, c0, base[q, c], cg, fg, pg, qp, a, b - a, sample[w:])
+            _estimate(planes, q, c1, c2, c0, base[q, c], cgf, W, fg, pg, qp, a, b - a, sample[w:])
         w += b - a
     above = int(1.5 * R * n / total) + 16  # keys of the sample expected above the cut, with a margin
     if above >= n:
@@ -327,12 +350,13 @@ def _scan_group(qs, qrs, qnorm, qp, g, cent, cscale, cptr, nc, rad, cw, fac, fin
         planes[q], cq[q, 0], cq[q, 1], cq[q, 2] = query_planes(qrs[q])
     base, ub = _bounds(qs, qnorm, g, cent, cscale, rad, nc)
     cg, fg, pg, fineg, sg = cw[g], fac[g], pos[g], fine[g], fscale[g]
+    cgf, finegf = cg.reshape(-1), fineg.reshape(-1)  # flat: the estimators index them with constant strides
     long = cptr[g, nc] - cptr[g, 0] > 8 * R  # worth a threshold up front (to skip keys) only on long caches
     theta0 = np.full(Q, -np.inf)
     if long:
         for q in range(Q):
-            theta0[q] = _sample_cut(planes, q, cq[q, 0], cq[q, 1], cq[q, 2], base, cptr, g, nc, cg, fg, pg, qp, R,
-                                    fine_all, fineg, sg)
+            theta0[q] = _sample_cut(planes, q, cq[q, 0], cq[q, 1], cq[q, 2], base, cptr, g, nc, cgf, W, fg, pg, qp,
+                                    R, fine_all, finegf, sg)
     m = np.zeros(Q, np.int64)  # keys kept in each row's buffer
     scanned = np.zeros(Q, np.int64)
     theta = np.empty(Q, np.float64)  # a lower bound of the row's final R-th best (once checked)
@@ -365,10 +389,11 @@ def _scan_group(qs, qrs, qnorm, qp, g, cent, cscale, cptr, nc, rad, cw, fac, fin
                     # estimates first (independent iterations that vectorise; hidden keys at -inf), then
                     # the filter, 8 at a time without a branch per key (about 1 key in 20 passes)
                     if fine_all:
-                        _estimate_fine(planes, q, cq[q, 0], cq[q, 1], cq[q, 2], base[q, c], cg, fineg, sg, pg, qp, a,
-                                       b - a, tmp)
+                        _estimate_fine(planes, q, cq[q, 0], cq[q, 1], cq[q, 2], base[q, c], cgf, finegf, W, sg, pg, qp,
+                                       a, b - a, tmp)
                     else:
-                        _estimate(planes, q, cq[q, 0], cq[q, 1], cq[q, 2], base[q, c], cg, fg, pg, qp, a, b - a, tmp)
+                        _estimate(planes, q, cq[q, 0], cq[q, 1], cq[q, 2], base[q, c], cgf, W, fg, pg, qp, a, b - a,
+                                  tmp)
                     th = theta[q]
                     w = q * B + m[q]
                     i = 0
