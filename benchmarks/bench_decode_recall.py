@@ -32,7 +32,9 @@ Accuracy, per query and head (the oracle: :func:`oracle`, float64 attention over
 Settings: ``default`` (``KVCache(num_heads, head_dim)``: the ``sketch`` selector; the sign codes of every
 clustered key scanned, the best 3 % re-ranked by their 4-bit codes, the best 1/128 of those (at least 1,024)
 read exactly), ``sketch-1pct`` (``selector="sketch:fraction=0.01"``: 1 % read exactly), ``sketch-lean``
-(``selector="sketch:candidates=1024,shortlist=0.01"``: 1 % re-ranked, 1,024 read), ``cluster`` (``selector="cluster"``: whole clusters by their mean key,
+(``selector="sketch:candidates=1024,shortlist=0.01"``: 1 % re-ranked, 1,024 read), ``sketch-seg1024`` (the
+default with ``Layout(segment=1024)``: segments of 1,024 keys, so the exact tail stays below 512 + window
+keys instead of 2,048 + window), ``cluster`` (``selector="cluster"``: whole clusters by their mean key,
 32 probes), ``top_p`` / ``estimate`` / ``n_probe`` (``cluster`` with ``top_p=0.9``, ``estimate=32``,
 ``n_probe=128``), ``hnsw`` (``selector="faiss-hnsw:M=16"``, lengths up to ``--hnsw-max``, default 65,536: its
 build took ~1 ms per key and head on the shared machine), ``topk`` (``selector="topk"``: exact top-64, reads
@@ -66,6 +68,7 @@ SETTINGS = {
     "default": {},
     "sketch-1pct": {"selector": "sketch:fraction=0.01"},
     "sketch-lean": {"selector": "sketch:candidates=1024,shortlist=0.01"},
+    "sketch-seg1024": {"selector": "sketch", "segment": 1024},
     "cluster": {"selector": "cluster"},
     "top_p": {"selector": "cluster", "top_p": 0.9},
     "estimate": {"selector": "cluster", "estimate": 32},
@@ -74,7 +77,8 @@ SETTINGS = {
     "topk": {"selector": "topk"},
 }
 LABELS = {"default": "default (sketch)", "sketch-1pct": "sketch:fraction=0.01",
-          "sketch-lean": "sketch:candidates=1024,shortlist=0.01", "cluster": "cluster",
+          "sketch-lean": "sketch:candidates=1024,shortlist=0.01", "sketch-seg1024": "sketch, segment=1024",
+          "cluster": "cluster",
           "top_p": "cluster, top_p=0.9", "estimate": "cluster, estimate=32", "n_probe": "cluster, n_probe=128",
           "hnsw": "faiss-hnsw:M=16", "topk": "topk (exact top-64)"}
 REAL_N = 16384
