@@ -45,7 +45,8 @@ def _oracle_routed(c: KVCache, q: np.ndarray, g: int = 0) -> tuple[np.ndarray, n
     qr = view["sketch_rotation"] @ q.astype(np.float64)
     d = (qr.max() - qr.min()) / 15 if qr.max() > qr.min() else 1.0
     qh = qr.min() + d * np.rint((qr - qr.min()) / d)  # the scan's 4-bit query
-    unpack = lambda a: np.unpackbits(a, axis=1, bitorder="little")[:, :E].astype(np.float64)  # noqa: E731
+    Ec = c.head_dim
+    unpack = lambda a: np.unpackbits(a, axis=1, bitorder="little")[:, :Ec].astype(np.float64)  # noqa: E731
     nb = st_.sketch_codes.shape[2]
     sign = unpack(st_.sketch_codes[g, a0:b0])
     cq = 8 * sign + sum((1 << p) * unpack(st_.sketch_fine[g, a0:b0, p * nb:(p + 1) * nb]) for p in range(3))
@@ -410,3 +411,20 @@ def test_encode_runs_on_one_blas_thread(monkeypatch: pytest.MonkeyPatch) -> None
     assert c.debug_view()["n_clusters"][0] > 0 and seen
     assert all(set(t) == {1} for t in seen), seen  # every BLAS library loaded (faiss may add one)
     assert blas_threads()[:len(before)] == before
+
+
+@pytest.mark.parametrize("Ew", [128, 192, 256])
+@pytest.mark.parametrize("n", [1500, 12000])
+def test_wide_codes_select_as_the_oracle(Ew: int, n: int) -> None:
+    # codes of 2, 3 and 4 words a key (the estimators' compile-time word counts 2 and 4, and the generic
+    # path for 3): one stage (1,500 keys: every routed key by its 4-bit estimate) and two stages (12,000)
+    # pick what the numpy recomputation of both estimates picks
+    rng = np.random.default_rng(Ew + n)
+    K = rng.standard_normal((1, n, Ew)).astype(np.float32)
+    V = rng.standard_normal((1, n, Ew)).astype(np.float32)
+    c = KVCache(2, Ew, num_kv_heads=1, selector="sketch:candidates=64",
+                **group_options({"segment": 1024, "cluster_size": 32, "window": 8, "sinks": 2}))
+    c.append(K, V)
+    assert c.stats["sketch_one_stage"] == (n == 1500)
+    for h in range(2):
+        _check_two_stage(c, rng.standard_normal(Ew).astype(np.float32), h)

@@ -504,8 +504,9 @@ def _shrink(est, ids, m, R):
 
 @njit(cache=True, fastmath=FASTMATH)
 def _rotate(rot, x, out):
-    """``out`` (E,) float64 = ``rot`` (E, E) float64 @ ``x`` (E,) float32, in plain loops: Numba's ``@`` would
-    call BLAS from inside a parallel worker, whose own threads then spin against the workers."""
+    """``out`` (E,) float64 = ``rot`` (E, E) float64 @ ``x`` (E,) float32, in plain loops: Numba's ``@``
+    calls BLAS (a matrix-vector product) from inside a parallel worker; this keeps BLAS and its thread pool
+    out of the step."""
     E = x.shape[0]
     for i in range(E):
         s = 0.0
