@@ -385,7 +385,7 @@ def test_query_rotation_matches_float64_product() -> None:
         rot = np.linalg.qr(rng.standard_normal((Ew, Ew)))[0]
         x = (rng.standard_normal(Ew) * 10.0 ** rng.integers(-30, 30)).astype(np.float32)
         out = np.empty(Ew)
-        ks._rotate(rot, x, out)
+        ks.rotate_query(rot, x, out)
         np.testing.assert_allclose(out, rot @ x.astype(np.float64), rtol=1e-12,
                                    atol=1e-12 * np.abs(x).max())
 

@@ -36,7 +36,7 @@ from numba import njit, prange
 from .intrinsics import compress_above8, popcount64, prefetch_l2
 from .options import FASTMATH, serial_and_parallel
 
-__all__ = ["code_bytes", "encode_residuals", "query_planes", "scan_parallel", "scan_serial"]
+__all__ = ["code_bytes", "encode_residuals", "query_planes", "rotate_query", "scan_parallel", "scan_serial"]
 
 LEVELS = 15  # the rotated query's components are quantized to 0..LEVELS (4 bits)
 AHEAD = 16  # shortlisted keys prefetched ahead of the one re-ranked
@@ -503,7 +503,7 @@ def _shrink(est, ids, m, R):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _rotate(rot, x, out):
+def rotate_query(rot, x, out):
     """``out`` (E,) float64 = ``rot`` (E, E) float64 @ ``x`` (E,) float32, in plain loops: Numba's ``@``
     calls BLAS (a matrix-vector product) from inside a parallel worker; this keeps BLAS and its thread pool
     out of the step."""
@@ -541,7 +541,7 @@ def _scan(q, qpos, rep, Qg, rot, cent, cscale, cptr, n_cent, rad, cw, fac, fine,
             qn = np.empty(Qg, np.float64)
             for j in range(Qg):
                 qs[j] = q[h0 + j, t]
-                _rotate(rot, qs[j], qrs[j])
+                rotate_query(rot, qs[j], qrs[j])
                 qn[j] = np.sqrt(np.sum(qs[j].astype(np.float64) ** 2))
             outs = np.empty((Qg, R2), np.int64)
             sc = _scan_group(qs, qrs, qn, qpos[t], g, cent, cscale, cptr, n_cent[g], rad, cw, fac, fine, fscale,
