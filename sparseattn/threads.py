@@ -52,6 +52,7 @@ def single_threaded_blas() -> Iterator[None]:
 
     with _blas_lock:
         if _blas_users == 0:
+            _release_openblas_control()
             _blas_limiter = _blas_controller().limit(limits=1, user_api="blas")
         _blas_users += 1
     try:
@@ -60,8 +61,28 @@ def single_threaded_blas() -> Iterator[None]:
         with _blas_lock:
             _blas_users -= 1
             if _blas_users == 0 and _blas_limiter is not None:
+                _release_openblas_control()
                 _blas_limiter.restore_original_limits()
+                _release_openblas_control()
                 _blas_limiter = None
+
+
+def _release_openblas_control() -> None:
+    """Let this Python thread set OpenBLAS's (process-wide) thread count.
+
+    threadpoolctl >= 3.7 lets only one Python thread, the first to set a limit, change an OpenBLAS pool
+    without an OpenMP layer; a limit set from any other thread is silently ignored, and the controlling
+    thread is released only by its ``with`` blocks.  The limits here are set and restored outside a
+    ``with`` (reference-counted across threads, under ``_blas_lock``), so without this the first thread
+    kept control forever and a call from another Python thread (a server's, a Dask worker's) ran its
+    per-block products on every BLAS thread: oversubscribed, and different bits.  Older threadpoolctl
+    releases have no such state: a no-op.
+    """
+    from threadpoolctl import OpenBLASController
+
+    clear = getattr(OpenBLASController, "clear_controlling_thread", None)
+    if clear is not None:
+        clear(force=True)
 
 
 _controller_cache: list = [None, -1]  # [ThreadpoolController, len(sys.modules) when it was made]
@@ -118,12 +139,11 @@ def threads(n: int) -> Iterator[int]:
     prev_dense = getattr(_local, "n", None)
     faiss = _faiss_module()
     prev_faiss = faiss.omp_get_max_threads() if faiss is not None else None
-    limiter = None
-    try:
-        from threadpoolctl import threadpool_limits
+    from threadpoolctl import threadpool_limits
+
+    with _blas_lock:
+        _release_openblas_control()
         limiter = threadpool_limits(limits=n, user_api="blas")
-    except ImportError:  # pragma: no cover - threadpoolctl is a core dependency
-        limiter = None
     try:
         numba.set_num_threads(n)
         _local.n = n
@@ -135,8 +155,10 @@ def threads(n: int) -> Iterator[int]:
         _local.n = prev_dense
         if faiss is not None and prev_faiss is not None:
             faiss.omp_set_num_threads(prev_faiss)
-        if limiter is not None:
+        with _blas_lock:
+            _release_openblas_control()
             limiter.restore_original_limits()
+            _release_openblas_control()
 
 
 def executor(n: int) -> ThreadPoolExecutor:

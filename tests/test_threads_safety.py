@@ -419,3 +419,31 @@ def test_one_selector_object_from_four_threads_with_their_own_kv(spec, built):
     assert sel.__dict__.keys() == state.keys()
     assert all(sel.__dict__[key] is value for key, value in state.items()), f"{spec}: the caller's object changed"
     assert (sel.keys_ is None) == (not built)
+
+
+@pytest.mark.parametrize("enter", ["worker_threads", "threads"])
+def test_blas_is_pinned_from_any_python_thread(enter):
+    # threadpoolctl >= 3.7 ignores an OpenBLAS limit set from any Python thread but the first to set one
+    # (until that thread leaves a ``with`` block); the limits here must hold from every thread all the same
+    def ctx():
+        return _threads_module.worker_threads(2) if enter == "worker_threads" else sa.threads(1)
+
+    before = _blas()
+    with ctx():  # the main thread sets and restores first
+        assert all(v == 1 for v in _blas().values())
+    assert _blas() == before
+    seen = {}
+
+    def run() -> None:
+        with ctx():
+            seen["inside"] = _blas()
+        seen["after"] = _blas()
+
+    th = threading.Thread(target=run)
+    th.start()
+    th.join()
+    assert seen["inside"] and all(v == 1 for v in seen["inside"].values()), seen
+    assert seen["after"] == before
+    with ctx():  # and the main thread again
+        assert all(v == 1 for v in _blas().values())
+    assert _blas() == before
