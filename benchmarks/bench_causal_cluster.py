@@ -1,4 +1,5 @@
-"""Strictly causal cluster routing (segments) against routing over one global index, on real MiniLM keys.
+"""Strictly causal cluster routing (the causal index, and the dyadic segments) against routing over one
+global index, on real MiniLM keys.
 
 Run:  python benchmarks/bench_causal_cluster.py [--repeats 3] [--rows 2048] [--skip-65k]
 
@@ -9,17 +10,20 @@ length from S / L to S occur.  Causal: key j is visible to query i iff j <= its 
 
 Per head, for ``cluster:mode=block`` (defaults: C = round(sqrt(S)), n_probe = 8):
 
-* ``global``: one ClusterIndex over all S keys, routed attention masked to each query's visible keys
-  (``routed_attention(index, ..., is_causal=True)``): which past keys a row reads depends on later keys
+* ``global``: ``ClusterSelector(mode="block", strict_causal=False)``: one ClusterIndex over all S keys,
+  routed attention masked to each query's visible keys: which past keys a row reads depends on later keys
   (k-means, centring and routing vectors see them);
-* ``segments``: ``ClusterSelector(mode="block").attend(..., is_causal=True)``: the strictly causal path
-  (exact tail plus dyadic segments, each clustered on its own keys).
+* ``causal``: ``ClusterSelector(mode="block").attend(..., is_causal=True)``: the strictly causal path, one
+  :class:`~sparseattn.index.causal.CausalClusterIndex` (codebook of the earliest keys; rows seeing at most
+  its ``prefix_budget()`` keys exact);
+* ``segments``: the dyadic segments, each clustered on its own keys, plus an exact tail
+  (:func:`~sparseattn.attention.segmented.segmented_attention`; strictly causal too);
 
-and for ``cluster`` (top-k mode, k = 64) the same two (``ClusterIndex.search(..., is_causal=True)`` vs the
-selector's causal ``query``).  Reported: mean keys read per query, mean output relative error against
-float64 dense causal attention, mean softmax mass of the keys read (``exp(lse - lse*)``), recall@64 of
-the exact causal top-64 (top-k mode), and time (build + attend / query, median of ``--repeats``, one
-process, interleaved).
+and for ``cluster`` (top-k mode, k = 64) ``global`` (``ClusterIndex.search(..., is_causal=True)``) against the
+selector's causal ``query`` (``segments``).  Reported: mean keys read per query, recall@64 of the exact
+causal top-64 among them, mean output relative error against float64 dense causal attention, mean softmax
+mass of the keys read (``exp(lse - lse*)``), and time (build + attend / query, median of ``--repeats``,
+one process).
 
 Results: ``results/causal-cluster.json`` and ``results/causal-cluster.md``.
 """
@@ -34,8 +38,9 @@ import time
 import numpy as np
 
 import sparseattn as sa
-from sparseattn.attention.routed import routed_attention
+from sparseattn.attention.segmented import segmented_attention
 from sparseattn.index import ClusterIndex
+from sparseattn.index.segments import SegmentedClusterIndex
 from sparseattn.selectors.cluster import ClusterSelector
 from sparseattn.tools.args import OneLineParser, positive_int
 
@@ -82,16 +87,27 @@ def run_head(label, h, q, k, v, scale, repeats):
     ref, ref_lse, top = dense_causal(q, k, v, scale, qpos)
     rows = []
 
-    def glob_block():
-        index = ClusterIndex().build(k)
-        st = {}
-        o, lse = routed_attention(index, q, v, scale=scale, is_causal=True, query_positions=qpos, stats=st)
-        return o, lse, st["keys_read"]
+    def recall_of(pat):
+        return float(np.mean([np.isin(top[i][:min(64, qpos[i] + 1)], pat.row(i)).mean() for i in range(L)]))
 
-    def seg_block():
-        sel = ClusterSelector(mode="block").build(k)
-        o, lse = sel.attend(q, v, scale=scale, is_causal=True, query_positions=qpos)
-        return o, lse, sel.last_keys_read_
+    def sel_block(strict):
+        def run():
+            sel = ClusterSelector(mode="block", strict_causal=strict).build(k)
+            o, lse = sel.attend(q, v, scale=scale, is_causal=True, query_positions=qpos)
+            return o, lse, sel.last_keys_read_, sel
+
+        def pattern(sel):
+            return sel.query(q, 64, is_causal=True, query_positions=qpos)
+        return run, pattern
+
+    def seg_run():
+        seg = SegmentedClusterIndex().build(k, np.arange(S))
+        st = {}
+        o, lse = segmented_attention(seg, q, v, scale=scale, query_positions=qpos, stats=st)
+        return o, lse, st["keys_read"], seg
+
+    def seg_pattern(seg):
+        return seg.routed_keys(q, qpos, True, seg.threads_)
 
     def glob_topk():
         return ClusterIndex().build(k).search(q, 64, is_causal=True, query_positions=qpos)
@@ -99,11 +115,12 @@ def run_head(label, h, q, k, v, scale, repeats):
     def seg_topk():
         return ClusterSelector().build(k).query(q, 64, is_causal=True, query_positions=qpos)
 
-    for name, fn in (("global", glob_block), ("segments", seg_block)):
-        t, (o, lse, kr) = timed(fn, repeats)
+    block = {"global": sel_block(False), "causal": sel_block(True), "segments": (seg_run, seg_pattern)}
+    for name, (fn, pattern) in block.items():
+        t, (o, lse, kr, obj) = timed(fn, repeats)
         rows.append({"store": label, "head": h, "mode": "block", "index": name, "keys_read": float(kr.mean()),
                      "rel_err": rel_err(o, ref), "mass": float(np.mean(np.exp(lse.astype(np.float64) - ref_lse))),
-                     "time_s": t})
+                     "recall64": recall_of(pattern(obj)), "time_s": t})
     for name, fn in (("global", glob_topk), ("segments", seg_topk)):
         t, pat = timed(fn, repeats)
         got = pat.to_padded(64)
@@ -114,19 +131,21 @@ def run_head(label, h, q, k, v, scale, repeats):
         rows.append({"store": label, "head": h, "mode": "topk", "index": name, "keys_read": 64.0,
                      "rel_err": rel_err(o, ref), "mass": float(np.mean(np.exp(lse.astype(np.float64) - ref_lse))),
                      "recall64": recall, "time_s": t})
-    for r in rows[-4:]:
+    for r in rows[-5:]:
         print(json.dumps(r), flush=True)
     return rows
 
 
 def markdown(meta, rows):
-    lines = ["# Strictly causal cluster routing: segments vs one global index", "",
+    lines = ["# Strictly causal cluster routing: the causal index and the segments vs one global index", "",
              f"`{meta['command']}` ({meta['date']}; {meta['cores']} cores, load average at the end "
              f"{meta['load_end']:.1f}).", "",
              "Queries spread over the sequence (query i at position round((i+1) S / L) - 1), key j visible iff "
              "j <= that position. `global`: one k-means index over all S keys, masked to the visible keys "
-             "(not strictly causal: the routing depends on later keys). `segments`: the selector's causal path "
-             "(exact tail + dyadic segments clustered on their own keys: strictly causal). Error: mean "
+             "(not strictly causal: the routing depends on later keys). `causal`: the selector's strictly causal "
+             "path (one index whose codebook is trained on the earliest keys; rows seeing at most its training "
+             "keys exact). `segments`: exact tail + dyadic segments clustered on their own keys (strictly causal; "
+             "the selector's causal top-k mode). Error: mean "
              "||o - o*|| / ||o*|| against float64 dense causal attention; mass: mean exp(lse - lse*); time: "
              "build + attend (block) or build + query (topk), median of "
              f"{meta['repeats']}.", "",

@@ -123,6 +123,58 @@ def causal_mask(L, S, qpos=None, kpos=None):
     return kpos[None, :] <= qpos[:, None]
 
 
+def causal_oracle_mask(sel: ClusterSelector, q: np.ndarray, k: np.ndarray, qpos=None, kpos=None) -> np.ndarray:
+    """(L, S) bool: the keys strictly causal block attention reads, recomputed with numpy.
+
+    The causal index's codebook must come from the first T = ``prefix_budget()`` keys by position (its
+    training keys), every key's cluster must be its codeword of largest ``(k - mu) . c`` (mu: the training
+    keys' mean; float64, up to rounding at near ties), each routing vector the mean of its codeword's
+    training keys.  A row seeing c <= T keys reads all of them; a longer one the visible keys of its
+    n_probe clusters of largest ``q . r`` among those holding a key at or before it (checked against
+    float64 scores, up to float32 rounding).
+    """
+    L, S = q.shape[0], k.shape[0]
+    qpos = np.arange(L) if qpos is None else np.asarray(qpos)
+    kpos = np.arange(S) if kpos is None else np.asarray(kpos)
+    index = sel.causal_index(kpos)
+    T, C, p = index.prefix_budget(), index.n_clusters_, index.n_probe_
+    assert T == min(S, max(int(np.ceil(p * S / C)), 16 * C))
+    train = np.argsort(kpos, kind="stable")[:T]
+    np.testing.assert_array_equal(index.train_ids_, train)
+    mu = k[train].astype(np.float64).mean(axis=0)
+    cent = index.kmeans_centroids_.astype(np.float64)
+    sc = (k.astype(np.float64) - mu) @ cent.T
+    got = sc[np.arange(S), index.assignment_]
+    assert np.all(got >= sc.max(axis=1) - 1e-5 * (1 + np.abs(sc).max(axis=1)))
+    assert np.mean(index.assignment_ == sc.argmax(axis=1)) > 0.99
+    for c in range(C):
+        members = train[index.assignment_[train] == c]
+        if members.size:
+            np.testing.assert_allclose(index.centroids_[c], k[members].astype(np.float64).mean(axis=0),
+                                       rtol=1e-5, atol=1e-5)
+    visible = kpos[None, :] <= qpos[:, None]
+    scores = q.astype(np.float64) @ index.centroids_.astype(np.float64).T
+    kmin = np.full(C, np.iinfo(np.int64).max)
+    np.minimum.at(kmin, index.assignment_, kpos)
+    seen = kmin[None, :] <= qpos[:, None]
+    with worker_threads(1):
+        route = index.route_rows(np.ascontiguousarray(q, dtype=index.keys_.dtype), 1,
+                                 key_spans(index, kpos.astype(np.int64))[1], qpos.astype(np.int64))[0]
+    routed = np.zeros((L, C), dtype=bool)
+    np.put_along_axis(routed, route.astype(np.int64), True, axis=1)
+    full = seen.sum(axis=1) >= p
+    assert (routed[full] <= seen[full]).all() and (seen[~full] <= routed[~full]).all()
+    if p < C:
+        worst_chosen = np.where(routed & seen, scores, np.inf).min(axis=1)
+        best_other = np.where(routed | ~seen, -np.inf, scores).max(axis=1)
+        tol = 1e-5 * (1 + np.abs(scores).max(axis=1))
+        np.testing.assert_array_less((best_other - tol)[full], worst_chosen[full])
+    mask = routed[:, index.assignment_] & visible
+    small = visible.sum(axis=1) <= T
+    mask[small] = visible[small]
+    return mask
+
+
 def segment_oracle_mask(sel: ClusterSelector, q: np.ndarray, qpos=None, kpos=None) -> np.ndarray:
     """(L, S) bool: the keys strictly causal selection reads, recomputed row by row with numpy.
 
@@ -207,8 +259,9 @@ def test_full_probe_is_exact_full_attention(rng):
 def test_block_causal_matches_oracle_and_does_not_leak(rng):
     S, L = 1000, 1000
     q, k, v = clustered(rng, S, L)
+    # strictly causal: exact_prefix=False does not apply (the causal index's short rows are always exact)
     sel = ClusterSelector(n_clusters=16, n_probe=4, mode="block", exact_prefix=False).build(k)
-    mask = segment_oracle_mask(sel, q)
+    mask = causal_oracle_mask(sel, q, k)
     assert not (mask & ~causal_mask(L, S)).any()
     assert mask.sum(axis=1).mean() < 0.6 * causal_mask(L, S).sum(axis=1).mean()  # routed, not dense
     out, lse = sel.attend(q, v, is_causal=True)
@@ -227,19 +280,20 @@ def test_block_causal_matches_oracle_and_does_not_leak(rng):
 
 
 def test_exact_prefix_rows_see_every_visible_key_and_lift_early_recall(rng):
-    # The default: rows that see at most n_probe*S/C = 250 keys attend to all of them (dense oracle),
-    # the others to their routed keys; query() returns exactly that key set; nothing leaks.
+    # Rows that see at most the causal index's T = max(n_probe*S/C, 16 C) = 256 keys attend to all of them
+    # (dense oracle), the others to their routed keys; query() returns exactly that key set; nothing leaks.
     S = L = 1000
     q, k, v = clustered(rng, S, L)
     sel = ClusterSelector(n_clusters=16, n_probe=4, mode="block").build(k)
     assert sel.params["exact_prefix"] is True
-    mask = segment_oracle_mask(sel, q)
+    mask = causal_oracle_mask(sel, q, k)
     out, lse = sel.attend(q, v, is_causal=True)
     ref, ref_lse = masked_attention(q, k, v, mask, 0.25)
     np.testing.assert_allclose(out, ref, atol=1e-5)
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
     np.testing.assert_array_equal(sel.query(q, 8, is_causal=True).to_mask(), mask)
-    np.testing.assert_array_equal(mask[:250], causal_mask(250, S))  # the prefix rows: exact
+    np.testing.assert_array_equal(mask[:256], causal_mask(256, S))  # the prefix rows: exact
+    assert mask[256:].sum(axis=1).mean() < 0.6 * causal_mask(L, S)[256:].sum(axis=1).mean()  # the others: routed
     v2 = v.copy()
     v2[500:] = 1e6
     out2, _ = sel.attend(q, v2, is_causal=True)
@@ -266,7 +320,7 @@ def test_property_block_causal_equals_masked_oracle(S, L, C, p, sorted_keys, pre
     qpos = rng.integers(-2, S + 2, L)
     sel = ClusterSelector(n_clusters=C, n_probe=p, mode="block", exact_prefix=prefix).build(k)
     out, lse = sel.attend(q, v, is_causal=True, query_positions=qpos, key_positions=kpos)
-    mask = segment_oracle_mask(sel, q, qpos, kpos)
+    mask = causal_oracle_mask(sel, q, k, qpos, kpos)
     ref, ref_lse = masked_attention(q, k, v, mask, 0.25)
     np.testing.assert_allclose(out, ref, atol=2e-5)
     finite = np.isfinite(ref_lse)
@@ -281,7 +335,7 @@ def test_block_causal_with_cache_positions(rng):
     qpos = np.arange(S - L, S)  # L new tokens after a cache (bottom-right alignment)
     sel = ClusterSelector(n_clusters=10, n_probe=3, mode="block").build(k)
     out, lse = sel.attend(q, v, is_causal=True, query_positions=qpos, key_positions=kpos, scale=0.5)
-    mask = segment_oracle_mask(sel, q, qpos, kpos)
+    mask = causal_oracle_mask(sel, q, k, qpos, kpos)
     ref, _ = masked_attention(q, k, v, mask, 0.5)
     np.testing.assert_allclose(out, ref, atol=1e-5)
     none_visible = np.full(L, -1)
@@ -305,7 +359,7 @@ def test_many_blocks_and_tiles(rng, monkeypatch):
     sel = ClusterSelector(n_clusters=5, n_probe=2, mode="block").build(k)
     for is_causal in (False, True):
         out, lse = sel.attend(q, v, is_causal=is_causal)
-        mask = segment_oracle_mask(sel, q) if is_causal else oracle_mask(sel, q, k)
+        mask = causal_oracle_mask(sel, q, k) if is_causal else oracle_mask(sel, q, k)
         ref, _ = masked_attention(q, k, v, mask, 0.25)
         np.testing.assert_allclose(out, ref, atol=1e-5)
     sel_t = ClusterSelector(n_clusters=5, n_probe=2).build(k)
@@ -345,13 +399,13 @@ def test_loose_shift_bound_is_refined_exactly(rng, dtype, scale, atol, is_causal
     k = (rng.standard_normal((S, 16)) * 2).astype(dtype)
     q = (rng.standard_normal((L, 16)) * 2).astype(dtype)
     v = rng.standard_normal((S, 3)).astype(dtype)
-    # exact_prefix off: every causal row goes through the routed (refined) path being tested
-    sel = ClusterSelector(n_clusters=6, n_probe=2, mode="block", exact_prefix=False)
-    sel.causal_block = 64  # causal: segments of 256 keys hold 3 clusters, so rows are routed there
-    sel.build(k)
-    out, lse = sel.attend(q, v, scale=scale, is_causal=is_causal)
+    # exact_prefix off, causal rows after the causal index's exact rows (T = 200): every row goes through
+    # the routed (refined) path being tested
+    sel = ClusterSelector(n_clusters=6, n_probe=2, mode="block", exact_prefix=False).build(k)
+    qpos = np.arange(S - L, S)
+    out, lse = sel.attend(q, v, scale=scale, is_causal=is_causal, query_positions=qpos)
     assert sel.last_refined_pairs_ > 0
-    mask = segment_oracle_mask(sel, q) if is_causal else oracle_mask(sel, q, k)
+    mask = causal_oracle_mask(sel, q, k, qpos) if is_causal else oracle_mask(sel, q, k)
     ref, ref_lse = masked_attention(q, k, v, mask, scale)
     np.testing.assert_allclose(out, ref, atol=atol)
     finite = np.isfinite(ref_lse)
@@ -618,7 +672,7 @@ def test_property_block_attend_is_exact_on_routed_keys(S, L, C, seed, causal):
     v = rng.standard_normal((S, 3)).astype(np.float32)
     sel = ClusterSelector(n_clusters=C, n_probe=p, mode="block").build(k)
     out, lse = sel.attend(q, v, is_causal=causal)
-    mask = segment_oracle_mask(sel, q) if causal else oracle_mask(sel, q, k)
+    mask = causal_oracle_mask(sel, q, k) if causal else oracle_mask(sel, q, k)
     ref, ref_lse = masked_attention(q, k, v, mask, 5 ** -0.5)
     np.testing.assert_allclose(out, ref, atol=1e-5)
     np.testing.assert_array_equal(np.isinf(lse), np.isinf(ref_lse))
@@ -776,8 +830,6 @@ def test_strict_causal_off_routes_over_the_global_index(rng, mode):
         np.testing.assert_allclose(out, ref, atol=1e-5)
         np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
         np.testing.assert_array_equal(sel.query(q, 8, is_causal=True).to_mask(), mask)
-        assert sel.last_keys_read_.mean() < segment_oracle_mask(
-            ClusterSelector(n_clusters=16, n_probe=4, mode=mode).build(k), q).sum(axis=1).mean()
     else:
         few = visible.sum(axis=1) <= 8  # Selector.query's rule: at most k allowed keys -> all of them
         mask[few] = visible[few]

@@ -19,7 +19,6 @@ import numpy as np
 from ..inputs import check_bool
 from ..selectors.registry import register_attention
 from .routed import routed_attention
-from .segmented import segmented_attention
 
 __all__ = ["cluster_attention"]
 
@@ -39,9 +38,10 @@ def cluster_attention(selector: Any, queries: np.ndarray, values: np.ndarray, *,
     budget = dict(estimate=prm["estimate"], top_p=prm["top_p"], min_keys=prm["min_keys"],
                   max_keys=prm["max_keys"])
     if check_bool(is_causal, "is_causal") and prm["strict_causal"]:
-        return segmented_attention(selector.segments(key_positions), queries, values, scale=scale,
-                                   query_positions=query_positions, exact_prefix=prm["exact_prefix"],
-                                   n_threads=selector.n_threads, check_finite=check_finite, stats=stats, **budget)
+        # strictly causal: the causal index (codebook of the earliest keys), its small rows always exact
+        return routed_attention(selector.causal_index(key_positions), queries, values, scale=scale, is_causal=True,
+                                query_positions=query_positions, key_positions=key_positions, exact_prefix=True,
+                                n_threads=selector.n_threads, check_finite=check_finite, stats=stats, **budget)
     return routed_attention(selector.index_, queries, values, scale=scale, is_causal=is_causal,
                             query_positions=query_positions, key_positions=key_positions,
                             exact_prefix=prm["exact_prefix"], n_threads=selector.n_threads,

@@ -69,8 +69,9 @@ from typing import Any, ClassVar
 import numba
 import numpy as np
 
+from ..index.causal import CausalClusterIndex
 from ..index.cluster import ASSIGN, ROUTE_BY, ClusterIndex, key_spans
-from ..index.routing import mass_routes, segment_routes
+from ..index.routing import mass_routes
 from ..index.segments import SegmentedClusterIndex
 from ..inputs import positions
 from ..kernels import cluster as ck
@@ -340,6 +341,7 @@ class ClusterSelector(Selector):
         self._make_index().sizes(keys.shape[0])  # size errors now; the k-means when first needed
         self._index: ClusterIndex | None = None
         self._segmented: SegmentedClusterIndex | None = None
+        self._causal: CausalClusterIndex | None = None
         self.last_refined_pairs_ = 0
         self.last_keys_read_ = np.zeros(0, dtype=np.int64)
 
@@ -351,6 +353,23 @@ class ClusterSelector(Selector):
         index = self._index
         if index is None:
             index = self._index = self._make_index().build(self.keys_)
+        return index
+
+    def causal_index(self, key_positions: object = None) -> CausalClusterIndex:
+        """The strictly causal index of causal attention (and of ``mode="block"`` causal queries): one
+        cluster index over all keys whose codebook is trained on the earliest keys only
+        (:class:`~sparseattn.index.causal.CausalClusterIndex`; queries that see at most its
+        ``prefix_budget()`` keys attend to all of them exactly).  Built on first use and kept while the key
+        positions stay the same.
+
+        key_positions : int array (S,), optional; default ``arange(S)``.
+        """
+        self._require_built("causal_index")
+        kpos = positions(key_positions, self.keys_.shape[0], "key_positions")
+        index = self._causal
+        if index is None or not index.same_layout(self.keys_, kpos):
+            index = self._causal = CausalClusterIndex(**{p: self._params[p] for p in _INDEX_PARAMS}).build(
+                self.keys_, kpos)
         return index
 
     def segments(self, key_positions: object = None) -> SegmentedClusterIndex:
@@ -390,18 +409,13 @@ class ClusterSelector(Selector):
                ) -> SparsePattern:
         n = self.n_threads
         prm = self._params
-        if is_causal and prm["strict_causal"]:
-            seg = self.segments(kpos)
+        strict = is_causal and prm["strict_causal"]
+        if strict and prm["mode"] != "block":
             q = np.ascontiguousarray(q, dtype=self.keys_.dtype)
-            if prm["mode"] != "block":
-                return seg.search(q, min(k, self.keys_.shape[0]), qpos, n)
-            routes = None
-            if prm["top_p"] is not None:
-                with worker_threads(n):
-                    routes = segment_routes(seg, q, qpos, exact_prefix=prm["exact_prefix"], top_p=prm["top_p"],
-                                            min_keys=prm["min_keys"], max_keys=prm["max_keys"], n_threads=n)
-            return seg.routed_keys(q, qpos, prm["exact_prefix"], n, routes)
-        index = self.index_
+            return self.segments(kpos).search(q, min(k, self.keys_.shape[0]), qpos, n)
+        # strictly causal block mode: the causal index, whose small rows are always exact
+        index = self.causal_index(kpos) if strict else self.index_
+        exact_prefix = True if strict else prm["exact_prefix"]
         with worker_threads(n):
             if prm["mode"] == "block" and prm["top_p"] is not None:
                 # the mass-driven routes attend() reads (at the default scale 1/sqrt(E))
@@ -419,7 +433,7 @@ class ClusterSelector(Selector):
                 if prm["mode"] != "block":
                     return index.search_routed(q, route, min(k, index.keys_.shape[0]), is_causal, qpos, kpos, n)
                 pattern = index.routed_keys(route, is_causal, qpos, kpos)
-            if is_causal and prm["exact_prefix"]:
+            if is_causal and exact_prefix:
                 # the rows attend() computes exactly over every visible key
                 pattern = fill_small_rows(pattern, index.prefix_budget(), True, qpos, kpos)
             return pattern
