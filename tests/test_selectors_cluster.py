@@ -913,3 +913,26 @@ def test_prefix_attention_from_another_python_thread_gives_the_same_bits():
     th.join()
     np.testing.assert_array_equal(got["x"][0], want[0])
     np.testing.assert_array_equal(got["x"][1], want[1])
+
+
+@pytest.mark.parametrize("magnitude", [1e-30, 1e-120, 1e10])
+@pytest.mark.parametrize("strict", [True, False])
+def test_causal_block_at_extreme_key_magnitudes(rng, magnitude, strict):
+    # float64 keys far from 1: the k-means (FAISS trains in float32) must still cluster them (at 1e-30 their
+    # squared norms underflowed, the centroids became NaN, the keys all went to one cluster and causal
+    # routing picked empty clusters: rows that see keys got lse = -inf); every row that sees a key reads
+    # one, and the output is float64 attention over the keys query() reports
+    S = L = 1200
+    base, qs, v = clustered(rng, S, L, dtype=np.float64)
+    k = base * magnitude
+    q = qs / magnitude * 0.25
+    sel = ClusterSelector(n_clusters=8, n_probe=2, mode="block", strict_causal=strict).build(k)
+    out, lse = sel.attend(q, v, is_causal=True, scale=1.0)
+    assert np.isfinite(lse).all() and np.isfinite(out).all()
+    mask = sel.query(q, 8, is_causal=True).to_mask()
+    assert (mask.sum(axis=1) > 0).all()
+    ref, ref_lse = masked_attention(q, k, v, mask, 1.0)
+    np.testing.assert_allclose(out, ref, atol=1e-10)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-10, atol=1e-10)
+    if strict:
+        np.testing.assert_array_equal(mask, causal_oracle_mask(sel, q, k))

@@ -5,7 +5,9 @@
 * :mod:`.routed` — attention over the routed clusters of a :class:`~sparseattn.ClusterIndex` (no
   pattern is materialised);
 * :mod:`.segmented` — strictly causal routed attention over a
-  :class:`~sparseattn.index.SegmentedClusterIndex` (exact tail + per-segment routed attention);
+  :class:`~sparseattn.index.SegmentedClusterIndex` (exact tail + per-segment routed attention; the
+  cluster selector's strictly causal attention uses :class:`~sparseattn.index.CausalClusterIndex` with
+  :mod:`.routed` instead);
 * :mod:`.cluster` — the attention of the cluster selector (``cluster:mode=block``), registered for it
   with :func:`sparseattn.selectors.registry.register_attention` (imported here, so it is in place
   whenever the package is);

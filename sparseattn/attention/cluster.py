@@ -2,12 +2,11 @@
 :class:`~sparseattn.selectors.cluster.ClusterSelector`.
 
 The selector owns the key side (its :class:`~sparseattn.index.cluster.ClusterIndex` ``index_`` and, for
-strictly causal queries, its :class:`~sparseattn.index.segments.SegmentedClusterIndex` ``segments()``);
-this module adds the values: :func:`~sparseattn.attention.routed.routed_attention` over the index, or
-:func:`~sparseattn.attention.segmented.segmented_attention` over the segments, with the selector's
-``exact_prefix``, ``n_threads`` and budget parameters.  It is registered for the selector name
-``"cluster"`` (:func:`sparseattn.selectors.registry.register_attention`), which is how
-:meth:`ClusterSelector.attend <sparseattn.selectors.cluster.ClusterSelector.attend>` reaches it.
+strictly causal queries, its :class:`~sparseattn.index.causal.CausalClusterIndex` ``causal_index()``);
+this module adds the values: :func:`~sparseattn.attention.routed.routed_attention` over either, with the
+selector's ``exact_prefix`` (always on over the causal index), ``n_threads`` and budget parameters.  It
+is registered for the selector name ``"cluster"`` (:func:`sparseattn.selectors.registry.register_attention`),
+which is how :meth:`ClusterSelector.attend <sparseattn.selectors.cluster.ClusterSelector.attend>` reaches it.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ def cluster_attention(selector: Any, queries: np.ndarray, values: np.ndarray, *,
     """Exact softmax attention of each query over every key of its routed clusters of a built
     :class:`~sparseattn.selectors.cluster.ClusterSelector` (plus its ``estimate`` / ``top_p`` budget).
 
-    Causal queries with ``strict_causal`` go through ``selector.segments(key_positions)``, the others
+    Causal queries with ``strict_causal`` go through ``selector.causal_index(key_positions)``, the others
     through ``selector.index_``.  Parameters, results and ``stats`` are those of
     :func:`~sparseattn.attention.routed.routed_attention`.
     """

@@ -320,7 +320,7 @@ class ClusterIndex:
             return assign_keys(centred, self.centroids_, self.assign, self.threads_).astype(np.int64)
 
     def _kmeans(self, centred: np.ndarray, C: int, n_train: int, seed_offset: int = 0) -> np.ndarray:
-        """(C, E) float32 centroids of a k-means over ``n_train`` sampled rows of ``centred``."""
+        """(C, E) centroids of a k-means over ``n_train`` sampled rows of ``centred`` (:func:`train_kmeans`)."""
         return train_kmeans(centred, C, n_train, seed=self.seed + seed_offset, n_iter=self.n_iter,
                             spherical=self.spherical)
 
@@ -533,12 +533,13 @@ def cluster_order(centred: np.ndarray, assignment: np.ndarray, centroids: np.nda
 
 def key_spans(index: ClusterIndex, kpos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(positions of the keys in cluster order (S,), each cluster's first and last key position (C,)),
-    int64, from the keys' positions ``kpos`` (S,); 0 for an empty cluster."""
+    int64, from the keys' positions ``kpos`` (S,).  An empty cluster's first position is the largest int64
+    (causal routing ranks it with the clusters that hold no visible key: last) and its last 0."""
     kptr = index.cluster_ptr_
     C = kptr.shape[0] - 1
     kpos_p = kpos[index.perm_]
     nonempty = np.diff(kptr) > 0
-    kmin = np.zeros(C, dtype=np.int64)
+    kmin = np.full(C, np.iinfo(np.int64).max, dtype=np.int64)
     kmax = np.zeros(C, dtype=np.int64)
     kmin[nonempty] = np.minimum.reduceat(kpos_p, kptr[:-1][nonempty])
     kmax[nonempty] = np.maximum.reduceat(kpos_p, kptr[:-1][nonempty])

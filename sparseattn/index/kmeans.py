@@ -26,19 +26,26 @@ BLOCK_BUDGET = 1 << 24
 
 def train_kmeans(centred: np.ndarray, C: int, n_train: int, *, seed: int, n_iter: int,
                  spherical: bool) -> np.ndarray:
-    """(C, E) float32 centroids of a k-means over ``n_train`` rows of ``centred`` (S, E) sampled with
-    ``seed`` (all rows when ``n_train >= S``); spherical = unit-norm centroids, cosine assignment."""
+    """(C, E) centroids of a k-means over ``n_train`` rows of ``centred`` (S, E) sampled with ``seed`` (all
+    rows when ``n_train >= S``); spherical = unit-norm centroids (float32), cosine assignment; else float64
+    (the keys' scale may lie outside float32's range)."""
     import faiss
 
     S, E = centred.shape
     rng = np.random.default_rng(seed)
     sample = centred if n_train >= S else centred[np.sort(rng.choice(S, n_train, replace=False))]
-    sample = np.ascontiguousarray(sample, dtype=np.float32)
+    # FAISS trains in float32: keys of very small (or large) magnitude are scaled by a power of two to an
+    # RMS norm near 1 first (their squared norms underflowed to 0 at 1e-30, and spherical centroids
+    # became NaN), and Lloyd centroids scaled back (spherical ones are unit vectors either way).
+    rms = float(np.sqrt(np.mean(np.einsum("ij,ij->i", sample, sample, dtype=np.float64)))) if sample.size else 0.0
+    scale = 2.0 ** round(np.log2(rms)) if rms > 0 and np.isfinite(rms) else 1.0
+    sample = np.ascontiguousarray(sample / scale, dtype=np.float32)
     if C == 1:
         cent = sample.mean(axis=0, keepdims=True)
         if spherical:
             cent /= max(float(np.linalg.norm(cent)), 1e-30)
-        return cent
+            return cent
+        return cent * scale
     old = faiss.omp_get_max_threads()
     # One OpenMP thread, whatever n_threads: with the other core busy, FAISS's k-means took 0.40 s
     # on 2 threads against 0.023 s on 1 (16k x 64 sample, 128 centroids): its many short parallel
@@ -51,7 +58,8 @@ def train_kmeans(centred: np.ndarray, C: int, n_train: int, *, seed: int, n_iter
             km.train(sample)
     finally:
         faiss.omp_set_num_threads(old)
-    return np.asarray(km.centroids, dtype=np.float32).reshape(C, E)
+    cent = np.asarray(km.centroids, dtype=np.float32).reshape(C, E)
+    return cent if spherical else cent.astype(np.float64) * scale
 
 
 def row_chunks(n_rows: int, n_cols: int, work: Callable[[int, int], None], n_threads: int) -> None:

@@ -39,20 +39,24 @@ attention restricted to the routed keys up to floating-point rounding (tests: 1e
 float64).
 
 Causal (strictly): a causal query never uses the index over all keys, whose k-means, centring and routing
-vectors see later keys.  The keys, in position order, are cut into an exact tail and aligned dyadic
-segments, each clustered on its own keys only (:class:`~sparseattn.index.segments.SegmentedClusterIndex`,
-built on first causal use and kept); a query attends exactly to its tail and, in each segment of its
-prefix, to the keys of its routed clusters there (:func:`~sparseattn.attention.segmented.segmented_attention`),
-or (``mode="topk"``) takes the exact top-k of those candidates.  Each segment reads the fraction
-``n_probe / n_clusters`` of its keys, so a query reads about ``n_probe * c / n_clusters`` routed keys of
-its ``c`` visible ones, plus its tail.  A row's output depends only on keys and values at or before its
-position (``tests/test_causality.py``).  The price, measured on real keys with queries spread over the
-sequence at the defaults (``benchmarks/results/causal-cluster.md``): on the shipped 16k store 1,024-1,052
-keys read per query against 527-761 for routing over one global index masked to the visible keys (not
-strictly causal), at output error 0.107-0.471 against 0.113-0.499, and 2.5-3x its time (build + attend
-0.087-0.107 s against 0.032-0.039 s; every level of segments costs about one k-means over all keys); on
-the 65k store 2,218-2,247 keys against 1,038-1,177, error 0.170 / 0.700 against 0.221 / 0.848, 0.35-0.37 s
-against 0.12-0.13 s.
+vectors see later keys.  Attention (``attend``, and block-mode ``query``) goes through one
+:class:`~sparseattn.index.causal.CausalClusterIndex` instead (built on first causal use and kept): its
+codebook is trained on the earliest ``T = max(ceil(n_probe S / n_clusters), 16 n_clusters)`` keys by
+position, every key joins a codeword's cluster by itself, and clusters are routed by their training keys'
+mean; a query that sees at most T keys attends to all of them exactly (whatever ``exact_prefix``), a
+longer one to the visible keys of its ``n_probe`` clusters of largest ``q . r`` among those holding a key
+at or before it.  Top-k mode (``query`` with ``mode="topk"``) cuts the keys, in position order, into an
+exact tail and aligned dyadic segments, each clustered on its own keys only
+(:class:`~sparseattn.index.segments.SegmentedClusterIndex`), and takes the exact top-k of the tail and the
+routed keys of each segment.  A row's output depends only on keys and values at or before its position
+(``tests/test_causality.py``; for block attention up to float rounding: the exp's shift uses each
+cluster's radius over all its members).  Measured on real keys with queries spread over the sequence at
+the defaults (``benchmarks/results/causal-cluster.md``): on the 65k MiniLM store the causal index reads
+1,319 / 1,483 keys per query at recall@64 0.844 / 0.630 in 0.066 / 0.062 s, the dyadic segments 2,218 /
+2,247 at 0.763 / 0.580 in 0.34 / 0.24 s, and the global index masked to the visible keys (not strictly
+causal) 1,038 / 1,178 at 0.826 / 0.667 in 0.13 / 0.08 s; output error 0.190 / 0.779 against 0.170 / 0.700
+(segments, more keys) and 0.221 / 0.847.  The causal index assumes the earliest keys represent the rest:
+a stream that drifts far from its beginning routes worse.
 
 Threads: the per-cluster products run on ``n_threads`` worker threads with BLAS held to one thread each
 (on a machine whose other core is busy, multi-threaded BLAS on these small products is 10x slower);
@@ -170,17 +174,16 @@ class ClusterSelector(Selector):
     n_threads : int, optional
         Worker threads (default: Numba's current thread count).
     exact_prefix : bool, default True
-        Causal block attention (``attend`` and block-mode ``query``) only: a query that can see at most
+        Causal block attention with ``strict_causal=False`` only: a query that can see at most
         ``ceil(n_probe * S / n_clusters)`` keys (the routed keys of an average query) attends to all of
-        them exactly, instead of through its tail and segments.  Costs at most as much as routing those
-        rows.  (Off, such a row still reads its exact tail exactly.)
+        them exactly instead of through its routed clusters.  Costs at most as much as routing those rows.
+        (Strictly causal rows that see at most the causal index's training keys are always exact.)
     strict_causal : bool, default True
-        Causal queries only.  True: the segments described under "Causal" below (a row depends only on
-        keys and values at or before it).  False: routing over the one index of all keys, masked to each
-        query's visible keys (with ``exact_prefix``) -- faster and fewer keys read (on the shipped 16k
-        store 527-761 keys per query against 1,024-1,052, in about a third of the time), but k-means,
-        centring and routing vectors see later keys, so which past keys a row reads depends on them:
-        not for training or evaluating causal models.
+        Causal queries only.  True: the causal index (block attention) or the segments (top-k mode)
+        described under "Causal" below (a row depends only on keys and values at or before it).  False:
+        routing over the one index of all keys, masked to each query's visible keys: k-means, centring and
+        routing vectors see later keys, so which past keys a row reads depends on them: not for training
+        or evaluating causal models.
     split : float, default 0 (off)
         When > 0, every cluster holding more than ``split * S / n_clusters`` keys after assignment is
         split by a k-means of its members into ``ceil(size / (S / n_clusters))`` parts, each member
@@ -236,8 +239,10 @@ class ClusterSelector(Selector):
         The index over all keys, built on first use (a selector used only causally never builds it);
         every attribute above except ``last_refined_pairs_`` and ``last_keys_read_`` is read from it
         (``kmeans_centroids_``, ``coarse_centroids_``, ``parent_``, ``keys_perm_`` too).
+    causal_index(key_positions) : CausalClusterIndex
+        The strictly causal index of causal attention (see "Causal" above).
     segments(key_positions) : SegmentedClusterIndex
-        The strictly causal index causal queries use (see "Causal" above).
+        The strictly causal index of causal top-k queries (see "Causal" above).
 
     Examples
     --------
@@ -252,16 +257,19 @@ class ClusterSelector(Selector):
 
     name = "cluster"
     metric = "inner_product"
-    #: Smallest causal segment (and bound of the exact tail); None: about an average query's routed keys
-    #: (see :class:`~sparseattn.index.segments.SegmentedClusterIndex`).
+    #: Smallest causal segment of top-k mode (and bound of its exact tail); None: about an average query's
+    #: routed keys (see :class:`~sparseattn.index.segments.SegmentedClusterIndex`).
     causal_block: ClassVar[int | None] = None
     requires = ("faiss", "install faiss-cpu")
     guarantee = ("k-means clusters of the (centred) keys, each query routed to its n_probe clusters of "
                  "largest q.c. mode=topk: exact top-k by inner product among the routed clusters' keys. "
                  "mode=block: attend() is exact softmax attention restricted to all keys of the routed "
                  "clusters (query() returns that key set). n_probe = n_clusters is exact full attention. "
-                 "Causal: strictly causal (exact tail + dyadic position segments, each clustered on its "
-                 "own keys; strict_causal=False: one global index, masked, not strict); a query seeing at most n_probe*S/C keys attends to all of them (exact_prefix); "
+                 "Causal: strictly causal (attention: one index whose codebook is trained on the earliest "
+                 "max(n_probe*S/C, 16C) keys, a query seeing at most that many attends to all of them; "
+                 "mode=topk: exact tail + dyadic position segments, each clustered on its own keys; "
+                 "strict_causal=False: one global index, masked, not strict, a query seeing at most n_probe*S/C "
+                 "keys attends to all of them with exact_prefix); "
                  "no key -> zeros and lse = -inf. estimate != 0 adds an estimate of "
                  "unread clusters from per-cluster statistics (not exact); top_p routes by estimated mass.")
     params_spec = {
@@ -280,11 +288,12 @@ class ClusterSelector(Selector):
                           "'centroid'", _one_of(ROUTE_BY)),
         "n_threads": Param(int, None, "worker threads (default: numba.get_num_threads())", positive,
                            when="query"),
-        "exact_prefix": Param(bool, True, "causal, mode=block: a query that can see at most n_probe*S/C keys "
-                              "attends to all of them exactly", when="query"),
-        "strict_causal": Param(bool, True, "causal: dyadic position segments, each clustered on its own keys "
-                               "(strictly causal); False: one index over all keys masked to the visible ones "
-                               "(faster, but the keys a row reads depend on later keys)", when="query"),
+        "exact_prefix": Param(bool, True, "causal, mode=block, strict_causal=False: a query that can see at "
+                              "most n_probe*S/C keys attends to all of them exactly", when="query"),
+        "strict_causal": Param(bool, True, "causal: strictly causal (attention: one index whose codebook is "
+                               "trained on the earliest keys; mode=topk: position segments, each clustered on "
+                               "its own keys); False: one index over all keys masked to the visible ones "
+                               "(the keys a row reads depend on later keys)", when="query"),
         "split": Param(float, 0.0, "split clusters larger than split * S / n_clusters (0 = never; "
                        "a speed/recall trade)", non_negative),
         "estimate": Param(int, 0, "mode=block: estimate unread clusters from their statistics (0 = off, N = "
