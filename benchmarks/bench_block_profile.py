@@ -42,7 +42,7 @@ SPEC = "cluster:mode=block"
 LOOSE = "cluster:mode=block,strict_causal=False"  # causal rows: also the not strictly causal global index
 # stage -> (file suffix, function names) whose cumulative time is the stage
 STAGES = {
-    "build": (("index/cluster.py", "build"), ("index/causal.py", "build"), ("index/segments.py", "prepare")),
+    "build": (("index/cluster.py", "build"), ("index/causal.py", "build")),
     "kmeans": (("index/kmeans.py", "train_kmeans"),),
     "assign": (("index/kmeans.py", "assign_keys"),),
     "route": (("index/cluster.py", "route_rows"),),
@@ -50,7 +50,7 @@ STAGES = {
     "kernels": (("threads.py", "run_jobs"),),
     "merge": (("kernels/merge.py", "merge_partials"), ("kernels/merge.py", "_merge_partials"),
               ("attention/merge.py", "merge_pair")),
-    "exact": (("attention/segmented.py", "_attend_exact"), ("attention/routed.py", "_attend_prefix")),
+    "exact": (("attention/routed.py", "_attend_prefix"),),
 }
 TOP = ("build", "route", "gather", "kernels", "merge", "exact")  # disjoint: "other" is the rest
 
@@ -68,10 +68,9 @@ def gemm_peak() -> float:
 
 
 def stage_seconds(prof: cProfile.Profile) -> dict[str, float]:
-    """Cumulative seconds per stage from a profile.  ``build`` is the index builds not made inside a
-    segment preparation (counted there) plus the strict-causal segment preparation; ``kernels`` only the
-    workers of the attention blocks (``run_jobs`` called by ``_attend_block``); ``kmeans`` and ``assign``
-    are parts of ``build`` (on the calling thread only: segments built on worker threads are not seen)."""
+    """Cumulative seconds per stage from a profile.  ``build`` is the index build (the global or the
+    strictly causal one); ``kernels`` only the workers of the attention blocks (``run_jobs`` called by
+    ``_attend_block``); ``kmeans`` and ``assign`` are parts of ``build``."""
     st = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
     out = dict.fromkeys(STAGES, 0.0)
     for (path, _, name), (_, _, _, ct, callers) in st.items():
@@ -81,8 +80,6 @@ def stage_seconds(prof: cProfile.Profile) -> dict[str, float]:
                 continue
             if stage == "kernels":
                 ct = sum(c[3] for (_, _, cn), c in callers.items() if cn == "_attend_block")
-            elif stage == "build" and name == "build":
-                ct = sum(c[3] for (_, _, cn), c in callers.items() if cn not in ("segment", "prepare"))
             out[stage] += ct
     return out
 

@@ -1,5 +1,5 @@
-"""Strictly causal cluster routing (the causal index, and the dyadic segments) against routing over one
-global index, on real MiniLM keys.
+"""Strictly causal cluster routing (the causal index) against routing over one global index, on real
+MiniLM keys.
 
 Run:  python benchmarks/bench_causal_cluster.py [--repeats 3] [--rows 2048] [--skip-65k]
 
@@ -16,11 +16,9 @@ Per head, for ``cluster:mode=block`` (defaults: C = round(sqrt(S)), n_probe = 8)
 * ``causal``: ``ClusterSelector(mode="block").attend(..., is_causal=True)``: the strictly causal path, one
   :class:`~sparseattn.index.causal.CausalClusterIndex` (codebook of the earliest keys; rows seeing at most
   its ``prefix_budget()`` keys exact);
-* ``segments``: the dyadic segments, each clustered on its own keys, plus an exact tail
-  (:func:`~sparseattn.attention.segmented.segmented_attention`; strictly causal too);
 
 and for ``cluster`` (top-k mode, k = 64) ``global`` (``ClusterIndex.search(..., is_causal=True)``) against the
-selector's causal ``query`` (``segments``).  Reported: mean keys read per query, recall@64 of the exact
+selector's causal ``query`` (``causal``).  Reported: mean keys read per query, recall@64 of the exact
 causal top-64 among them, mean output relative error against float64 dense causal attention, mean softmax
 mass of the keys read (``exp(lse - lse*)``), and time (build + attend / query, median of ``--repeats``,
 one process).
@@ -38,9 +36,7 @@ import time
 import numpy as np
 
 import sparseattn as sa
-from sparseattn.attention.segmented import segmented_attention
 from sparseattn.index import ClusterIndex
-from sparseattn.index.segments import SegmentedClusterIndex
 from sparseattn.selectors.cluster import ClusterSelector
 from sparseattn.tools.args import OneLineParser, positive_int
 
@@ -100,28 +96,19 @@ def run_head(label, h, q, k, v, scale, repeats):
             return sel.query(q, 64, is_causal=True, query_positions=qpos)
         return run, pattern
 
-    def seg_run():
-        seg = SegmentedClusterIndex().build(k, np.arange(S))
-        st = {}
-        o, lse = segmented_attention(seg, q, v, scale=scale, query_positions=qpos, stats=st)
-        return o, lse, st["keys_read"], seg
-
-    def seg_pattern(seg):
-        return seg.routed_keys(q, qpos, True, seg.threads_)
-
     def glob_topk():
         return ClusterIndex().build(k).search(q, 64, is_causal=True, query_positions=qpos)
 
-    def seg_topk():
+    def causal_topk():
         return ClusterSelector().build(k).query(q, 64, is_causal=True, query_positions=qpos)
 
-    block = {"global": sel_block(False), "causal": sel_block(True), "segments": (seg_run, seg_pattern)}
+    block = {"global": sel_block(False), "causal": sel_block(True)}
     for name, (fn, pattern) in block.items():
         t, (o, lse, kr, obj) = timed(fn, repeats)
         rows.append({"store": label, "head": h, "mode": "block", "index": name, "keys_read": float(kr.mean()),
                      "rel_err": rel_err(o, ref), "mass": float(np.mean(np.exp(lse.astype(np.float64) - ref_lse))),
                      "recall64": recall_of(pattern(obj)), "time_s": t})
-    for name, fn in (("global", glob_topk), ("segments", seg_topk)):
+    for name, fn in (("global", glob_topk), ("causal", causal_topk)):
         t, pat = timed(fn, repeats)
         got = pat.to_padded(64)
         recall = float(np.mean([np.intersect1d(got[i][got[i] >= 0], top[i][top[i] <= qpos[i]]).size
@@ -131,21 +118,20 @@ def run_head(label, h, q, k, v, scale, repeats):
         rows.append({"store": label, "head": h, "mode": "topk", "index": name, "keys_read": 64.0,
                      "rel_err": rel_err(o, ref), "mass": float(np.mean(np.exp(lse.astype(np.float64) - ref_lse))),
                      "recall64": recall, "time_s": t})
-    for r in rows[-5:]:
+    for r in rows[-4:]:
         print(json.dumps(r), flush=True)
     return rows
 
 
 def markdown(meta, rows):
-    lines = ["# Strictly causal cluster routing: the causal index and the segments vs one global index", "",
+    lines = ["# Strictly causal cluster routing: the causal index vs one global index", "",
              f"`{meta['command']}` ({meta['date']}; {meta['cores']} cores, load average at the end "
              f"{meta['load_end']:.1f}).", "",
              "Queries spread over the sequence (query i at position round((i+1) S / L) - 1), key j visible iff "
              "j <= that position. `global`: one k-means index over all S keys, masked to the visible keys "
              "(not strictly causal: the routing depends on later keys). `causal`: the selector's strictly causal "
              "path (one index whose codebook is trained on the earliest keys; rows seeing at most its training "
-             "keys exact). `segments`: exact tail + dyadic segments clustered on their own keys (strictly causal; "
-             "the selector's causal top-k mode). Error: mean "
+             "keys exact). Error: mean "
              "||o - o*|| / ||o*|| against float64 dense causal attention; mass: mean exp(lse - lse*); time: "
              "build + attend (block) or build + query (topk), median of "
              f"{meta['repeats']}.", "",

@@ -11,16 +11,15 @@ Data path (one folder or module per stage)::
                           sparse.py  sparse_attention over a pattern or a selector's choice
                           dense.py   scaled_dot_product_attention, the exact reference
                           routed.py  attention over the clusters each query is routed to
-                          segmented.py  strictly causal routed attention over position segments
-                          cluster.py  the cluster selector's block attention (routed or segmented)
+                          cluster.py  the cluster selector's block attention (over either index below)
                           merge.py   partial results combined by log-sum-exp
       -> metrics.py     recall@k, softmax mass and output error against the dense reference
 
 The cluster index sits beside the selectors: ``index/cluster.py`` (ClusterIndex) clusters the keys only;
 the ``cluster`` selector turns its routing into a pattern, and ``attention/routed.py`` attends over the
 routed clusters directly (no pattern), merging per-cluster partial results with ``attention/merge.py``.
-Causal queries use ``index/segments.py`` instead (the keys in position order cut into dyadic segments,
-each clustered on its own keys) and ``attention/segmented.py``, so no row depends on a later key.
+Causal queries use ``index/causal.py`` instead (one index whose codebook is trained on the earliest keys
+only; rows that see fewer keys are exact), so no row depends on a later key.
 ``index/routing.py`` routes by estimated mass (``top_p``) from key statistics alone.  The layers import
 downwards: ``selectors/`` and ``index/`` never import ``attention/`` or ``tools/``.
 

@@ -440,7 +440,6 @@ def test_estimate_beyond_the_unread_clusters_is_every_unread_cluster(is_causal):
     outs = []
     for est in (50, -1):
         sel = ClusterSelector(mode="block", n_clusters=6, n_probe=2, estimate=est)
-        sel.causal_block = 64
         outs.append(sel.build(k).attend(q, v, is_causal=is_causal, query_positions=np.arange(300) * 4))
     np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=0, atol=1e-6)
     np.testing.assert_allclose(outs[0][1], outs[1][1], rtol=1e-6, atol=1e-6)

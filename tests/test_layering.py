@@ -72,12 +72,12 @@ def test_the_parser_sees_every_import_form():
     src = ("from ..attention.routed import routed_attention\n"
            "def f():\n"
            "    from ..tools import bench\n"
-           "    import sparseattn.attention.segmented\n"
+           "    import sparseattn.attention.sparse\n"
            "    import importlib\n"
            "    importlib.import_module('sparseattn.attention.cluster')\n"
            "from ..index import routing\n")
     names = [n for _, n in imported_modules(src, ["sparseattn", "selectors"])]
     assert [n for n in names if _upper(n)] == [
         "sparseattn.attention.routed.routed_attention", "sparseattn.tools.bench",
-        "sparseattn.attention.segmented", "sparseattn.attention.cluster"]
+        "sparseattn.attention.sparse", "sparseattn.attention.cluster"]
     assert "sparseattn.index.routing" in names

@@ -175,52 +175,6 @@ def causal_oracle_mask(sel: ClusterSelector, q: np.ndarray, k: np.ndarray, qpos=
     return mask
 
 
-def segment_oracle_mask(sel: ClusterSelector, q: np.ndarray, qpos=None, kpos=None) -> np.ndarray:
-    """(L, S) bool: the keys strictly causal selection reads, recomputed row by row with numpy.
-
-    Keys in position order; a row seeing c keys reads ``order[e:c]`` exactly, e = 0 when ``exact_prefix``
-    and c <= ceil(n_probe S / C), else B floor(c / B); ``[0, e)`` is the binary decomposition into aligned
-    segments of B 2^l keys, and in each segment the keys of the ``n_probe`` clusters of largest q.c of
-    that segment's own index (its sizes checked against the documented scaling; its routing against a
-    float64 recomputation as in :func:`oracle_mask`).
-    """
-    import math
-
-    L, S = q.shape[0], sel.keys_.shape[0]
-    qpos = np.arange(L) if qpos is None else np.asarray(qpos)
-    kpos = np.arange(S) if kpos is None else np.asarray(kpos)
-    seg = sel.segments(kpos)
-    order = np.argsort(kpos, kind="stable")
-    B = seg.block_
-    C, p = sel.n_clusters_, sel.n_probe_
-    budget = math.ceil(p * S / C)
-    mask = np.zeros((L, S), dtype=bool)
-    for i in range(L):
-        c = int((kpos <= qpos[i]).sum())
-        e = 0 if (sel.params["exact_prefix"] and c <= budget and sel.params["mode"] == "block") else c // B * B
-        mask[i, order[e:c]] = True
-        start = 0
-        for level in reversed(range((e // B).bit_length())):
-            if not (e // B >> level) & 1:
-                continue
-            size = B << level
-            index, ids = seg.segment(level, start // size)
-            np.testing.assert_array_equal(ids, order[start:start + size])
-            C_s = max(1, min(size, round(C * size / S)))
-            assert index.n_clusters_ == C_s and index.n_probe_ == min(C_s, max(1, math.ceil(p * size / S)))
-            scores = q[i].astype(np.float64) @ index.centroids_.astype(np.float64).T
-            route = index.route(q[i:i + 1].astype(index.keys_.dtype))[0][0]
-            routed = np.zeros(C_s, dtype=bool)
-            routed[route] = True
-            assert routed.sum() == index.n_probe_
-            if index.n_probe_ < C_s:
-                tol = 1e-5 * (1 + np.abs(scores).max())
-                assert scores[~routed].max() - tol < scores[routed].min()
-            mask[i, ids[routed[index.assignment_]]] = True
-            start += size
-    return mask
-
-
 # ------------------------------------------------------------------------------------------ block mode
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("assign", ["ip", "l2"])
@@ -497,8 +451,8 @@ def test_topk_equals_exact_topk_of_routed_keys(rng, is_causal):
     q, k, _ = clustered(rng, S, L)
     sel = ClusterSelector(n_clusters=20, n_probe=3).build(k)
     pattern = sel.query(q, kk, is_causal=is_causal)
-    if is_causal:  # the candidates: the exact tail and the routed keys of each causal segment
-        mask = segment_oracle_mask(sel, q)
+    if is_causal:  # the candidates: the visible keys of the causal index's routed clusters (short rows: all)
+        mask = causal_oracle_mask(sel, q, k)
         # Documented rule (Selector.query): a row with at most kk allowed keys holds all of them.
         few = causal_mask(L, S).sum(axis=1) <= kk
         mask[few] = causal_mask(L, S)[few]

@@ -101,7 +101,7 @@ def test_fused_pattern_kernel(kind, size):
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_selectors_every_key_or_window(kind, spec, is_causal):
     """Selectors that read every allowed key (topk with k = S, block mode with every cluster probed; causal
-    block mode goes through the segmented index) or a window, against the dense oracle on their key set."""
+    block mode goes through the causal index) or a window, against the dense oracle on their key set."""
     rng = np.random.default_rng(3)
     L, S, E = 64, 256, 8
     q = rng.standard_normal((L, E)).astype(np.float32)

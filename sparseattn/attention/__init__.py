@@ -3,11 +3,7 @@
 * :mod:`.sparse` — attention of each query over the keys a :class:`~sparseattn.SparsePattern` (or a
   selector) gives it, through the fused Numba kernel;
 * :mod:`.routed` — attention over the routed clusters of a :class:`~sparseattn.ClusterIndex` (no
-  pattern is materialised);
-* :mod:`.segmented` — strictly causal routed attention over a
-  :class:`~sparseattn.index.SegmentedClusterIndex` (exact tail + per-segment routed attention; the
-  cluster selector's strictly causal attention uses :class:`~sparseattn.index.CausalClusterIndex` with
-  :mod:`.routed` instead);
+  pattern is materialised), or of a :class:`~sparseattn.index.CausalClusterIndex` (strictly causal);
 * :mod:`.cluster` — the attention of the cluster selector (``cluster:mode=block``), registered for it
   with :func:`sparseattn.selectors.registry.register_attention` (imported here, so it is in place
   whenever the package is);

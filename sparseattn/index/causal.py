@@ -19,12 +19,12 @@ one input from later keys is numerical: each cluster's ``radius_`` (its members'
 routing vector) sets the shift of the exp in routed attention, which cancels in the softmax (outputs
 agree to rounding whatever the later keys are; the tests poison them).
 
-Why this and not clusters per position segment (:class:`~sparseattn.index.segments.SegmentedClusterIndex`,
-which the selector's ``mode="topk"`` still uses): segments cluster few keys each into few, broad clusters,
-build one k-means per segment and level, and split each query's probes among its segments.  Measured at
-S = 65,536 (d = 64, C = 256, 8 probes; ``benchmarks/bench_causal_cluster.py``): synthetic clustered keys
-recall@64 0.96 at 1,036 keys per query against 0.80 at 2,160 for the segments; MiniLM keys 0.84 at 1,310
-against 0.75 at 2,220.  It assumes the earliest keys are representative of the rest (the codebook never
+Why this and not one index per aligned position segment (the former design, see the CHANGELOG): segments
+cluster few keys each into few, broad clusters, need one k-means per segment and level, and split each
+query's probes among its segments.  Measured side by side at S = 65,536 (d = 64, C = 256, 8 probes): on
+clustered synthetic keys recall@64 0.93 at 1,032 keys per query in 0.44 s against 0.82 at 2,158 in
+1.10 s; on the MiniLM store (2,048 queries) 0.84 / 0.63 against 0.76 / 0.58 on its two heads, with 40 %
+fewer keys in a quarter of the time.  It assumes the earliest keys are representative of the rest (the codebook never
 changes); a stream whose keys drift far from its beginning routes worse.
 """
 

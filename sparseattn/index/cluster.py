@@ -23,9 +23,8 @@ Seam for a growing index (KV-cache decode, not implemented): routed attention re
 through ``route_rows``, ``keys_as``, ``prefix_budget`` / ``prefix_rows``, ``keys_``, ``mean_``, ``perm_``,
 ``cluster_ptr_``, ``radius_``, ``n_clusters_``, ``n_probe_``, ``threads_`` and ``is_built`` (and, for
 ``estimate`` / ``top_p``, ``key_stats``, ``count_``, ``key_sum_``, ``route_by``, ``centroids_``).  The
-estimation statistics are additive sums, updated in O(new keys) by :meth:`ClusterIndex.update_stats`.  A segmented index would keep one such cluster-ordered segment per
-build (plus an exact tail of recent keys) and routed attention would run once per segment, merging the
-segments' partials with the same log-sum-exp kernel (:mod:`sparseattn.kernels.merge`).
+estimation statistics are additive sums, updated in O(new keys) by :meth:`ClusterIndex.update_stats`. The strictly causal form is
+:class:`~sparseattn.index.causal.CausalClusterIndex` (a codebook of the earliest keys).
 
 Estimation statistics: ``count_``, ``key_sum_`` and ``key_sqsum_`` give each cluster's mean key and
 mean per-dimension variance (:meth:`ClusterIndex.key_stats`), from which routed attention estimates the

@@ -1,14 +1,13 @@
 """Routing without values: which clusters of a :class:`~sparseattn.index.cluster.ClusterIndex` each query
 reads under the mass-driven budget (``top_p``), and the planning shared with routed attention.
 
-* :func:`mass_routes` / :func:`segment_routes`: the clusters routed by estimated mass, over one index or
-  per segment of a :class:`~sparseattn.index.segments.SegmentedClusterIndex`;
+* :func:`mass_routes`: the clusters routed by estimated mass;
 * :class:`RoutePlanner`: the per-row-chunk plan (routing scores, log masses, route, estimated clusters)
   that :func:`sparseattn.attention.routed.routed_attention` consumes when ``estimate`` or ``top_p`` is set;
 * :func:`check_budget`: validation of the ``estimate`` / ``top_p`` / ``min_keys`` / ``max_keys`` arguments.
 
 Everything here reads keys and per-cluster key statistics only; attention over values is
-:mod:`sparseattn.attention.routed` and :mod:`sparseattn.attention.segmented`.
+:mod:`sparseattn.attention.routed`.
 """
 
 from __future__ import annotations
@@ -20,10 +19,8 @@ from ..kernels import cluster as ck
 from ..kernels import estimate as ek
 from ..threads import worker_threads
 from .cluster import ClusterIndex, key_spans
-from .segments import SegmentedClusterIndex
 
-__all__ = ["COV_RANK", "REST_MARGIN", "RoutePlanner", "check_budget", "mass_routes", "positions_in_clusters",
-           "segment_routes"]
+__all__ = ["COV_RANK", "REST_MARGIN", "RoutePlanner", "check_budget", "mass_routes", "positions_in_clusters"]
 
 # top_p: rank of the low-rank part of each cluster's key covariance in the log masses (the rest of the
 # spectrum is counted isotropically; ClusterIndex.key_cov_factors), and the factor the estimated mass left
@@ -232,20 +229,3 @@ def mass_routes(index: ClusterIndex, queries: np.ndarray, *, top_p: float, min_k
         index.row_chunks(L, work, n)
     route = route[:, :max(1, int(used.max()) if L else 1)]
     return np.where(route < plan.C, route, -1).astype(np.int32), keys
-
-
-def segment_routes(index: SegmentedClusterIndex, queries: np.ndarray, query_positions: np.ndarray, *,
-                   exact_prefix: bool, top_p: float, min_keys: int, max_keys: int | None, n_threads: int
-                   ) -> dict[tuple[int, int], np.ndarray]:
-    """The mass-driven routes (``top_p``) of each segment's rows: ``(level, t) -> (rows, p) int32``, -1 = none
-    (what :func:`~sparseattn.attention.segmented.segmented_attention` reads; :func:`mass_routes` per
-    segment)."""
-    _, _, segs = index.cover(query_positions, exact_prefix)
-    index.prepare(segs, n_threads)
-    routes: dict[tuple[int, int], np.ndarray] = {}
-    for level, blocks in segs:
-        for t, rows in blocks:
-            seg, _ = index.segment(level, t)
-            routes[(level, t)] = mass_routes(seg, queries[rows], top_p=top_p, min_keys=min_keys,
-                                             max_keys=max_keys, n_threads=n_threads, check_finite=False)[0]
-    return routes

@@ -39,23 +39,18 @@ attention restricted to the routed keys up to floating-point rounding (tests: 1e
 float64).
 
 Causal (strictly): a causal query never uses the index over all keys, whose k-means, centring and routing
-vectors see later keys.  Attention (``attend``, and block-mode ``query``) goes through one
-:class:`~sparseattn.index.causal.CausalClusterIndex` instead (built on first causal use and kept): its
-codebook is trained on the earliest ``T = max(ceil(n_probe S / n_clusters), 16 n_clusters)`` keys by
-position, every key joins a codeword's cluster by itself, and clusters are routed by their training keys'
-mean; a query that sees at most T keys attends to all of them exactly (whatever ``exact_prefix``), a
-longer one to the visible keys of its ``n_probe`` clusters of largest ``q . r`` among those holding a key
-at or before it.  Top-k mode (``query`` with ``mode="topk"``) cuts the keys, in position order, into an
-exact tail and aligned dyadic segments, each clustered on its own keys only
-(:class:`~sparseattn.index.segments.SegmentedClusterIndex`), and takes the exact top-k of the tail and the
-routed keys of each segment.  A row's output depends only on keys and values at or before its position
-(``tests/test_causality.py``; for block attention up to float rounding: the exp's shift uses each
-cluster's radius over all its members).  Measured on real keys with queries spread over the sequence at
-the defaults (``benchmarks/results/causal-cluster.md``): on the 65k MiniLM store the causal index reads
-1,319 / 1,483 keys per query at recall@64 0.844 / 0.630 in 0.066 / 0.062 s, the dyadic segments 2,218 /
-2,247 at 0.763 / 0.580 in 0.34 / 0.24 s, and the global index masked to the visible keys (not strictly
-causal) 1,038 / 1,178 at 0.826 / 0.667 in 0.13 / 0.08 s; output error 0.190 / 0.779 against 0.170 / 0.700
-(segments, more keys) and 0.221 / 0.847.  The causal index assumes the earliest keys represent the rest:
+vectors see later keys.  It goes through one :class:`~sparseattn.index.causal.CausalClusterIndex` instead
+(built on first causal use and kept): its codebook is trained on the earliest
+``T = max(ceil(n_probe S / n_clusters), 16 n_clusters)`` keys by position, every key joins a codeword's
+cluster by itself, and clusters are routed by their training keys' mean; a query that sees at most T keys
+reads all of them exactly (block attention: attends to all; top-k mode: the exact top-k among them,
+whatever ``exact_prefix``), a longer one the visible keys of its ``n_probe`` clusters of largest ``q . r``
+among those holding a key at or before it.  A row's output depends only on keys and values at or before
+its position (``tests/test_causality.py``; for block attention up to float rounding: the exp's shift
+uses each cluster's radius over all its members).  Measured on real keys with queries spread over the
+sequence at the defaults (``benchmarks/results/causal-cluster.md``): against the global index masked to
+the visible keys (not strictly causal), recall@64 within -0.04..+0.02 on the MiniLM stores' six heads,
+up to 1.3x its keys, in about its time.  The causal index assumes the earliest keys represent the rest:
 a stream that drifts far from its beginning routes worse.
 
 Threads: the per-cluster products run on ``n_threads`` worker threads with BLAS held to one thread each
@@ -68,7 +63,7 @@ single-threaded (FAISS's OpenMP pool is set to 1 thread for it and restored afte
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import numba
 import numpy as np
@@ -76,7 +71,6 @@ import numpy as np
 from ..index.causal import CausalClusterIndex
 from ..index.cluster import ASSIGN, ROUTE_BY, ClusterIndex, key_spans
 from ..index.routing import mass_routes
-from ..index.segments import SegmentedClusterIndex
 from ..inputs import positions
 from ..kernels import cluster as ck
 from ..pattern import SparsePattern
@@ -179,8 +173,7 @@ class ClusterSelector(Selector):
         them exactly instead of through its routed clusters.  Costs at most as much as routing those rows.
         (Strictly causal rows that see at most the causal index's training keys are always exact.)
     strict_causal : bool, default True
-        Causal queries only.  True: the causal index (block attention) or the segments (top-k mode)
-        described under "Causal" below (a row depends only on keys and values at or before it).  False:
+        Causal queries only.  True: the causal index described under "Causal" below (a row depends only on keys and values at or before it).  False:
         routing over the one index of all keys, masked to each query's visible keys: k-means, centring and
         routing vectors see later keys, so which past keys a row reads depends on them: not for training
         or evaluating causal models.
@@ -240,9 +233,7 @@ class ClusterSelector(Selector):
         every attribute above except ``last_refined_pairs_`` and ``last_keys_read_`` is read from it
         (``kmeans_centroids_``, ``coarse_centroids_``, ``parent_``, ``keys_perm_`` too).
     causal_index(key_positions) : CausalClusterIndex
-        The strictly causal index of causal attention (see "Causal" above).
-    segments(key_positions) : SegmentedClusterIndex
-        The strictly causal index of causal top-k queries (see "Causal" above).
+        The strictly causal index of causal queries (see "Causal" above).
 
     Examples
     --------
@@ -257,17 +248,13 @@ class ClusterSelector(Selector):
 
     name = "cluster"
     metric = "inner_product"
-    #: Smallest causal segment of top-k mode (and bound of its exact tail); None: about an average query's
-    #: routed keys (see :class:`~sparseattn.index.segments.SegmentedClusterIndex`).
-    causal_block: ClassVar[int | None] = None
     requires = ("faiss", "install faiss-cpu")
     guarantee = ("k-means clusters of the (centred) keys, each query routed to its n_probe clusters of "
                  "largest q.c. mode=topk: exact top-k by inner product among the routed clusters' keys. "
                  "mode=block: attend() is exact softmax attention restricted to all keys of the routed "
                  "clusters (query() returns that key set). n_probe = n_clusters is exact full attention. "
-                 "Causal: strictly causal (attention: one index whose codebook is trained on the earliest "
-                 "max(n_probe*S/C, 16C) keys, a query seeing at most that many attends to all of them; "
-                 "mode=topk: exact tail + dyadic position segments, each clustered on its own keys; "
+                 "Causal: strictly causal (one index whose codebook is trained on the earliest "
+                 "max(n_probe*S/C, 16C) keys, a query seeing at most that many reads all of them exactly; "
                  "strict_causal=False: one global index, masked, not strict, a query seeing at most n_probe*S/C "
                  "keys attends to all of them with exact_prefix); "
                  "no key -> zeros and lse = -inf. estimate != 0 adds an estimate of "
@@ -290,9 +277,8 @@ class ClusterSelector(Selector):
                            when="query"),
         "exact_prefix": Param(bool, True, "causal, mode=block, strict_causal=False: a query that can see at "
                               "most n_probe*S/C keys attends to all of them exactly", when="query"),
-        "strict_causal": Param(bool, True, "causal: strictly causal (attention: one index whose codebook is "
-                               "trained on the earliest keys; mode=topk: position segments, each clustered on "
-                               "its own keys); False: one index over all keys masked to the visible ones "
+        "strict_causal": Param(bool, True, "causal: strictly causal (one index whose codebook is trained on "
+                               "the earliest keys); False: one index over all keys masked to the visible ones "
                                "(the keys a row reads depend on later keys)", when="query"),
         "split": Param(float, 0.0, "split clusters larger than split * S / n_clusters (0 = never; "
                        "a speed/recall trade)", non_negative),
@@ -349,7 +335,6 @@ class ClusterSelector(Selector):
     def _build(self, keys: np.ndarray) -> None:
         self._make_index().sizes(keys.shape[0])  # size errors now; the k-means when first needed
         self._index: ClusterIndex | None = None
-        self._segmented: SegmentedClusterIndex | None = None
         self._causal: CausalClusterIndex | None = None
         self.last_refined_pairs_ = 0
         self.last_keys_read_ = np.zeros(0, dtype=np.int64)
@@ -357,7 +342,7 @@ class ClusterSelector(Selector):
     @property
     def index_(self) -> ClusterIndex:
         """The ClusterIndex over all keys, built on first use (non-causal queries, the attributes above):
-        strictly causal queries use :meth:`segments` instead and never need it."""
+        strictly causal queries use :meth:`causal_index` instead and never need it."""
         self._require_built("index_")
         index = self._index
         if index is None:
@@ -381,22 +366,6 @@ class ClusterSelector(Selector):
                 self.keys_, kpos)
         return index
 
-    def segments(self, key_positions: object = None) -> SegmentedClusterIndex:
-        """The causal index: the keys in position order in dyadic segments, each clustered on its own
-        keys (:class:`~sparseattn.index.segments.SegmentedClusterIndex`, segments built when first
-        used and kept while the key positions stay the same).
-
-        key_positions : int array (S,), optional; default ``arange(S)``.
-        """
-        self._require_built("segments")
-        kpos = positions(key_positions, self.keys_.shape[0], "key_positions")
-        seg = self._segmented
-        if seg is None or not seg.same_layout(self.keys_, kpos):
-            seg = SegmentedClusterIndex(block=self.causal_block,
-                                        **{p: self._params[p] for p in _INDEX_PARAMS}).build(self.keys_, kpos)
-            self._segmented = seg
-        return seg
-
     def route(self, queries: np.ndarray, *, check_finite: bool = True) -> np.ndarray:
         """The clusters each query is routed to.
 
@@ -419,11 +388,11 @@ class ClusterSelector(Selector):
         n = self.n_threads
         prm = self._params
         strict = is_causal and prm["strict_causal"]
-        if strict and prm["mode"] != "block":
-            q = np.ascontiguousarray(q, dtype=self.keys_.dtype)
-            return self.segments(kpos).search(q, min(k, self.keys_.shape[0]), qpos, n)
-        # strictly causal block mode: the causal index, whose small rows are always exact
+        # strictly causal: the causal index, whose small rows are always exact
         index = self.causal_index(kpos) if strict else self.index_
+        if strict and prm["mode"] != "block":
+            return _causal_topk(index, np.ascontiguousarray(q, dtype=self.keys_.dtype), min(k, self.keys_.shape[0]),
+                                qpos, kpos, n)
         exact_prefix = True if strict else prm["exact_prefix"]
         with worker_threads(n):
             if prm["mode"] == "block" and prm["top_p"] is not None:
@@ -455,7 +424,7 @@ class ClusterSelector(Selector):
         Works in either mode (``mode`` only changes what :meth:`query` returns and ``attends``).  Computed
         by :func:`sparseattn.attention.cluster.cluster_attention`:
         :func:`sparseattn.attention.routed.routed_attention` over ``index_`` (strictly causal queries:
-        :func:`~sparseattn.attention.segmented.segmented_attention` over :meth:`segments`) with this selector's
+        :meth:`causal_index`) with this selector's
         ``exact_prefix`` and ``n_threads``: the parameters, results (``output`` (L, Ev), ``lse`` (L,)) and
         errors are those documented there; ``last_refined_pairs_`` records its ``refined_pairs`` and
         ``last_keys_read_`` its per-query ``keys_read``.  ``estimate``, ``top_p``, ``min_keys`` and
@@ -469,3 +438,29 @@ class ClusterSelector(Selector):
         self.last_refined_pairs_ = stats.get("refined_pairs", 0)
         self.last_keys_read_ = stats["keys_read"]
         return out
+
+
+def _causal_topk(index: CausalClusterIndex, q: np.ndarray, k: int, qpos: np.ndarray, kpos: np.ndarray,
+                 n_threads: int) -> SparsePattern:
+    """Strictly causal top-k through the causal index: a row that sees more than ``index.prefix_budget()``
+    keys takes the exact top-k among the visible keys of its routed clusters; a shorter one (which may not
+    see every key the codebook was trained on) the exact top-k among all of its visible keys."""
+    from ..kernels.topk import rerank_topk
+
+    S = index.keys_.shape[0]
+    with worker_threads(n_threads):
+        route = index.route_rows(q, n_threads, key_spans(index, kpos)[1], qpos)[0]
+        padded = index.search_routed(q, route, k, True, qpos, kpos, n_threads).to_padded(k)
+        order = np.argsort(kpos, kind="stable")
+        visible = np.searchsorted(kpos[order], qpos, side="right")
+        small = np.flatnonzero(visible <= index.prefix_budget())
+        for a in range(0, small.size, 512):  # (rows x T) candidate blocks stay small
+            rows = small[a:a + 512]
+            width = int(visible[rows].max(initial=0))
+            if width == 0:
+                padded[rows] = -1
+                continue
+            within = np.arange(width)
+            cand = np.where(within[None, :] < visible[rows][:, None], order[within][None, :], -1)
+            padded[rows] = rerank_topk(q[rows], index.keys_, cand, k, True)[1]
+    return SparsePattern.from_padded(padded, S)
