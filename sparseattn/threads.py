@@ -70,7 +70,7 @@ def single_threaded_blas() -> Iterator[None]:
 def _release_openblas_control() -> None:
     """Let this Python thread set OpenBLAS's (process-wide) thread count.
 
-    threadpoolctl >= 3.7 lets only one Python thread, the first to set a limit, change an OpenBLAS pool
+    threadpoolctl (3.8 here) lets only one Python thread, the first to set a limit, change an OpenBLAS pool
     without an OpenMP layer; a limit set from any other thread is silently ignored, and the controlling
     thread is released only by its ``with`` blocks.  The limits here are set and restored outside a
     ``with`` (reference-counted across threads, under ``_blas_lock``), so without this the first thread

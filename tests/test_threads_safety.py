@@ -423,7 +423,7 @@ def test_one_selector_object_from_four_threads_with_their_own_kv(spec, built):
 
 @pytest.mark.parametrize("enter", ["worker_threads", "threads"])
 def test_blas_is_pinned_from_any_python_thread(enter):
-    # threadpoolctl >= 3.7 ignores an OpenBLAS limit set from any Python thread but the first to set one
+    # threadpoolctl (3.8) ignores an OpenBLAS limit set from any Python thread but the first to set one
     # (until that thread leaves a ``with`` block); the limits here must hold from every thread all the same
     def ctx():
         return _threads_module.worker_threads(2) if enter == "worker_threads" else sa.threads(1)

@@ -23,9 +23,9 @@ Why this and not one index per aligned position segment (the former design, see 
 cluster few keys each into few, broad clusters, need one k-means per segment and level, and split each
 query's probes among its segments.  Measured side by side at S = 65,536 (d = 64, C = 256, 8 probes): on
 clustered synthetic keys recall@64 0.93 at 1,032 keys per query in 0.44 s against 0.82 at 2,158 in
-1.10 s; on the MiniLM store (2,048 queries) 0.84 / 0.63 against 0.76 / 0.58 on its two heads, with 40 %
-fewer keys in a quarter of the time.  It assumes the earliest keys are representative of the rest (the codebook never
-changes); a stream whose keys drift far from its beginning routes worse.
+1.10 s; on the MiniLM store (2,048 queries) 0.84 / 0.63 against 0.76 / 0.58 on its two heads, with 34-41 %
+fewer keys in a fifth to a quarter of the time.  It assumes the earliest keys are representative of the
+rest (the codebook never changes); a stream whose keys drift far from its beginning routes worse.
 """
 
 from __future__ import annotations

@@ -173,10 +173,10 @@ class ClusterSelector(Selector):
         them exactly instead of through its routed clusters.  Costs at most as much as routing those rows.
         (Strictly causal rows that see at most the causal index's training keys are always exact.)
     strict_causal : bool, default True
-        Causal queries only.  True: the causal index described under "Causal" below (a row depends only on keys and values at or before it).  False:
-        routing over the one index of all keys, masked to each query's visible keys: k-means, centring and
-        routing vectors see later keys, so which past keys a row reads depends on them: not for training
-        or evaluating causal models.
+        Causal queries only.  True: the causal index described under "Causal" below (a row depends only
+        on keys and values at or before it).  False: routing over the one index of all keys, masked to
+        each query's visible keys: k-means, centring and routing vectors see later keys, so which past
+        keys a row reads depends on them: not for training or evaluating causal models.
     split : float, default 0 (off)
         When > 0, every cluster holding more than ``split * S / n_clusters`` keys after assignment is
         split by a k-means of its members into ``ceil(size / (S / n_clusters))`` parts, each member
