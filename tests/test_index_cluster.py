@@ -106,3 +106,16 @@ def test_labels_equal_build_assignment(S: int, E: int, C: int) -> None:
         ClusterIndex(split=2.0).labels(x)
     with pytest.raises(ValueError, match="keys must be"):
         ClusterIndex().labels(x[0])
+
+
+def test_causal_index_labels_are_its_build_assignment():
+    from sparseattn.index import CausalClusterIndex
+
+    rng = np.random.default_rng(3)
+    keys = rng.standard_normal((3000, 8)).astype(np.float32)
+    kpos = rng.permutation(3000)
+    index = CausalClusterIndex(n_clusters=6, n_probe=2).build(keys, kpos)
+    np.testing.assert_array_equal(CausalClusterIndex(n_clusters=6, n_probe=2).labels(keys, kpos), index.assignment_)
+    # trained on the first max(n_probe S / C, 16 C) = 1,000 keys by position, whatever the storage order
+    np.testing.assert_array_equal(np.sort(index.train_ids_), np.sort(np.argsort(kpos, kind="stable")[:1000]))
+    assert index.prefix_budget() == 1000

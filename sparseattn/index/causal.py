@@ -105,6 +105,11 @@ class CausalClusterIndex(ClusterIndex):
         self.keys_ = keys
         return self
 
+    def labels(self, keys: np.ndarray, key_positions: object = None) -> np.ndarray:
+        """Cluster of each key, as :meth:`build` with these arguments would assign it ((S,) int64 in
+        ``[0, C)``), without changing this index (ClusterIndex's ``labels`` would train on every key)."""
+        return CausalClusterIndex(**self.get_params()).build(keys, key_positions).assignment_.astype(np.int64)
+
     def prefix_budget(self) -> int:
         """Visible keys up to which a causal query is served exactly: the training keys T (a query that
         sees no more than T keys may not see every key the codebook was trained on)."""
