@@ -119,3 +119,25 @@ def test_causal_index_labels_are_its_build_assignment():
     # trained on the first max(n_probe S / C, 16 C) = 1,000 keys by position, whatever the storage order
     np.testing.assert_array_equal(np.sort(index.train_ids_), np.sort(np.argsort(kpos, kind="stable")[:1000]))
     assert index.prefix_budget() == 1000
+
+
+@pytest.mark.parametrize("cls", ["ClusterIndex", "CausalClusterIndex"])
+@pytest.mark.parametrize("case", ["E=0", "S=0", "nan", "inf", "int", "n_clusters>S"])
+def test_index_build_refuses_bad_keys_with_a_clear_error(cls, case):
+    # never FAISS's C++ error, and never the SIGFPE E = 0 used to end the process with
+    import sparseattn.index as ix
+
+    keys = np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)
+    params = {}
+    if case == "E=0":
+        keys = np.zeros((64, 0), np.float32)
+    elif case == "S=0":
+        keys = np.zeros((0, 4), np.float32)
+    elif case in ("nan", "inf"):
+        keys[5, 1] = np.nan if case == "nan" else np.inf
+    elif case == "int":
+        keys = np.zeros((64, 4), np.int64)
+    else:
+        params = {"n_clusters": 65}
+    with pytest.raises(ValueError, match="keys|n_clusters"):
+        getattr(ix, cls)(**params).build(keys)

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..inputs import positions
 from ..threads import worker_threads
-from .cluster import ClusterIndex, cluster_order
+from .cluster import ClusterIndex, checked_keys, cluster_order
 from .kmeans import assign_keys
 
 __all__ = ["CausalClusterIndex"]
@@ -70,11 +70,7 @@ class CausalClusterIndex(ClusterIndex):
         key_positions : int array (S,), optional
             Default ``arange(S)``; ties keep the keys' order.
         """
-        keys = np.asarray(keys)
-        if keys.ndim != 2 or keys.dtype not in (np.float32, np.float64) or keys.shape[0] < 1:
-            raise ValueError(f"keys must be a 2-D float32 or float64 array (S >= 1, E); got {keys.dtype} "
-                             f"{keys.shape}.")
-        keys = np.ascontiguousarray(keys)
+        keys = checked_keys(keys)
         S, E = keys.shape
         kpos = positions(key_positions, S, "key_positions")
         C, p, n_train = self.sizes(S)

@@ -57,7 +57,7 @@ from ..threads import run_jobs, worker_threads
 from .kmeans import BLOCK_BUDGET as _BLOCK_BUDGET
 from .kmeans import assign_keys, cov_factors, row_chunks, split_large, train_kmeans
 
-__all__ = ["ClusterIndex"]
+__all__ = ["ClusterIndex", "checked_keys"]
 
 ASSIGN = ("ip", "l2")
 ROUTE_BY = ("mean", "centroid")
@@ -236,6 +236,9 @@ class ClusterIndex:
         C = self.n_clusters
         if C is None:
             C = int(min(max(round(float(np.sqrt(S))), 1), S))
+        elif C > S:
+            raise ValueError(f"cluster: n_clusters={C} exceeds the S={S} keys; pass n_clusters <= {S} (default "
+                             f"round(sqrt(S))).")
         p = self.n_probe
         if p is None:
             p = min(8, C)
@@ -257,11 +260,7 @@ class ClusterIndex:
         ----------
         keys : (S, E) float32 or float64 array, S >= 1 (C-contiguous; not copied, kept as ``keys_``)
         """
-        keys = np.asarray(keys)
-        if keys.ndim != 2 or keys.dtype not in (np.float32, np.float64):
-            raise ValueError(f"keys must be a 2-D float32 or float64 array (S, E); got {keys.dtype} "
-                             f"{keys.shape}.")
-        keys = np.ascontiguousarray(keys)
+        keys = checked_keys(keys)
         S, E = keys.shape
         C, p, n_train = self.sizes(S)
         self.n_clusters_, self.n_probe_ = C, p
@@ -306,10 +305,7 @@ class ClusterIndex:
         """
         if self.split > 0:
             raise ValueError("labels() is the k-means assignment only; with split > 0 use build(keys).assignment_.")
-        keys = np.asarray(keys)
-        if keys.ndim != 2 or keys.dtype not in (np.float32, np.float64) or keys.shape[0] < 1:
-            raise ValueError(f"keys must be a 2-D float32 or float64 array (S >= 1, E); got {keys.dtype} "
-                             f"{keys.shape}.")
+        keys = checked_keys(keys)
         S = keys.shape[0]
         C, _, n_train = self.sizes(S)
         centred = keys - keys.mean(axis=0, dtype=np.float64).astype(keys.dtype) if self.center else keys
@@ -509,6 +505,16 @@ class ClusterIndex:
         indptr, indices = routed_topk(q, route, Kp, self.perm_, self.cluster_ptr_, k, is_causal, qpos, kpos,
                                       n_threads)
         return SparsePattern(indptr, indices, self.keys_.shape[0], validate=False)
+
+
+def checked_keys(keys: object) -> np.ndarray:
+    """``keys`` as a C-contiguous (S, E) float32 or float64 array with S >= 1 and E >= 1 (ValueError
+    otherwise: FAISS's k-means divides by E, and a zero there ended the process with SIGFPE)."""
+    keys = np.asarray(keys)
+    if keys.ndim != 2 or keys.dtype not in (np.float32, np.float64) or keys.shape[0] < 1 or keys.shape[1] < 1:
+        raise ValueError(f"keys must be a 2-D float32 or float64 array (S >= 1, E >= 1); got {keys.dtype} "
+                         f"{keys.shape}.")
+    return np.ascontiguousarray(keys)
 
 
 def cluster_order(centred: np.ndarray, assignment: np.ndarray, centroids: np.ndarray, by_mean: bool

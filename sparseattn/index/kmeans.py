@@ -37,7 +37,11 @@ def train_kmeans(centred: np.ndarray, C: int, n_train: int, *, seed: int, n_iter
     # FAISS trains in float32: keys of very small (or large) magnitude are scaled by a power of two to an
     # RMS norm near 1 first (their squared norms underflowed to 0 at 1e-30, and spherical centroids
     # became NaN), and Lloyd centroids scaled back (spherical ones are unit vectors either way).
-    rms = float(np.sqrt(np.mean(np.einsum("ij,ij->i", sample, sample, dtype=np.float64)))) if sample.size else 0.0
+    sq = np.einsum("ij,ij->i", sample, sample, dtype=np.float64)
+    if not np.isfinite(sq).all():  # FAISS would raise from inside its C++ (or train on garbage)
+        raise ValueError("keys must be finite to be clustered; NaN or Inf found (or squared norms beyond float64: "
+                         "rescale the keys). Check the keys before building the index.")
+    rms = float(np.sqrt(np.mean(sq))) if sample.size else 0.0
     scale = 2.0 ** round(np.log2(rms)) if rms > 0 and np.isfinite(rms) else 1.0
     sample = np.ascontiguousarray(sample / scale, dtype=np.float32)
     if C == 1:
