@@ -36,7 +36,7 @@ import numpy as np
 
 from ..inputs import positions
 from ..threads import worker_threads
-from .cluster import ClusterIndex, checked_keys, cluster_order
+from .cluster import ClusterIndex, checked_keys
 from .kmeans import assign_keys
 
 __all__ = ["CausalClusterIndex"]
@@ -89,16 +89,10 @@ class CausalClusterIndex(ClusterIndex):
         self.key_positions_ = kpos
         self.train_ids_ = train_ids
         self.mean_ = np.zeros(E, dtype=keys.dtype)
-        self.assignment_ = assignment
         self.coarse_centroids_ = self.kmeans_centroids_ = cent
         self.parent_ = np.arange(C, dtype=np.int64)
         with worker_threads(n):
-            self.perm_, self.cluster_ptr_, kp, self.centroids_, self.radius_ = cluster_order(
-                keys, assignment, route_vec.astype(keys.dtype), False)
-            self._init_stats(kp)
-        self.keys_perm_ = kp
-        self._keys_cast = {kp.dtype: kp}
-        self.keys_ = keys
+            self._store(keys, keys, assignment, route_vec.astype(keys.dtype), False)
         return self
 
     def labels(self, keys: np.ndarray, key_positions: object = None) -> np.ndarray:

@@ -281,15 +281,22 @@ class ClusterIndex:
                 # n_probe = n_clusters keeps its meaning (every cluster: exact attention).
                 self.n_probe_ = self.centroids_.shape[0] if p == C else p
                 self.n_clusters_ = C = self.centroids_.shape[0]
-            self.assignment_ = assignment
             self.kmeans_centroids_ = self.centroids_
-            self.perm_, self.cluster_ptr_, kp, self.centroids_, self.radius_ = cluster_order(
-                centred, assignment, self.centroids_, self.route_by == "mean")
-            self._init_stats(kp)
+            self._store(keys, centred, assignment, self.centroids_, self.route_by == "mean")
+        return self
+
+    def _store(self, keys: np.ndarray, stored: np.ndarray, assignment: np.ndarray, vectors: np.ndarray,
+               by_mean: bool) -> None:
+        """Keep ``keys`` (S, E) as given and ``stored`` (S, E) (the keys as scored: centred, or raw) in the
+        cluster order of ``assignment`` (S,) int32, with routing vectors (member means when ``by_mean``,
+        else ``vectors`` (C, E)), radii and estimation statistics.  Call inside ``worker_threads``."""
+        self.assignment_ = assignment
+        self.perm_, self.cluster_ptr_, kp, self.centroids_, self.radius_ = cluster_order(
+            stored, assignment, vectors, by_mean)
+        self._init_stats(kp)
         self.keys_perm_ = kp
         self._keys_cast: dict[np.dtype, np.ndarray] = {kp.dtype: kp}
         self.keys_ = keys
-        return self
 
     def labels(self, keys: np.ndarray) -> np.ndarray:
         """Cluster of each key from the k-means alone, without building the index (no reordered keys,
