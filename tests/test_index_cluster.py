@@ -108,17 +108,50 @@ def test_labels_equal_build_assignment(S: int, E: int, C: int) -> None:
         ClusterIndex().labels(x[0])
 
 
-def test_causal_index_labels_are_its_build_assignment():
+def test_causal_index_labels_are_its_last_band_assignment():
     from sparseattn.index import CausalClusterIndex
 
     rng = np.random.default_rng(3)
     keys = rng.standard_normal((3000, 8)).astype(np.float32)
     kpos = rng.permutation(3000)
     index = CausalClusterIndex(n_clusters=6, n_probe=2).build(keys, kpos)
-    np.testing.assert_array_equal(CausalClusterIndex(n_clusters=6, n_probe=2).labels(keys, kpos), index.assignment_)
-    # trained on the first max(n_probe S / C, 16 C) = 1,000 keys by position, whatever the storage order
-    np.testing.assert_array_equal(np.sort(index.train_ids_), np.sort(np.argsort(kpos, kind="stable")[:1000]))
-    assert index.prefix_budget() == 1000
+    # exact up to max(n_probe S / C, 16 C) = 1,000 keys; one band (1000, 3000] over every key by position,
+    # trained on the first 1,000 of them, whatever the storage order
+    order = np.argsort(kpos, kind="stable")
+    assert index.prefix_budget() == 1000 and [(b.lo, b.hi) for b in index.bands_] == [(1000, 3000)]
+    band = index.bands_[0]
+    np.testing.assert_array_equal(band.ids, order)
+    np.testing.assert_array_equal(band.index.keys_, keys[order])
+    expected = np.empty(3000, dtype=np.int64)
+    expected[order] = band.index.assignment_
+    np.testing.assert_array_equal(CausalClusterIndex(n_clusters=6, n_probe=2).labels(keys, kpos), expected)
+    # S <= T (every cluster probed: T = S): no band, every query exact, no label
+    assert CausalClusterIndex(n_clusters=6, n_probe=6).build(keys[:900]).bands_ == []
+    np.testing.assert_array_equal(CausalClusterIndex(n_clusters=6, n_probe=6).labels(keys[:900]), -1)
+
+
+def test_causal_index_bands_grow_by_four():
+    from sparseattn.index import CausalClusterIndex
+
+    keys = np.random.default_rng(4).standard_normal((9000, 4)).astype(np.float32)
+    index = CausalClusterIndex(n_clusters=8, n_probe=1).build(keys)
+    # T = max(ceil(9000 / 8), 128) = 1,125; (1125, 4500], then 4 * 4500 >= 9000: the last band to S
+    assert index.prefix_budget() == 1125
+    assert [(b.lo, b.hi) for b in index.bands_] == [(1125, 4500), (4500, 9000)]
+    for b in index.bands_:
+        assert b.leading and b.index.prefix_budget() == b.lo and b.index.keys_.shape[0] == b.hi
+        assert b.index.keys_.base is keys or b.index.keys_ is keys  # a view: keys already in position order
+    # T = 16 C = 128: 700 keys -> (128, 512], (512, 700]; at 600 the remainder 88 < 128 joins: (128, 600]
+    assert [(b.lo, b.hi) for b in CausalClusterIndex(n_clusters=8, n_probe=1).build(keys[:700]).bands_] == [
+        (128, 512), (512, 700)]
+    assert [(b.lo, b.hi) for b in CausalClusterIndex(n_clusters=8, n_probe=1).build(keys[:600]).bands_] == [
+        (128, 600)]
+    # 5,000 keys: T = 625, (625, 2500], then 4 * 2500 >= 5000: (2500, 5000]
+    index = CausalClusterIndex(n_clusters=8, n_probe=1).build(keys[:5000])
+    assert [(b.lo, b.hi) for b in index.bands_] == [(625, 2500), (2500, 5000)]
+    index = CausalClusterIndex(n_clusters=8, n_probe=1).build(keys[:3300])
+    # T = 413, 4 T = 1652, 3300 - 1652 = 1648 >= 413: (413, 1652], then 4 * 1652 >= 3300: (1652, 3300]
+    assert [(b.lo, b.hi) for b in index.bands_] == [(413, 1652), (1652, 3300)]
 
 
 @pytest.mark.parametrize("cls", ["ClusterIndex", "CausalClusterIndex"])

@@ -123,14 +123,26 @@ def causal_mask(L, S, qpos=None, kpos=None):
     return kpos[None, :] <= qpos[:, None]
 
 
+def causal_bands(S: int, T: int) -> list[tuple[int, int]]:
+    """The bands (lo, hi] of visible-key counts a causal index of S keys with exact prefix T routes:
+    (T, 4T], (4T, 16T], ..., the last one to S (absorbing a remainder shorter than its lo)."""
+    out, lo = [], T
+    while lo < S:
+        hi = S if 4 * lo >= S or S - 4 * lo < lo else 4 * lo
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
 def causal_oracle_mask(sel: ClusterSelector, q: np.ndarray, k: np.ndarray, qpos=None, kpos=None) -> np.ndarray:
     """(L, S) bool: the keys strictly causal block attention reads, recomputed with numpy.
 
-    The causal index's codebook must come from the first T = ``prefix_budget()`` keys by position (its
-    training keys), every key's cluster must be its codeword of largest ``(k - mu) . c`` (mu: the training
-    keys' mean; float64, up to rounding at near ties), each routing vector the mean of its codeword's
-    training keys.  A row seeing c <= T keys reads all of them; a longer one the visible keys of its
-    n_probe clusters of largest ``q . r`` among those holding a key at or before it (checked against
+    A row seeing c <= T = ``prefix_budget()`` keys reads all of them.  A row seeing c in a band (lo, hi]
+    (:func:`causal_bands`) routes through that band's index, over the first hi keys by position: its
+    codebook must come from the band's first lo keys (the training keys), every band key's cluster must be
+    its codeword of largest ``(k - mu) . c`` (mu: the training keys' mean; float64, up to rounding at near
+    ties), each routing vector the mean of its codeword's training keys; the row reads the visible keys of
+    its n_probe clusters of largest ``q . r`` among those holding a key at or before it (checked against
     float64 scores, up to float32 rounding).
     """
     L, S = q.shape[0], k.shape[0]
@@ -139,38 +151,52 @@ def causal_oracle_mask(sel: ClusterSelector, q: np.ndarray, k: np.ndarray, qpos=
     index = sel.causal_index(kpos)
     T, C, p = index.prefix_budget(), index.n_clusters_, index.n_probe_
     assert T == min(S, max(int(np.ceil(p * S / C)), 16 * C))
-    train = np.argsort(kpos, kind="stable")[:T]
-    np.testing.assert_array_equal(index.train_ids_, train)
-    mu = k[train].astype(np.float64).mean(axis=0)
-    cent = index.kmeans_centroids_.astype(np.float64)
-    sc = (k.astype(np.float64) - mu) @ cent.T
-    got = sc[np.arange(S), index.assignment_]
-    assert np.all(got >= sc.max(axis=1) - 1e-5 * (1 + np.abs(sc).max(axis=1)))
-    assert np.mean(index.assignment_ == sc.argmax(axis=1)) > 0.99
-    for c in range(C):
-        members = train[index.assignment_[train] == c]
-        if members.size:
-            np.testing.assert_allclose(index.centroids_[c], k[members].astype(np.float64).mean(axis=0),
-                                       rtol=1e-5, atol=1e-5)
+    order = np.argsort(kpos, kind="stable")
+    assert [(b.lo, b.hi) for b in index.bands_] == causal_bands(S, T)
     visible = kpos[None, :] <= qpos[:, None]
-    scores = q.astype(np.float64) @ index.centroids_.astype(np.float64).T
-    kmin = np.full(C, np.iinfo(np.int64).max)
-    np.minimum.at(kmin, index.assignment_, kpos)
-    seen = kmin[None, :] <= qpos[:, None]
-    with worker_threads(1):
-        route = index.route_rows(np.ascontiguousarray(q, dtype=index.keys_.dtype), 1,
-                                 key_spans(index, kpos.astype(np.int64))[1], qpos.astype(np.int64))[0]
-    routed = np.zeros((L, C), dtype=bool)
-    np.put_along_axis(routed, route.astype(np.int64), True, axis=1)
-    full = seen.sum(axis=1) >= p
-    assert (routed[full] <= seen[full]).all() and (seen[~full] <= routed[~full]).all()
-    if p < C:
-        worst_chosen = np.where(routed & seen, scores, np.inf).min(axis=1)
-        best_other = np.where(routed | ~seen, -np.inf, scores).max(axis=1)
-        tol = 1e-5 * (1 + np.abs(scores).max(axis=1))
-        np.testing.assert_array_less((best_other - tol)[full], worst_chosen[full])
-    mask = routed[:, index.assignment_] & visible
-    small = visible.sum(axis=1) <= T
+    n_vis = visible.sum(axis=1)
+    mask = np.zeros((L, S), dtype=bool)
+    for band in index.bands_:
+        ids = order[:band.hi]
+        np.testing.assert_array_equal(band.ids, ids)
+        part = band.index
+        assert (part.n_clusters_, part.n_probe_, part.prefix_budget()) == (C, p, band.lo)
+        kb, kp = k[ids], kpos[ids]
+        mu = kb[:band.lo].astype(np.float64).mean(axis=0)
+        cent = part.kmeans_centroids_.astype(np.float64)
+        sc = (kb.astype(np.float64) - mu) @ cent.T
+        got = sc[np.arange(band.hi), part.assignment_]
+        assert np.all(got >= sc.max(axis=1) - 1e-5 * (1 + np.abs(sc).max(axis=1)))
+        assert np.mean(part.assignment_ == sc.argmax(axis=1)) > 0.99
+        for c in range(C):
+            members = np.flatnonzero(part.assignment_[:band.lo] == c)
+            if members.size:
+                np.testing.assert_allclose(part.centroids_[c], kb[members].astype(np.float64).mean(axis=0),
+                                           rtol=1e-5, atol=1e-5)
+        rows = np.flatnonzero((n_vis > band.lo) & (n_vis <= band.hi))
+        if rows.size == 0:
+            continue
+        qr = q[rows]
+        scores = qr.astype(np.float64) @ part.centroids_.astype(np.float64).T
+        kmin = np.full(C, np.iinfo(np.int64).max)
+        np.minimum.at(kmin, part.assignment_, kp)
+        seen = kmin[None, :] <= qpos[rows][:, None]
+        with worker_threads(1):
+            route = part.route_rows(np.ascontiguousarray(qr, dtype=part.keys_.dtype), 1,
+                                    key_spans(part, kp.astype(np.int64))[1], qpos[rows].astype(np.int64))[0]
+        routed = np.zeros((rows.size, C), dtype=bool)
+        np.put_along_axis(routed, route.astype(np.int64), True, axis=1)
+        full = seen.sum(axis=1) >= p
+        assert (routed[full] <= seen[full]).all() and (seen[~full] <= routed[~full]).all()
+        if p < C:
+            worst_chosen = np.where(routed & seen, scores, np.inf).min(axis=1)
+            best_other = np.where(routed | ~seen, -np.inf, scores).max(axis=1)
+            tol = 1e-5 * (1 + np.abs(scores).max(axis=1))
+            np.testing.assert_array_less((best_other - tol)[full], worst_chosen[full])
+        band_mask = np.zeros((rows.size, S), dtype=bool)
+        band_mask[:, ids] = routed[:, part.assignment_]
+        mask[rows] = band_mask & visible[rows]
+    small = n_vis <= T
     mask[small] = visible[small]
     return mask
 
@@ -280,6 +306,95 @@ def test_property_block_causal_equals_masked_oracle(S, L, C, p, sorted_keys, pre
     finite = np.isfinite(ref_lse)
     np.testing.assert_array_equal(np.isfinite(lse), finite)
     np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_block_causal_routes_each_row_through_its_band(rng, shuffled):
+    # Three bands: T = max(8000 / 24, 16 * 24) = 384, (384, 1536], (1536, 6144], (6144, 8000]; keys stored in
+    # position order (bands are views of the keys) or shuffled (bands gather them).  Rows at random
+    # positions, some before every key; attend(), query() in block and top-k mode, all against the oracle.
+    S, L = 8000, 600
+    q, k, v = clustered(rng, S, L)
+    kpos = rng.permutation(S) if shuffled else np.arange(S)
+    qpos = np.concatenate([[-1, 0, 383, 384, 1536, 1537, 6144, 6145, S - 1], rng.integers(0, S, L - 9)])
+    sel = ClusterSelector(n_clusters=24, n_probe=1, mode="block").build(k)
+    index = sel.causal_index(kpos)
+    assert [(b.lo, b.hi) for b in index.bands_] == [(384, 1536), (1536, 6144), (6144, 8000)]
+    assert all(b.leading for b in index.bands_) == (not shuffled)
+    mask = causal_oracle_mask(sel, q, k, qpos, kpos)
+    visible = kpos[None, :] <= qpos[:, None]
+    n_vis = visible.sum(axis=1)
+    assert {int(np.searchsorted([384, 1536, 6144], c)) for c in n_vis[n_vis > 384]} == {1, 2, 3}  # every band
+    out, lse = sel.attend(q, v, is_causal=True, query_positions=qpos, key_positions=kpos)
+    ref, ref_lse = masked_attention(q, k, v, mask, 0.25)
+    np.testing.assert_allclose(out, ref, atol=2e-5)
+    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(ref_lse))
+    np.testing.assert_array_equal(sel.last_keys_read_, mask.sum(axis=1))
+    np.testing.assert_array_equal(sel.query(q, 8, is_causal=True, query_positions=qpos, key_positions=kpos
+                                            ).to_mask(), mask)
+    # top-k mode: the exact top-16 of the same candidates (a row with at most 16 visible keys: all of them)
+    topk = ClusterSelector(n_clusters=24, n_probe=1).build(k).query(q, 16, is_causal=True, query_positions=qpos,
+                                                                    key_positions=kpos)
+    cand = mask | (visible & (n_vis <= 16)[:, None])
+    s = np.where(cand, q.astype(np.float64) @ k.astype(np.float64).T, -np.inf)
+    np.testing.assert_array_equal(topk.nnz_per_row, np.minimum(cand.sum(axis=1), 16))
+    for i in range(L):
+        got = np.sort(s[i, topk.row(i)])[::-1]
+        np.testing.assert_allclose(got, np.sort(s[i])[::-1][:got.size], rtol=1e-5, atol=1e-4)
+    # strictly causal: the values and keys after each row's position change nothing beyond float32 rounding
+    # (the later keys move the radii, so the exp's shift, which cancels in the softmax)
+    k2, v2 = k.copy(), v.copy()
+    late = kpos > np.median(qpos)
+    k2[late] *= 50.0
+    v2[late] = 1e6
+    rows = qpos < np.median(qpos)
+    sel2 = ClusterSelector(n_clusters=24, n_probe=1, mode="block").build(k2)
+    out2, _ = sel2.attend(q, v2, is_causal=True, query_positions=qpos, key_positions=kpos)
+    np.testing.assert_allclose(out2[rows], out[rows], atol=1e-5)
+
+
+@pytest.mark.parametrize("budget", ["top_p", "estimate"])
+def test_band_rows_with_top_p_and_estimate_stay_causal(rng, budget):
+    # The mass-driven routes and the estimation zone run per band too: top_p attends exactly over the
+    # pattern query() returns; with the estimate, later keys and values change nothing (to rounding).
+    S, L = 8000, 400
+    q, k, v = clustered(rng, S, L)
+    kpos = rng.permutation(S)
+    qpos = rng.integers(0, S, L)
+    prm = {"top_p": 0.9} if budget == "top_p" else {"estimate": -1}
+    sel = ClusterSelector(n_clusters=24, n_probe=1, mode="block", **prm).build(k)
+    out, lse = sel.attend(q, v, is_causal=True, query_positions=qpos, key_positions=kpos)
+    assert len(sel.causal_index(kpos).bands_) == 3 and np.isfinite(out).all()
+    if budget == "top_p":
+        mask = sel.query(q, 8, is_causal=True, query_positions=qpos, key_positions=kpos).to_mask()
+        assert not (mask & ~(kpos[None, :] <= qpos[:, None])).any()
+        np.testing.assert_array_equal(sel.last_keys_read_, mask.sum(axis=1))
+        ref, _ = masked_attention(q, k, v, mask, 0.25)
+        np.testing.assert_allclose(out, ref, atol=2e-5)
+    k2, v2 = k.copy(), v.copy()
+    late = kpos > np.median(qpos)
+    k2[late] *= 50.0
+    v2[late] = 1e6
+    rows = qpos < np.median(qpos)
+    out2, _ = ClusterSelector(n_clusters=24, n_probe=1, mode="block", **prm).build(k2).attend(
+        q, v2, is_causal=True, query_positions=qpos, key_positions=kpos)
+    np.testing.assert_allclose(out2[rows], out[rows], atol=1e-5)
+
+
+def test_causal_index_refuses_non_causal_or_routed_short_rows(rng):
+    from sparseattn.attention.routed import routed_attention
+    from sparseattn.index import CausalClusterIndex
+
+    q, k, v = clustered(rng, 2000, 50)
+    index = CausalClusterIndex(n_clusters=8, n_probe=1).build(k)
+    with pytest.raises(ValueError, match="is_causal=True and exact_prefix=True"):
+        routed_attention(index, q, v)
+    with pytest.raises(ValueError, match="is_causal=True and exact_prefix=True"):
+        routed_attention(index, q, v, is_causal=True, exact_prefix=False)
+    with pytest.raises(RuntimeError, match="CausalClusterIndex is not built"):
+        routed_attention(CausalClusterIndex(), q, v, is_causal=True)
+    with pytest.raises(ValueError, match="keys must be finite"):
+        CausalClusterIndex().build(np.full((100, 4), np.nan, np.float32))
 
 
 def test_block_causal_with_cache_positions(rng):

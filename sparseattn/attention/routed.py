@@ -16,7 +16,9 @@ to floating-point rounding (tests: 1e-5 in float32, 1e-12 in float64).
 
 Causal masking keeps the routing pure: keys after the query are masked inside each cluster; a query whose
 routed clusters hold no allowed key gets zeros and ``lse = -inf``.  With ``exact_prefix`` a causal query
-that sees at most ``index.prefix_budget()`` keys attends to all of them exactly instead.
+that sees at most ``index.prefix_budget()`` keys attends to all of them exactly instead.  Through a
+:class:`~sparseattn.index.causal.CausalClusterIndex` each longer row routes through the index of its band
+(the one whose codebook it sees whole).
 
 Estimation (``estimate``) and the mass-driven budget (``top_p``): the clusters a query does not read
 can be estimated from per-cluster statistics (count, mean key, key spread: kept in the index; mean
@@ -55,6 +57,7 @@ import time
 
 import numpy as np
 
+from ..index.causal import CausalClusterIndex
 from ..index.cluster import ClusterIndex, cluster_jobs, key_spans
 from ..index.routing import RoutePlanner, check_budget, mass_routes, positions_in_clusters
 from ..inputs import (
@@ -113,7 +116,7 @@ def _buffers(n_buf: int, E: int, Ev: int, kptr: np.ndarray, n_threads: int, dtyp
     return bufs, scratch
 
 
-def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarray, *,
+def routed_attention(index: ClusterIndex | CausalClusterIndex, queries: np.ndarray, values: np.ndarray, *,
                      scale: float | None = None, is_causal: bool = False, query_positions: object = None,
                      key_positions: object = None, exact_prefix: bool = True, n_threads: int | None = None,
                      check_finite: bool = True, stats: dict | None = None, estimate: int = 0,
@@ -124,8 +127,10 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
 
     Parameters
     ----------
-    index : ClusterIndex
-        Built over the keys (S, E).
+    index : ClusterIndex or CausalClusterIndex
+        Built over the keys (S, E).  A :class:`~sparseattn.index.causal.CausalClusterIndex` (strictly
+        causal) takes causal queries with ``exact_prefix`` only; each longer row routes through the
+        index of its band.
     queries : float array, shape (L, E)
     values : float array, shape (S, Ev)
         One value row per key given to ``index.build``, in the original key order.
@@ -189,10 +194,13 @@ def routed_attention(index: ClusterIndex, queries: np.ndarray, values: np.ndarra
         (pass float64 or a smaller scale).
     """
     if not index.is_built:
-        raise RuntimeError("ClusterIndex is not built: call build(keys) first.")
+        raise RuntimeError(f"{type(index).__name__} is not built: call build(keys) first.")
     S, E = index.keys_.shape
     q_in, v_in = queries_values(queries, values, S, E, check_finite)
     is_causal = check_bool(is_causal, "is_causal")
+    if isinstance(index, CausalClusterIndex) and not (is_causal and check_bool(exact_prefix, "exact_prefix")):
+        raise ValueError("a CausalClusterIndex serves causal queries only, its short rows exactly: pass "
+                         "is_causal=True and exact_prefix=True (or route through a ClusterIndex).")
     sc = check_scale(scale, E)
     dtype = result_dtype(q_in, index.keys_, v_in)
     q = np.ascontiguousarray(q_in, dtype=dtype)
@@ -254,23 +262,23 @@ def _routed_rows(v_in, index, q, sc, is_causal, qpos, kpos, exact_prefix, n, bud
             order = np.argsort(kpos, kind="stable")  # keys in position order: one sort for both uses
             prefix = index.prefix_rows(qpos, kpos, kpos[order])
         if budget is None:
-            def attend_rows(qs, qp):
-                return _attend_routed(index, qs, v_in, sc, is_causal, qp, kpos, n, refined, want_keys)
+            def attend_rows(part, qs, qp, vp, kp):
+                return _attend_routed(part, qs, vp, sc, is_causal, qp, kp, n, refined, want_keys)
         else:
-            def attend_rows(qs, qp):
-                return _attend_estimated(index, qs, v_in, sc, is_causal, qp, kpos, n, refined, *budget,
+            def attend_rows(part, qs, qp, vp, kp):
+                return _attend_estimated(part, qs, vp, sc, is_causal, qp, kp, n, refined, *budget,
                                          est_cpu=est_cpu)
+        # The exact-prefix rows are computed exactly below: the routed pass skips them.
+        sub = np.delete(np.arange(L), prefix) if prefix.size else np.arange(L)
+        if isinstance(index, CausalClusterIndex):  # each longer row through the index of its band
+            parts = [(band.index, sub[r], band.take(v_in), band.take(kpos)) for band, r in index.band_rows(qpos[sub])]
+        else:
+            parts = [(index, sub, v_in, kpos)]
+        for part, rows, vp, kp in parts:
+            out[rows], lse[rows], keys_read[rows] = attend_rows(part, q[rows], qpos[rows], vp, kp)
         if prefix.size:
-            # The exact-prefix rows are computed exactly below: the routed pass skips them.
-            sub = np.delete(np.arange(L), prefix)
-            out_r, lse_r, kr = attend_rows(q[sub], qpos[sub])
-            out[sub] = out_r
-            lse[sub] = lse_r
-            keys_read[sub] = kr
             keys_read[prefix] = np.searchsorted(kpos[order], qpos[prefix], side="right")
             _attend_prefix(index, q, v_in, sc, prefix, qpos, kpos, order, out, lse, n)
-        else:
-            out, lse, keys_read = attend_rows(q, qpos)
     return out, lse, keys_read, refined[0], est_cpu[0]
 
 

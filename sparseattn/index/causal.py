@@ -1,68 +1,174 @@
-"""CausalClusterIndex: one cluster index over every key whose clusters are fixed by the earliest keys only,
-so that causal routing through it is strictly causal.
+"""CausalClusterIndex: the strictly causal cluster index, a few nested prefix indexes whose codebooks are
+each trained on keys every query they serve can see.
 
-Build: the keys' first ``T`` by position (``prefix_budget_``, default ``max(ceil(p S / C), 16 C)``, at most S)
-train the k-means codebook (``n_clusters`` centroids, spherical by default, on those keys centred by
-their own mean); then every key is assigned to a codeword by the same rule as
-:class:`~sparseattn.index.cluster.ClusterIndex` (``assign``), and stored once in cluster order.  Each
-cluster is routed by the mean of the *training* keys of its codeword (raw coordinates; the codeword's
-centroid scaled to the training keys' median norm for a codeword without training keys), and the keys
-are stored raw (``mean_ = 0``).
+A causal query that sees ``c`` keys sees the first ``c`` keys by position.  The index is built for
+bands of ``c`` (``bands_``):
 
-Why strictly causal: a query that sees more than ``T`` keys sees every training key, so the codebook,
-the routing vectors and each key's cluster (a function of the key and the codebook alone) depend only on
-keys it sees; routed attention reads, of its routed clusters, only the keys at or before it, and ranks
-a cluster without such a key last.  A query that sees at most ``T`` keys must attend to all of them
-exactly: :func:`~sparseattn.attention.routed.routed_attention` does so with ``exact_prefix=True`` (its
-``prefix_budget()`` is ``T``), and that is the only way to use this index for causal attention.  The
-one input from later keys is numerical: each cluster's ``radius_`` (its members' largest distance to the
-routing vector) sets the shift of the exp in routed attention, which cancels in the softmax (outputs
-agree to rounding whatever the later keys are; the tests poison them).
+* ``c <= T`` (``prefix_budget_``, ``T = max(ceil(p S / C), 16 C)`` at most S): no index, the query
+  attends to all of its keys exactly (:func:`~sparseattn.attention.routed.routed_attention`'s exact
+  prefix);
+* ``lo < c <= hi`` for bands ``(T, 4T], (4T, 16T], ...`` (the last band runs to S, and absorbs a
+  remainder shorter than its own ``lo``): one :class:`PrefixClusterIndex` over the first ``hi`` keys by
+  position whose codebook is trained on the first ``lo`` of them (the same C and p in every band).
 
-Why this and not one index per aligned position segment (the former design, see the CHANGELOG): segments
-cluster few keys each into few, broad clusters, need one k-means per segment and level, and split each
-query's probes among its segments.  Measured side by side at S = 65,536 (d = 64, C = 256, 8 probes): on
-clustered synthetic keys recall@64 0.93 at 1,032 keys per query in 0.44 s against 0.82 at 2,158 in
-1.10 s; on the MiniLM store (2,048 queries) 0.84 / 0.63 against 0.76 / 0.58 on its two heads, with 34-41 %
-fewer keys in a fifth to a quarter of the time.  It assumes the earliest keys are representative of the
-rest (the codebook never changes); a stream whose keys drift far from its beginning routes worse.
+Why strictly causal: a query in a band sees every training key of its band's index, so that index's
+codebook, its routing vectors (each cluster's mean training key) and each key's cluster (a function of
+the key and the codebook alone) depend only on keys it sees; routed attention reads, of its routed
+clusters, only the keys at or before it, and ranks a cluster without such a key last.  The one input
+from later keys is numerical: each cluster's ``radius_`` (its members' largest distance to the routing
+vector) sets the shift of the exp in routed attention, which cancels in the softmax (outputs agree to
+rounding whatever the later keys are; the tests poison them).
+
+Why bands and not one codebook of the first T keys for every query: a codebook of 16 C keys clusters
+the rest of a long stream worse than one trained on a sample of all of it.  Measured at S = 65,536
+(clustered synthetic keys, d = 64, C = 256, p = 8, 2,048 queries spread over the sequence): recall@64
+0.942 with one codebook, 0.950 with the global index (not strictly causal), 0.969 with the bands, which
+read 1,161 keys per query against 1,049 and 1,019; the queries seeing more than 16,384 keys, three
+quarters of them, go through a codebook of at least 16,384 keys.  The bands cost about 1.33 S stored keys
+(each band stores its keys once) and a k-means per band.  It still assumes a band's earliest quarter is
+representative of the rest of it.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ..inputs import positions
 from ..threads import worker_threads
-from .cluster import ClusterIndex, checked_keys
+from .cluster import ClusterIndex, checked_keys, rows_seeing_at_most
 from .kmeans import assign_keys
 
-__all__ = ["CausalClusterIndex"]
+__all__ = ["CausalBand", "CausalClusterIndex", "PrefixClusterIndex"]
 
 
-class CausalClusterIndex(ClusterIndex):
-    """A :class:`~sparseattn.index.cluster.ClusterIndex` whose codebook is trained on the earliest keys
-    only (see the module docstring); same parameters (``center``, ``route_by`` and ``split`` do not apply:
-    keys are stored raw, clusters are routed by their training keys' mean, never split).
+class PrefixClusterIndex(ClusterIndex):
+    """A :class:`~sparseattn.index.cluster.ClusterIndex` over keys given in position order whose codebook
+    is trained on the first ``n_train_keys`` of them only (one band of :class:`CausalClusterIndex`); same
+    parameters (``center``, ``route_by`` and ``split`` do not apply: keys are stored raw, clusters are
+    routed by their training keys' mean, never split).
 
-    Attributes (after :meth:`build`), besides ClusterIndex's: ``prefix_budget_`` (int, the training keys T:
-    queries seeing at most T keys are exact), ``key_positions_`` ((S,) int64), ``train_ids_`` ((T,) int64
-    the training keys' ids, the first T by position).
+    Attributes (after :meth:`build`), besides ClusterIndex's: ``prefix_budget_`` (int, the training keys:
+    a causal query must see all of them to be routed through this index).
+    """
+
+    def build(self, keys: np.ndarray, n_train_keys: int | None = None) -> PrefixClusterIndex:
+        """Train the codebook on ``keys[:n_train_keys]`` (centred by their mean), assign every key, store
+        them in cluster order; returns ``self``.
+
+        Parameters
+        ----------
+        keys : (S, E) float32 or float64 array, S >= 1, in position order (kept as ``keys_``)
+        n_train_keys : int in [n_clusters, S], optional
+            Default S.
+        """
+        keys = checked_keys(keys)
+        S, E = keys.shape
+        C, p, n_train = self.sizes(S)
+        T = S if n_train_keys is None else int(n_train_keys)
+        if not C <= T <= S:
+            raise ValueError(f"n_train_keys={n_train_keys} must lie in [n_clusters={C}, S={S}].")
+        train = keys[:T]
+        mu = train.mean(axis=0, dtype=np.float64)
+        centred = np.ascontiguousarray(train - mu.astype(keys.dtype))
+        cent = self._kmeans(centred, C, min(n_train, T)).astype(keys.dtype)
+        n = self.threads_
+        with worker_threads(n):
+            assignment = assign_keys(np.ascontiguousarray(keys - mu.astype(keys.dtype)), cent, self.assign, n)
+        route_vec = _training_means(centred, assignment[:T], cent) + mu
+        self.n_clusters_, self.n_probe_ = C, p
+        self.prefix_budget_ = T
+        self.mean_ = np.zeros(E, dtype=keys.dtype)
+        self.coarse_centroids_ = self.kmeans_centroids_ = cent
+        self.parent_ = np.arange(C, dtype=np.int64)
+        with worker_threads(n):
+            self._store(keys, keys, assignment, route_vec.astype(keys.dtype), False)
+        return self
+
+    def prefix_budget(self) -> int:
+        """The training keys: a causal query that sees no more of them may not see every one."""
+        self._check_built()
+        return self.prefix_budget_
+
+
+@dataclass(frozen=True)
+class CausalBand:
+    """One band of a :class:`CausalClusterIndex`: queries that see more than ``lo`` and at most ``hi``
+    keys route through ``index``, built over the keys ``ids`` ((hi,) int64: the first ``hi`` keys by
+    position, in position order) with a codebook of the first ``lo``."""
+
+    lo: int
+    hi: int
+    ids: np.ndarray
+    index: PrefixClusterIndex
+
+    @property
+    def leading(self) -> bool:
+        """Whether the band's keys are ``[0, hi)`` in key order (keys given in position order)."""
+        return _is_leading(self.ids)
+
+    def take(self, x: np.ndarray) -> np.ndarray:
+        """The rows of ``x`` (S, ...) of this band's keys, in its order (a view when ``leading``)."""
+        return x[:self.hi] if self.leading else x[self.ids]
+
+
+def _is_leading(ids: np.ndarray) -> bool:
+    """Whether ``ids`` is ``arange(len(ids))``."""
+    return bool(ids.size == 0 or (ids[0] == 0 and np.all(np.diff(ids) == 1)))
+
+
+class CausalClusterIndex:
+    """The strictly causal cluster index (see the module docstring): exact attention for queries that see
+    at most ``prefix_budget()`` keys, one :class:`PrefixClusterIndex` per band of longer ones.
+
+    Parameters: those of :class:`~sparseattn.index.cluster.ClusterIndex` (``n_clusters`` / ``n_probe``
+    resolved once for all S keys and used in every band; ``center``, ``route_by`` and ``split`` do not
+    apply).
+
+    Attributes (after :meth:`build`): ``keys_`` ((S, E), as given), ``key_positions_`` ((S,) int64),
+    ``order_`` ((S,) int64, key ids in position order, stable), ``prefix_budget_`` (int T),
+    ``n_clusters_`` / ``n_probe_`` (C, p of every band), ``bands_`` (list of :class:`CausalBand`, by
+    increasing ``lo``; empty when S <= T).
 
     Examples
     --------
     >>> import numpy as np
-    >>> keys = np.random.default_rng(0).standard_normal((4096, 16)).astype(np.float32)
+    >>> keys = np.random.default_rng(0).standard_normal((8192, 16)).astype(np.float32)
     >>> index = CausalClusterIndex(n_clusters=16, n_probe=4).build(keys)
-    >>> index.prefix_budget(), index.n_clusters_
-    (1024, 16)
+    >>> index.prefix_budget(), [(b.lo, b.hi) for b in index.bands_]
+    (2048, [(2048, 8192)])
     """
 
+    def __init__(self, **params: Any) -> None:
+        self._params = ClusterIndex(**params).get_params()  # checked there
+        self.keys_: np.ndarray | None = None
+        self.bands_: list[CausalBand] = []
+
+    def get_params(self) -> dict[str, Any]:
+        """name -> value of every constructor parameter (those of ClusterIndex)."""
+        return dict(self._params)
+
+    def __repr__(self) -> str:
+        return "CausalClusterIndex(" + ", ".join(f"{k}={v!r}" for k, v in self._params.items()) + ")"
+
+    @property
+    def threads_(self) -> int:
+        """Worker threads in use (as ClusterIndex's)."""
+        return ClusterIndex(**self._params).threads_
+
+    @property
+    def is_built(self) -> bool:
+        return self.keys_ is not None
+
+    def _check_built(self) -> None:
+        if self.keys_ is None:
+            raise RuntimeError("CausalClusterIndex is not built: call build(keys) first.")
+
     def build(self, keys: np.ndarray, key_positions: object = None) -> CausalClusterIndex:
-        """Train the codebook on the first ``prefix_budget_`` keys by position, assign every key, store them
-        in cluster order; returns ``self``.
+        """Build every band's index; returns ``self``.
 
         Parameters
         ----------
@@ -71,40 +177,66 @@ class CausalClusterIndex(ClusterIndex):
             Default ``arange(S)``; ties keep the keys' order.
         """
         keys = checked_keys(keys)
-        S, E = keys.shape
+        if not np.isfinite(keys).all():
+            raise ValueError("keys must be finite: the k-means and the exact prefix rows would take NaN / Inf "
+                             "in; clean or mask those keys first.")
+        S = keys.shape[0]
         kpos = positions(key_positions, S, "key_positions")
-        C, p, n_train = self.sizes(S)
+        C, p, _ = ClusterIndex(**self._params).sizes(S)
         T = int(min(S, max(math.ceil(p * S / C), 16 * C)))
-        train_ids = np.argsort(kpos, kind="stable")[:T].astype(np.int64)
-        train = keys[train_ids]
-        mu = train.mean(axis=0, dtype=np.float64)
-        centred = np.ascontiguousarray(train - mu.astype(keys.dtype))
-        cent = self._kmeans(centred, C, min(n_train, T)).astype(keys.dtype)
-        n = self.threads_
-        with worker_threads(n):
-            assignment = assign_keys(np.ascontiguousarray(keys - mu.astype(keys.dtype)), cent, self.assign, n)
-        route_vec = _training_means(centred, assignment[train_ids], cent) + mu
-        self.n_clusters_, self.n_probe_ = C, p
-        self.prefix_budget_ = T
+        order = np.argsort(kpos, kind="stable").astype(np.int64)
+        params = dict(self._params, n_clusters=C, n_probe=p)
+        bands = []
+        lo = T
+        while lo < S:
+            hi = 4 * lo
+            if hi >= S or S - hi < lo:
+                hi = S
+            ids = order[:hi]
+            band_keys = keys[:hi] if _is_leading(ids) else keys[ids]
+            bands.append(CausalBand(lo, hi, ids, PrefixClusterIndex(**params).build(band_keys, lo)))
+            lo = hi
+        self.keys_ = keys
         self.key_positions_ = kpos
-        self.train_ids_ = train_ids
-        self.mean_ = np.zeros(E, dtype=keys.dtype)
-        self.coarse_centroids_ = self.kmeans_centroids_ = cent
-        self.parent_ = np.arange(C, dtype=np.int64)
-        with worker_threads(n):
-            self._store(keys, keys, assignment, route_vec.astype(keys.dtype), False)
+        self.order_ = order
+        self.prefix_budget_ = T
+        self.n_clusters_, self.n_probe_ = C, p
+        self.bands_ = bands
         return self
 
-    def labels(self, keys: np.ndarray, key_positions: object = None) -> np.ndarray:
-        """Cluster of each key, as :meth:`build` with these arguments would assign it ((S,) int64 in
-        ``[0, C)``), without changing this index (ClusterIndex's ``labels`` would train on every key)."""
-        return CausalClusterIndex(**self.get_params()).build(keys, key_positions).assignment_.astype(np.int64)
-
     def prefix_budget(self) -> int:
-        """Visible keys up to which a causal query is served exactly: the training keys T (a query that
-        sees no more than T keys may not see every key the codebook was trained on)."""
+        """Visible keys up to which a causal query is served exactly (T)."""
         self._check_built()
         return self.prefix_budget_
+
+    def prefix_rows(self, qpos: np.ndarray, kpos: np.ndarray, kpos_ascending: np.ndarray | None = None
+                    ) -> np.ndarray:
+        """Rows that see between 1 and :meth:`prefix_budget` keys: (n,) int64, ascending (as
+        ClusterIndex's)."""
+        return rows_seeing_at_most(self.prefix_budget(), qpos, kpos, kpos_ascending)
+
+    def band_rows(self, qpos: np.ndarray) -> list[tuple[CausalBand, np.ndarray]]:
+        """(band, rows) for every band with rows: the rows (ascending int64) whose query position ``qpos``
+        (L,) int64 sees more than ``band.lo`` and at most ``band.hi`` of the keys."""
+        self._check_built()
+        visible = np.searchsorted(self.key_positions_[self.order_], qpos, side="right")
+        out = []
+        for band in self.bands_:
+            rows = np.flatnonzero((visible > band.lo) & (visible <= band.hi))
+            if rows.size:
+                out.append((band, rows))
+        return out
+
+    def labels(self, keys: np.ndarray, key_positions: object = None) -> np.ndarray:
+        """Cluster of each key in the index that serves the queries seeing every key (the last band), as
+        :meth:`build` with these arguments would assign it: (S,) int64 in ``[0, C)``; -1 for all keys when
+        S <= T (no band: every query is exact).  Builds a new index; this one is unchanged."""
+        index = CausalClusterIndex(**self._params).build(keys, key_positions)
+        out = np.full(index.keys_.shape[0], -1, dtype=np.int64)
+        if index.bands_:
+            last = index.bands_[-1]
+            out[last.ids] = last.index.assignment_
+        return out
 
     def same_layout(self, keys: np.ndarray, key_positions: np.ndarray) -> bool:
         """Whether this index was built over exactly these keys (same object) and key positions."""

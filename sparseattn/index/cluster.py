@@ -24,7 +24,8 @@ through ``route_rows``, ``keys_as``, ``prefix_budget`` / ``prefix_rows``, ``keys
 ``cluster_ptr_``, ``radius_``, ``n_clusters_``, ``n_probe_``, ``threads_`` and ``is_built`` (and, for
 ``estimate`` / ``top_p``, ``key_stats``, ``count_``, ``key_sum_``, ``route_by``, ``centroids_``).  The
 estimation statistics are additive sums, updated in O(new keys) by :meth:`ClusterIndex.update_stats`. The strictly causal form is
-:class:`~sparseattn.index.causal.CausalClusterIndex` (a codebook of the earliest keys).
+:class:`~sparseattn.index.causal.CausalClusterIndex` (nested prefix indexes, each with a codebook of keys its
+queries see).
 
 Estimation statistics: ``count_``, ``key_sum_`` and ``key_sqsum_`` give each cluster's mean key and
 mean per-dimension variance (:meth:`ClusterIndex.key_stats`), from which routed attention estimates the
@@ -57,7 +58,7 @@ from ..threads import run_jobs, worker_threads
 from .kmeans import BLOCK_BUDGET as _BLOCK_BUDGET
 from .kmeans import assign_keys, cov_factors, row_chunks, split_large, train_kmeans
 
-__all__ = ["ClusterIndex", "checked_keys"]
+__all__ = ["ClusterIndex", "checked_keys", "rows_seeing_at_most"]
 
 ASSIGN = ("ip", "l2")
 ROUTE_BY = ("mean", "centroid")
@@ -414,9 +415,7 @@ class ClusterIndex:
 
         qpos (L,) / kpos (S,) int64 positions; ``kpos_ascending``: ``np.sort(kpos)`` when already known.
         """
-        visible = np.searchsorted(np.sort(kpos) if kpos_ascending is None else kpos_ascending, qpos,
-                                  side="right")
-        return np.flatnonzero((visible > 0) & (visible <= self.prefix_budget()))
+        return rows_seeing_at_most(self.prefix_budget(), qpos, kpos, kpos_ascending)
 
     def validated_queries(self, queries: np.ndarray, check_finite: bool, dtype: np.dtype | None = None
                           ) -> np.ndarray:
@@ -512,6 +511,15 @@ class ClusterIndex:
         indptr, indices = routed_topk(q, route, Kp, self.perm_, self.cluster_ptr_, k, is_causal, qpos, kpos,
                                       n_threads)
         return SparsePattern(indptr, indices, self.keys_.shape[0], validate=False)
+
+
+def rows_seeing_at_most(budget: int, qpos: np.ndarray, kpos: np.ndarray, kpos_ascending: np.ndarray | None = None
+                        ) -> np.ndarray:
+    """Rows whose query position ``qpos`` (L,) int64 sees between 1 and ``budget`` of the keys at
+    positions ``kpos`` (S,) int64 (``kpos_ascending``: ``np.sort(kpos)`` when already known): (n,) int64,
+    ascending."""
+    visible = np.searchsorted(np.sort(kpos) if kpos_ascending is None else kpos_ascending, qpos, side="right")
+    return np.flatnonzero((visible > 0) & (visible <= budget))
 
 
 def checked_keys(keys: object) -> np.ndarray:

@@ -40,18 +40,19 @@ float64).
 
 Causal (strictly): a causal query never uses the index over all keys, whose k-means, centring and routing
 vectors see later keys.  It goes through one :class:`~sparseattn.index.causal.CausalClusterIndex` instead
-(built on first causal use and kept): its codebook is trained on the earliest
-``T = max(ceil(n_probe S / n_clusters), 16 n_clusters)`` keys by position, every key joins a codeword's
-cluster by itself, and clusters are routed by their training keys' mean; a query that sees at most T keys
-reads all of them exactly (block attention: attends to all; top-k mode: the exact top-k among them,
-whatever ``exact_prefix``), a longer one the visible keys of its ``n_probe`` clusters of largest ``q . r``
-among those holding a key at or before it.  A row's output depends only on keys and values at or before
-its position (``tests/test_causality.py``; for block attention up to float rounding: the exp's shift
-uses each cluster's radius over all its members).  Measured on real keys with queries spread over the
-sequence at the defaults (``benchmarks/results/causal-cluster.md``): against the global index masked to
-the visible keys (not strictly causal), recall@64 within -0.04..+0.02 on the MiniLM stores' six heads,
-up to 1.3x its keys, in about its time.  The causal index assumes the earliest keys represent the rest:
-a stream that drifts far from its beginning routes worse.
+(built on first causal use and kept).  A query that sees at most
+``T = max(ceil(n_probe S / n_clusters), 16 n_clusters)`` keys reads all of them exactly (block attention:
+attends to all; top-k mode: the exact top-k among them, whatever ``exact_prefix``).  A longer one that
+sees c keys routes through the index of its band (``(T, 4T]``, ``(4T, 16T]``, ..., the last to S): built
+over the first ``hi`` keys by position with a codebook trained on the band's first ``lo``, all of which
+the query sees; every key joins a codeword's cluster by itself, clusters are routed by their training
+keys' mean, and the query reads the visible keys of its ``n_probe`` clusters of largest ``q . r`` among
+those holding a key at or before it.  A row's output depends only on keys and values at or before its
+position (``tests/test_causality.py``; for block attention up to float rounding: the exp's shift uses
+each cluster's radius over all its members).  Measured at S = 65,536 (clustered synthetic keys, d = 64,
+``benchmarks/results/block-profile.md``): recall@64 at least the global index's (masked to the visible
+keys, not strictly causal) at about its speed; on real MiniLM keys ``benchmarks/results/causal-cluster.md``.
+A band's codebook assumes its earliest quarter represents the rest of it.
 
 Threads: the per-cluster products run on ``n_threads`` worker threads with BLAS held to one thread each
 (on a machine whose other core is busy, multi-threaded BLAS on these small products is 10x slower);
@@ -68,9 +69,9 @@ from typing import Any
 import numba
 import numpy as np
 
-from ..index.causal import CausalClusterIndex
+from ..index.causal import CausalBand, CausalClusterIndex
 from ..index.cluster import ASSIGN, ROUTE_BY, ClusterIndex, key_spans
-from ..index.routing import mass_routes
+from ..index.routing import check_budget, mass_routes
 from ..inputs import positions
 from ..kernels import cluster as ck
 from ..pattern import SparsePattern
@@ -387,34 +388,53 @@ class ClusterSelector(Selector):
                ) -> SparsePattern:
         n = self.n_threads
         prm = self._params
-        strict = is_causal and prm["strict_causal"]
-        # strictly causal: the causal index, whose small rows are always exact
-        index = self.causal_index(kpos) if strict else self.index_
-        if strict and prm["mode"] != "block":
-            return _causal_topk(index, np.ascontiguousarray(q, dtype=self.keys_.dtype), min(k, self.keys_.shape[0]),
-                                qpos, kpos, n)
-        exact_prefix = True if strict else prm["exact_prefix"]
+        S = self.keys_.shape[0]
+        if is_causal and prm["strict_causal"]:
+            # strictly causal: the causal index, whose small rows are always exact
+            index = self.causal_index(kpos)
+            q = np.ascontiguousarray(q, dtype=self.keys_.dtype)
+            if prm["mode"] != "block":
+                return _causal_topk(index, q, min(k, S), qpos, kpos, n)
+            # the cap of the mass-driven routes is the causal index's, as in attend()
+            budget = check_budget(index.prefix_budget(), 0, prm["top_p"], prm["min_keys"], prm["max_keys"])
+            max_keys = None if budget is None else budget[3]
+            with worker_threads(n):
+                pattern = _band_patterns(index, qpos, lambda band, rows: self._block_pattern(
+                    band.index, q[rows], True, qpos[rows], band.take(kpos), n, max_keys))
+            return fill_small_rows(pattern, index.prefix_budget(), True, qpos, kpos)
+        index = self.index_
         with worker_threads(n):
-            if prm["mode"] == "block" and prm["top_p"] is not None:
-                # the mass-driven routes attend() reads (at the default scale 1/sqrt(E))
-                mr = mass_routes(index, q, top_p=prm["top_p"], min_keys=prm["min_keys"], max_keys=prm["max_keys"],
-                                 is_causal=is_causal, query_positions=qpos, key_positions=kpos, n_threads=n,
-                                 check_finite=False)[0]
-                C = index.n_clusters_
-                route = np.where(mr < 0, C, mr).astype(np.int32)
-                kptr = np.append(index.cluster_ptr_, index.cluster_ptr_[-1])  # cluster C: empty padding
-                indptr, indices = ck.routed_pattern(route, kptr, index.perm_, bool(is_causal), qpos, kpos)
-                pattern = SparsePattern(indptr, indices, index.keys_.shape[0], validate=False)
-            else:  # causal: clusters of later keys rank last, as in routed_attention
+            if prm["mode"] != "block":
                 route = index.route_rows(q, n, key_spans(index, kpos)[1], qpos)[0] if is_causal else \
                     index.route_rows(q, n)[0]
-                if prm["mode"] != "block":
-                    return index.search_routed(q, route, min(k, index.keys_.shape[0]), is_causal, qpos, kpos, n)
-                pattern = index.routed_keys(route, is_causal, qpos, kpos)
-            if is_causal and exact_prefix:
-                # the rows attend() computes exactly over every visible key
-                pattern = fill_small_rows(pattern, index.prefix_budget(), True, qpos, kpos)
-            return pattern
+                return index.search_routed(q, route, min(k, S), is_causal, qpos, kpos, n)
+            pattern = self._block_pattern(index, q, is_causal, qpos, kpos, n)
+        if is_causal and prm["exact_prefix"]:
+            # the rows attend() computes exactly over every visible key
+            pattern = fill_small_rows(pattern, index.prefix_budget(), True, qpos, kpos)
+        return pattern
+
+    def _block_pattern(self, index: ClusterIndex, q: np.ndarray, is_causal: bool, qpos: np.ndarray,
+                       kpos: np.ndarray, n: int, max_keys: int | None = None) -> SparsePattern:
+        """Every key block-mode attention reads through ``index`` (routed clusters, or the mass-driven
+        routes with ``top_p``, capped at ``max_keys``, default the parameter's), before the exact prefix;
+        inside ``worker_threads``."""
+        prm = self._params
+        if prm["top_p"] is not None:
+            # the mass-driven routes attend() reads (at the default scale 1/sqrt(E))
+            cap = prm["max_keys"] if max_keys is None else max_keys
+            mr = mass_routes(index, q, top_p=prm["top_p"], min_keys=prm["min_keys"], max_keys=cap,
+                             is_causal=is_causal, query_positions=qpos, key_positions=kpos, n_threads=n,
+                             check_finite=False)[0]
+            C = index.n_clusters_
+            route = np.where(mr < 0, C, mr).astype(np.int32)
+            kptr = np.append(index.cluster_ptr_, index.cluster_ptr_[-1])  # cluster C: empty padding
+            indptr, indices = ck.routed_pattern(route, kptr, index.perm_, bool(is_causal), qpos, kpos)
+            return SparsePattern(indptr, indices, index.keys_.shape[0], validate=False)
+        # causal: clusters of later keys rank last, as in routed_attention
+        route = index.route_rows(q, n, key_spans(index, kpos)[1], qpos)[0] if is_causal else \
+            index.route_rows(q, n)[0]
+        return index.routed_keys(route, is_causal, qpos, kpos)
 
     def attend(self, queries: np.ndarray, values: np.ndarray, *, scale: float | None = None,
                is_causal: bool = False, query_positions: object = None, key_positions: object = None,
@@ -440,18 +460,47 @@ class ClusterSelector(Selector):
         return out
 
 
+def _band_patterns(index: CausalClusterIndex, qpos: np.ndarray,
+                   pattern_of: Callable[[CausalBand, np.ndarray], SparsePattern]) -> SparsePattern:
+    """(L, S) pattern of the rows routed through the bands of a causal index: ``pattern_of(band, rows)``
+    gives the rows' pattern over the band's keys, mapped here to key ids; other rows (exact prefix, no
+    key) are empty."""
+    L, S = qpos.shape[0], index.keys_.shape[0]
+    counts = np.zeros(L, dtype=np.int64)
+    pieces = []
+    for band, rows in index.band_rows(qpos):
+        pat = pattern_of(band, rows)
+        counts[rows] = pat.nnz_per_row
+        pieces.append((rows, pat, band))
+    indptr = np.zeros(L + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    indices = np.empty(int(indptr[-1]), dtype=np.int64)
+    for rows, pat, band in pieces:
+        per_row = pat.nnz_per_row
+        offset = np.arange(pat.nnz, dtype=np.int64) - np.repeat(pat.indptr[:-1], per_row)
+        indices[np.repeat(indptr[rows], per_row) + offset] = band.ids[pat.indices]
+    if not all(band.leading for _, _, band in pieces):  # band order is position order: sort by key id
+        indices = indices[np.lexsort((indices, np.repeat(np.arange(L), counts)))]
+    return SparsePattern(indptr, indices, S, validate=False)
+
+
 def _causal_topk(index: CausalClusterIndex, q: np.ndarray, k: int, qpos: np.ndarray, kpos: np.ndarray,
                  n_threads: int) -> SparsePattern:
     """Strictly causal top-k through the causal index: a row that sees more than ``index.prefix_budget()``
-    keys takes the exact top-k among the visible keys of its routed clusters; a shorter one (which may not
-    see every key the codebook was trained on) the exact top-k among all of its visible keys."""
+    keys takes the exact top-k among the visible keys of its routed clusters in its band's index; a
+    shorter one the exact top-k among all of its visible keys."""
     from ..kernels.topk import rerank_topk
 
     S = index.keys_.shape[0]
+
+    def routed(band: CausalBand, rows: np.ndarray) -> SparsePattern:
+        part, kp, qs, qp = band.index, band.take(kpos), q[rows], qpos[rows]
+        route = part.route_rows(qs, n_threads, key_spans(part, kp)[1], qp)[0]
+        return part.search_routed(qs, route, min(k, band.hi), True, qp, kp, n_threads)
+
     with worker_threads(n_threads):
-        route = index.route_rows(q, n_threads, key_spans(index, kpos)[1], qpos)[0]
-        padded = index.search_routed(q, route, k, True, qpos, kpos, n_threads).to_padded(k)
-        order = np.argsort(kpos, kind="stable")
+        padded = _band_patterns(index, qpos, routed).to_padded(k)
+        order = index.order_
         visible = np.searchsorted(kpos[order], qpos, side="right")
         small = np.flatnonzero(visible <= index.prefix_budget())
         for a in range(0, small.size, 512):  # (rows x T) candidate blocks stay small
