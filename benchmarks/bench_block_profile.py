@@ -10,7 +10,7 @@ and the speed of the strict one relative to it) gives the end-to-end time (media
 recomputed in float64 (recall@64, softmax mass, output error); then one extra run under ``cProfile`` splits
 the time into stages by the functions that do them:
 
-* ``build`` (the cluster index, or the strictly causal one), of which ``kmeans`` (FAISS
+* ``build`` (the cluster index, or the strictly causal one with its bands), of which ``kmeans`` (FAISS
   training) and ``assign`` (every key to a centroid) as seen on the calling thread;
 * ``route`` (every query's clusters), ``gather`` (pairs grouped by cluster, queries gathered),
   ``kernels`` (the per-cluster GEMM + exp + GEMM workers, wall time), ``merge`` (log-sum-exp of each
@@ -73,13 +73,20 @@ def stage_seconds(prof: cProfile.Profile) -> dict[str, float]:
     ``_attend_block``); ``kmeans`` and ``assign`` are parts of ``build``."""
     st = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
     out = dict.fromkeys(STAGES, 0.0)
-    for (path, _, name), (_, _, _, ct, callers) in st.items():
+
+    def in_stage(path: str, name: str, fns: tuple) -> bool:
         path = path.replace(os.sep, "/")
+        return any(name == fn and path.endswith(suffix) for suffix, fn in fns)
+
+    for (path, _, name), (_, _, _, ct, callers) in st.items():
         for stage, fns in STAGES.items():
-            if not any(name == fn and path.endswith(suffix) for suffix, fn in fns):
+            if not in_stage(path, name, fns):
                 continue
             if stage == "kernels":
                 ct = sum(c[3] for (_, _, cn), c in callers.items() if cn == "_attend_block")
+            elif any(in_stage(cp, cn, fns) for cp, _, cn in callers):
+                # called from within the same stage (the causal index's bands): count the outer call only
+                ct = sum(c[3] for (cp, _, cn), c in callers.items() if not in_stage(cp, cn, fns))
             out[stage] += ct
     return out
 

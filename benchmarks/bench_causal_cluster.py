@@ -14,8 +14,8 @@ Per head, for ``cluster:mode=block`` (defaults: C = round(sqrt(S)), n_probe = 8)
   routed attention masked to each query's visible keys: which past keys a row reads depends on later keys
   (k-means, centring and routing vectors see them);
 * ``causal``: ``ClusterSelector(mode="block").attend(..., is_causal=True)``: the strictly causal path, one
-  :class:`~sparseattn.index.causal.CausalClusterIndex` (codebook of the earliest keys; rows seeing at most
-  its ``prefix_budget()`` keys exact);
+  :class:`~sparseattn.index.causal.CausalClusterIndex` (rows seeing at most its ``prefix_budget()`` keys
+  exact, longer ones through the prefix index of their band, a codebook of keys they see);
 
 and for ``cluster`` (top-k mode, k = 64) ``global`` (``ClusterIndex.search(..., is_causal=True)``) against the
 selector's causal ``query`` (``causal``).  Reported: mean keys read per query, recall@64 of the exact

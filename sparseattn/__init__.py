@@ -18,8 +18,8 @@ Data path (one folder or module per stage)::
 The cluster index sits beside the selectors: ``index/cluster.py`` (ClusterIndex) clusters the keys only;
 the ``cluster`` selector turns its routing into a pattern, and ``attention/routed.py`` attends over the
 routed clusters directly (no pattern), merging per-cluster partial results with ``attention/merge.py``.
-Causal queries use ``index/causal.py`` instead (one index whose codebook is trained on the earliest keys
-only; rows that see fewer keys are exact), so no row depends on a later key.
+Causal queries use ``index/causal.py`` instead (rows that see few keys exact, longer ones through a prefix
+index whose codebook they see whole), so no row depends on a later key.
 ``index/routing.py`` routes by estimated mass (``top_p``) from key statistics alone.  The layers import
 downwards: ``selectors/`` and ``index/`` never import ``attention/`` or ``tools/``.
 

@@ -37,7 +37,7 @@ def cluster_attention(selector: Any, queries: np.ndarray, values: np.ndarray, *,
     budget = dict(estimate=prm["estimate"], top_p=prm["top_p"], min_keys=prm["min_keys"],
                   max_keys=prm["max_keys"])
     if check_bool(is_causal, "is_causal") and prm["strict_causal"]:
-        # strictly causal: the causal index (codebook of the earliest keys), its small rows always exact
+        # strictly causal: the causal index (prefix bands), its small rows always exact
         return routed_attention(selector.causal_index(key_positions), queries, values, scale=scale, is_causal=True,
                                 query_positions=query_positions, key_positions=key_positions, exact_prefix=True,
                                 n_threads=selector.n_threads, check_finite=check_finite, stats=stats, **budget)

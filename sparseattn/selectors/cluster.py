@@ -278,8 +278,8 @@ class ClusterSelector(Selector):
                            when="query"),
         "exact_prefix": Param(bool, True, "causal, mode=block, strict_causal=False: a query that can see at "
                               "most n_probe*S/C keys attends to all of them exactly", when="query"),
-        "strict_causal": Param(bool, True, "causal: strictly causal (one index whose codebook is trained on "
-                               "the earliest keys); False: one index over all keys masked to the visible ones "
+        "strict_causal": Param(bool, True, "causal: strictly causal (prefix indexes whose codebooks each "
+                               "query sees whole); False: one index over all keys masked to the visible ones "
                                "(the keys a row reads depend on later keys)", when="query"),
         "split": Param(float, 0.0, "split clusters larger than split * S / n_clusters (0 = never; "
                        "a speed/recall trade)", non_negative),
@@ -351,11 +351,11 @@ class ClusterSelector(Selector):
         return index
 
     def causal_index(self, key_positions: object = None) -> CausalClusterIndex:
-        """The strictly causal index of causal attention (and of ``mode="block"`` causal queries): one
-        cluster index over all keys whose codebook is trained on the earliest keys only
-        (:class:`~sparseattn.index.causal.CausalClusterIndex`; queries that see at most its
-        ``prefix_budget()`` keys attend to all of them exactly).  Built on first use and kept while the key
-        positions stay the same.
+        """The strictly causal index of causal queries
+        (:class:`~sparseattn.index.causal.CausalClusterIndex`: queries that see at most its
+        ``prefix_budget()`` keys attend to all of them exactly, longer ones route through the prefix index of
+        their band, whose codebook they see whole).  Built on first use and kept while the key positions
+        stay the same.
 
         key_positions : int array (S,), optional; default ``arange(S)``.
         """
