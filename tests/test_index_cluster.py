@@ -174,3 +174,29 @@ def test_index_build_refuses_bad_keys_with_a_clear_error(cls, case):
         params = {"n_clusters": 65}
     with pytest.raises(ValueError, match="keys|n_clusters"):
         getattr(ix, cls)(**params).build(keys)
+
+
+@pytest.mark.parametrize("bad, err", [(3.5, TypeError), (True, TypeError), ("1000", TypeError), (-1, ValueError),
+                                      (7, ValueError), (501, ValueError)])
+def test_prefix_index_refuses_bad_training_counts(bad, err):
+    from sparseattn.index import PrefixClusterIndex
+
+    keys = np.random.default_rng(0).standard_normal((500, 4)).astype(np.float32)
+    with pytest.raises(err, match="n_train_keys"):
+        PrefixClusterIndex(n_clusters=8).build(keys, bad)
+
+
+def test_prefix_index_trains_on_its_first_keys_only():
+    # the codebook and the routing vectors come from keys[:T]: changing later keys changes neither
+    from sparseattn.index import PrefixClusterIndex
+
+    rng = np.random.default_rng(5)
+    keys = rng.standard_normal((2000, 6)).astype(np.float32)
+    a = PrefixClusterIndex(n_clusters=8, n_probe=2).build(keys, 400)
+    later = keys.copy()
+    later[400:] = 30.0 * rng.standard_normal((1600, 6))
+    b = PrefixClusterIndex(n_clusters=8, n_probe=2).build(later, 400)
+    assert a.prefix_budget() == 400
+    np.testing.assert_array_equal(a.kmeans_centroids_, b.kmeans_centroids_)
+    np.testing.assert_array_equal(a.centroids_, b.centroids_)
+    np.testing.assert_array_equal(a.assignment_[:400], b.assignment_[:400])

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from ..inputs import positions
+from ..inputs import check_positive_int, positions
 from ..threads import worker_threads
 from .cluster import ClusterIndex, checked_keys, rows_seeing_at_most
 from .kmeans import assign_keys
@@ -68,9 +68,7 @@ class PrefixClusterIndex(ClusterIndex):
         keys = checked_keys(keys)
         S, E = keys.shape
         C, p, n_train = self.sizes(S)
-        T = S if n_train_keys is None else int(n_train_keys)
-        if not C <= T <= S:
-            raise ValueError(f"n_train_keys={n_train_keys} must lie in [n_clusters={C}, S={S}].")
+        T = S if n_train_keys is None else check_positive_int(n_train_keys, "n_train_keys", minimum=C, maximum=S)
         train = keys[:T]
         mu = train.mean(axis=0, dtype=np.float64)
         centred = np.ascontiguousarray(train - mu.astype(keys.dtype))
