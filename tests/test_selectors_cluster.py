@@ -395,6 +395,34 @@ def test_causal_index_refuses_non_causal_or_routed_short_rows(rng):
         routed_attention(CausalClusterIndex(), q, v, is_causal=True)
     with pytest.raises(ValueError, match="keys must be finite"):
         CausalClusterIndex().build(np.full((100, 4), np.nan, np.float32))
+    # the bands are prefixes in the build's position order: other key positions would pick rows' bands from
+    # one order and their keys from another (silent zeros, or later keys read)
+    for kpos in (np.arange(2000) - 1000, np.arange(2000)[::-1]):
+        with pytest.raises(ValueError, match="key_positions must be the ones"):
+            routed_attention(index, q, v, is_causal=True, query_positions=np.full(50, 100), key_positions=kpos)
+    shuffled = CausalClusterIndex(n_clusters=8, n_probe=1).build(k, rng.permutation(2000))
+    with pytest.raises(ValueError, match="key_positions must be the ones"):
+        routed_attention(shuffled, q, v, is_causal=True)  # default arange is not the build's positions
+
+
+def test_prefix_index_refuses_non_finite_keys_past_its_training_keys(rng):
+    from sparseattn.index import PrefixClusterIndex
+
+    _, k, _ = clustered(rng, 2000, 1)
+    k[1500, 3] = np.nan
+    with pytest.raises(ValueError, match="keys must be finite"):
+        PrefixClusterIndex(n_clusters=8, n_probe=1).build(k, 1000)
+
+
+def test_prefix_index_labels_and_repr(rng):
+    from sparseattn.index import PrefixClusterIndex
+
+    _, k, _ = clustered(rng, 2000, 1)
+    index = PrefixClusterIndex(n_clusters=8, n_probe=1)
+    built = PrefixClusterIndex(n_clusters=8, n_probe=1).build(k, 500)
+    np.testing.assert_array_equal(index.labels(k, 500), built.assignment_)
+    assert index.keys_ is None  # labels() leaves it unbuilt
+    assert repr(index).startswith("PrefixClusterIndex(n_clusters=8, n_probe=1")
 
 
 def test_block_causal_with_cache_positions(rng):

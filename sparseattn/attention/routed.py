@@ -208,6 +208,9 @@ def routed_attention(index: ClusterIndex | CausalClusterIndex, queries: np.ndarr
     Ev = v_in.shape[1]
     qpos = positions(query_positions, L, "query_positions")
     kpos = positions(key_positions, S, "key_positions")
+    if isinstance(index, CausalClusterIndex) and not np.array_equal(kpos, index.key_positions_):
+        raise ValueError("key_positions must be the ones the CausalClusterIndex was built with (its bands are "
+                         "prefixes in that position order): pass those, or build it with these.")
     budget = check_budget(index.prefix_budget(), estimate, top_p, min_keys, max_keys)
     if L == 0:
         if stats is not None:

@@ -215,7 +215,7 @@ class ClusterIndex:
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
-        return f"ClusterIndex({args})"
+        return f"{type(self).__name__}({args})"
 
     @property
     def threads_(self) -> int:
