@@ -258,8 +258,9 @@ def _training_means(centred: np.ndarray, labels: np.ndarray, cent: np.ndarray) -
     or, for a codeword without training keys, its centroid scaled to the training keys' median norm."""
     C, E = cent.shape
     count = np.bincount(labels, minlength=C).astype(np.float64)
-    sums = np.zeros((C, E), dtype=np.float64)
-    np.add.at(sums, labels, centred.astype(np.float64))
+    sums = np.empty((C, E), dtype=np.float64)
+    for e in range(E):  # a bincount per dimension: np.add.at over rows took 2 ms at 8,192 x 32
+        sums[:, e] = np.bincount(labels, weights=centred[:, e].astype(np.float64), minlength=C)
     out = sums / np.maximum(count, 1.0)[:, None]
     empty = count == 0
     if empty.any():
