@@ -130,8 +130,8 @@ def markdown(meta, rows):
              "Queries spread over the sequence (query i at position round((i+1) S / L) - 1), key j visible iff "
              "j <= that position. `global`: one k-means index over all S keys, masked to the visible keys "
              "(not strictly causal: the routing depends on later keys). `causal`: the selector's strictly causal "
-             "path (one index whose codebook is trained on the earliest keys; rows seeing at most its training "
-             "keys exact). Error: mean "
+             "path (rows seeing at most its prefix budget exact, longer ones through the prefix index of their "
+             "band, a codebook of keys they see). Error: mean "
              "||o - o*|| / ||o*|| against float64 dense causal attention; mass: mean exp(lse - lse*); time: "
              "build + attend (block) or build + query (topk), median of "
              f"{meta['repeats']}.", "",
