@@ -101,17 +101,14 @@ class PrefixClusterIndex(ClusterIndex):
 class CausalBand:
     """One band of a :class:`CausalClusterIndex`: queries that see more than ``lo`` and at most ``hi``
     keys route through ``index``, built over the keys ``ids`` ((hi,) int64: the first ``hi`` keys by
-    position, in position order) with a codebook of the first ``lo``."""
+    position, in position order) with a codebook of the first ``lo``; ``leading``: whether ``ids`` is
+    ``arange(hi)`` (keys given in position order)."""
 
     lo: int
     hi: int
     ids: np.ndarray
     index: PrefixClusterIndex
-
-    @property
-    def leading(self) -> bool:
-        """Whether the band's keys are ``[0, hi)`` in key order (keys given in position order)."""
-        return _is_leading(self.ids)
+    leading: bool
 
     def take(self, x: np.ndarray) -> np.ndarray:
         """The rows of ``x`` (S, ...) of this band's keys, in its order (a view when ``leading``)."""
@@ -193,8 +190,9 @@ class CausalClusterIndex:
             if hi >= S or S - hi < lo:
                 hi = S
             ids = order[:hi]
-            band_keys = keys[:hi] if _is_leading(ids) else keys[ids]
-            bands.append(CausalBand(lo, hi, ids, PrefixClusterIndex(**params).build(band_keys, lo)))
+            leading = _is_leading(ids)
+            band_keys = keys[:hi] if leading else keys[ids]
+            bands.append(CausalBand(lo, hi, ids, PrefixClusterIndex(**params).build(band_keys, lo), leading))
             lo = hi
         self.keys_ = keys
         self.key_positions_ = kpos
