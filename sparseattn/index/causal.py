@@ -39,7 +39,7 @@ import numpy as np
 
 from ..inputs import check_positive_int, positions
 from ..threads import worker_threads
-from .cluster import ClusterIndex, checked_keys, rows_seeing_at_most
+from .cluster import ClusterIndex, check_built, checked_keys, rows_seeing_at_most
 from .kmeans import assign_keys
 
 __all__ = ["CausalBand", "CausalClusterIndex", "PrefixClusterIndex"]
@@ -159,13 +159,10 @@ class CausalClusterIndex:
         """Worker threads in use (as ClusterIndex's)."""
         return ClusterIndex(**self._params).threads_
 
-    @property
-    def is_built(self) -> bool:
-        return self.keys_ is not None
+    is_built = ClusterIndex.is_built
 
     def _check_built(self) -> None:
-        if self.keys_ is None:
-            raise RuntimeError("CausalClusterIndex is not built: call build(keys) first.")
+        check_built(self)
 
     def build(self, keys: np.ndarray, key_positions: object = None) -> CausalClusterIndex:
         """Build every band's index; returns ``self``.

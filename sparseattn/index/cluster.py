@@ -58,7 +58,7 @@ from ..threads import run_jobs, worker_threads
 from .kmeans import BLOCK_BUDGET as _BLOCK_BUDGET
 from .kmeans import assign_keys, cov_factors, row_chunks, split_large, train_kmeans
 
-__all__ = ["ClusterIndex", "checked_keys", "rows_seeing_at_most"]
+__all__ = ["ClusterIndex", "check_built", "checked_keys", "rows_seeing_at_most"]
 
 ASSIGN = ("ip", "l2")
 ROUTE_BY = ("mean", "centroid")
@@ -222,13 +222,10 @@ class ClusterIndex:
         """Worker threads in use: ``n_threads``, or Numba's current thread count when None."""
         return int(self.n_threads) if self.n_threads is not None else int(numba.get_num_threads())
 
-    @property
-    def is_built(self) -> bool:
-        return self.keys_ is not None
+    is_built = property(lambda self: self.keys_ is not None, doc="Whether :meth:`build` has run.")
 
     def _check_built(self) -> None:
-        if self.keys_ is None:
-            raise RuntimeError("ClusterIndex is not built: call build(keys) first.")
+        check_built(self)
 
     # ------------------------------------------------------------------------------------------ build
     def sizes(self, n_keys: int) -> tuple[int, int, int]:
@@ -511,6 +508,12 @@ class ClusterIndex:
         indptr, indices = routed_topk(q, route, Kp, self.perm_, self.cluster_ptr_, k, is_causal, qpos, kpos,
                                       n_threads)
         return SparsePattern(indptr, indices, self.keys_.shape[0], validate=False)
+
+
+def check_built(index: Any) -> None:
+    """RuntimeError naming the index's class unless its ``keys_`` are set (built)."""
+    if index.keys_ is None:
+        raise RuntimeError(f"{type(index).__name__} is not built: call build(keys) first.")
 
 
 def rows_seeing_at_most(budget: int, qpos: np.ndarray, kpos: np.ndarray, kpos_ascending: np.ndarray | None = None
