@@ -25,7 +25,8 @@ the rest of a long stream worse than one trained on a sample of all of it.  Meas
 0.934 with one codebook of the first 4,096 keys, 0.966 with the bands, 0.965 with the global index (not
 strictly causal), reading 1,032 / 1,155 / 1,014 keys per query; the queries seeing more than 16,384 keys,
 three quarters of them, go through a codebook of at least 16,384 keys.  The bands cost about 1.33 S
-stored keys (each band stores its keys once) and a k-means per band.  A band's codebook still assumes its
+stored keys (each band stores its keys once in cluster order; as many again when the keys are not given in
+position order, since each band then gathers its own) and a k-means per band.  A band's codebook still assumes its
 earliest quarter represents the rest of it, and, like any k-means, it can land in a poor local optimum
 (at S = 262,144 the last band's recall@64 ranged 0.949-0.996 over eight seeds, the global index's
 0.980-1.000).
