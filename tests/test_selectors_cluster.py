@@ -1033,3 +1033,43 @@ def test_causal_block_at_extreme_key_magnitudes(rng, magnitude, strict):
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-10, atol=1e-10)
     if strict:
         np.testing.assert_array_equal(mask, causal_oracle_mask(sel, q, k))
+
+
+def test_causal_bands_are_built_when_first_reached(rng, monkeypatch):
+    # Queries after a cache reach the last band only: the other bands are never built; queries that see at
+    # most T keys build none.  From many threads at once, a band is built once.
+    import threading
+
+    from sparseattn.index import PrefixClusterIndex
+
+    S = 8000
+    q, k, v = clustered(rng, S, 64)
+    sel = ClusterSelector(n_clusters=24, n_probe=1, mode="block").build(k)
+    sel.attend(q, v, is_causal=True, query_positions=np.arange(S - 64, S))
+    index = sel.causal_index()
+    assert [b.is_built for b in index.bands_] == [False, False, True]
+    sel.attend(q, v, is_causal=True, query_positions=np.arange(64) + 100)  # all exact (T = 384)
+    assert [b.is_built for b in index.bands_] == [False, False, True]
+    built = []
+    original = PrefixClusterIndex.build
+
+    def counting(self, keys, n_train_keys=None):
+        built.append(n_train_keys)
+        return original(self, keys, n_train_keys)
+
+    monkeypatch.setattr(PrefixClusterIndex, "build", counting)
+    outs = [None] * 8
+    barrier = threading.Barrier(8)
+
+    def work(t):
+        barrier.wait()
+        outs[t] = sel.attend(q, v, is_causal=True, query_positions=np.full(64, 1000))[0]
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert built == [384] and [b.is_built for b in index.bands_] == [True, False, True]
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])

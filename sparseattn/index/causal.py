@@ -26,7 +26,8 @@ the rest of a long stream worse than one trained on a sample of all of it.  Meas
 strictly causal), reading 1,032 / 1,155 / 1,014 keys per query; the queries seeing more than 16,384 keys,
 three quarters of them, go through a codebook of at least 16,384 keys.  The bands cost about 1.33 S
 stored keys (each band stores its keys once in cluster order; as many again when the keys are not given in
-position order, since each band then gathers its own) and a k-means per band.  A band's codebook still assumes its
+position order, since each band then gathers its own) and a k-means per band, each paid when a query
+first reaches the band.  A band's codebook still assumes its
 earliest quarter represents the rest of it, and, like any k-means, it can land in a poor local optimum
 (at S = 262,144 the last band's recall@64 ranged 0.949-0.996 over eight seeds, the global index's
 0.980-1.000).
@@ -35,7 +36,7 @@ earliest quarter represents the rest of it, and, like any k-means, it can land i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import threading
 from typing import Any
 
 import numpy as np
@@ -100,18 +101,35 @@ class PrefixClusterIndex(ClusterIndex):
         return PrefixClusterIndex(**self.get_params()).build(keys, n_train_keys).assignment_.astype(np.int64)
 
 
-@dataclass(frozen=True)
 class CausalBand:
     """One band of a :class:`CausalClusterIndex`: queries that see more than ``lo`` and at most ``hi``
-    keys route through ``index``, built over the keys ``ids`` ((hi,) int64: the first ``hi`` keys by
-    position, in position order) with a codebook of the first ``lo``; ``leading``: whether ``ids`` is
-    ``arange(hi)`` (keys given in position order)."""
+    keys route through ``index``, a :class:`PrefixClusterIndex` over the keys ``ids`` ((hi,) int64: the
+    first ``hi`` keys by position, in position order) with a codebook of the first ``lo``, built on first
+    use (a batch of queries that never reaches this band never pays for it; thread-safe); ``leading``:
+    whether ``ids`` is ``arange(hi)`` (keys given in position order)."""
 
-    lo: int
-    hi: int
-    ids: np.ndarray
-    index: PrefixClusterIndex
-    leading: bool
+    def __init__(self, lo: int, hi: int, ids: np.ndarray, keys: np.ndarray, params: dict[str, Any]) -> None:
+        self.lo, self.hi, self.ids = lo, hi, ids
+        self.leading = _is_leading(ids)
+        self._keys, self._params = keys, params
+        self._index: PrefixClusterIndex | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"CausalBand(lo={self.lo}, hi={self.hi}, built={self._index is not None})"
+
+    @property
+    def index(self) -> PrefixClusterIndex:
+        """The band's index (built now if it was not yet)."""
+        if self._index is None:
+            with self._lock:
+                if self._index is None:
+                    self._index = PrefixClusterIndex(**self._params).build(self.take(self._keys), self.lo)
+        return self._index
+
+    @property
+    def is_built(self) -> bool:
+        return self._index is not None
 
     def take(self, x: np.ndarray) -> np.ndarray:
         """The rows of ``x`` (S, ...) of this band's keys, in its order (a view when ``leading``)."""
@@ -134,7 +152,8 @@ class CausalClusterIndex:
     Attributes (after :meth:`build`): ``keys_`` ((S, E), as given), ``key_positions_`` ((S,) int64),
     ``order_`` ((S,) int64, key ids in position order, stable), ``prefix_budget_`` (int T),
     ``n_clusters_`` / ``n_probe_`` (C, p of every band), ``bands_`` (list of :class:`CausalBand`, by
-    increasing ``lo``; empty when S <= T).
+    increasing ``lo``; empty when S <= T).  :meth:`build` fixes the bands; each band's index is built
+    when a query first reaches it (queries placed after a cache, as in decode, build the last one only).
 
     Examples
     --------
@@ -189,10 +208,7 @@ class CausalClusterIndex:
             hi = 4 * lo
             if hi >= S or S - hi < lo:
                 hi = S
-            ids = order[:hi]
-            leading = _is_leading(ids)
-            band_keys = keys[:hi] if leading else keys[ids]
-            bands.append(CausalBand(lo, hi, ids, PrefixClusterIndex(**params).build(band_keys, lo), leading))
+            bands.append(CausalBand(lo, hi, order[:hi], keys, params))
             lo = hi
         self.keys_ = keys
         self.key_positions_ = kpos
