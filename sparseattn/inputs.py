@@ -174,6 +174,9 @@ def positions(arr: object, length: int, name: str) -> np.ndarray:
         raise TypeError(f"{name} must be an integer array; got dtype {pos.dtype}.")
     if pos.shape != (length,):
         raise ValueError(f"{name} must have shape ({length},); got {pos.shape}.")
+    if pos.dtype == np.uint64 and pos.size and int(pos.max()) > np.iinfo(np.int64).max:
+        # casting would wrap them negative: a late position would silently become the earliest
+        raise ValueError(f"{name} must fit in int64 (at most {np.iinfo(np.int64).max}); got {int(pos.max())}.")
     return np.ascontiguousarray(pos, dtype=np.int64)
 
 # ---------------------------------------------------------------------------- leading-dim broadcasting

@@ -748,3 +748,17 @@ def test_threads_restores_after_an_exception():
         assert sa.get_num_threads() == 1
         raise KeyError("boom")
     assert sa.get_num_threads() == before
+
+
+def test_uint64_positions_beyond_int64_are_refused_not_wrapped(qkv):
+    # 2**63 cast to int64 is -2**63: the latest position would become the earliest, silently
+    q, k, v = qkv
+    S = k.shape[-2]
+    kpos = np.arange(S, dtype=np.uint64)
+    kpos[-1] = np.uint64(2**63)
+    with pytest.raises(ValueError, match="key_positions must fit in int64"):
+        sa.sparse_attention(q, k, v, "window:width=4", is_causal=True, key_positions=kpos)
+    fine = np.arange(S, dtype=np.uint64)  # in range: accepted, same result as int64
+    np.testing.assert_array_equal(
+        sa.sparse_attention(q, k, v, "window:width=4", is_causal=True, key_positions=fine),
+        sa.sparse_attention(q, k, v, "window:width=4", is_causal=True, key_positions=fine.astype(np.int64)))
