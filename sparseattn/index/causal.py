@@ -69,7 +69,7 @@ class PrefixClusterIndex(ClusterIndex):
         n_train_keys : int in [n_clusters, S], optional
             Default S.
         """
-        keys = checked_finite_keys(keys)
+        keys = checked_keys(keys, finite=True)
         S, E = keys.shape
         C, p, n_train = self.sizes(S)
         T = S if n_train_keys is None else check_positive_int(n_train_keys, "n_train_keys", minimum=C, maximum=S)
@@ -195,7 +195,7 @@ class CausalClusterIndex:
         key_positions : int array (S,), optional
             Default ``arange(S)``; ties keep the keys' order.
         """
-        keys = checked_finite_keys(keys)
+        keys = checked_keys(keys, finite=True)
         S = keys.shape[0]
         kpos = positions(key_positions, S, "key_positions")
         C, p, _ = ClusterIndex(**self._params).sizes(S)
@@ -255,16 +255,6 @@ class CausalClusterIndex:
     def same_layout(self, keys: np.ndarray, key_positions: np.ndarray) -> bool:
         """Whether this index was built over exactly these keys (same object) and key positions."""
         return self.keys_ is not None and keys is self.keys_ and np.array_equal(key_positions, self.key_positions_)
-
-
-def checked_finite_keys(keys: object) -> np.ndarray:
-    """:func:`~sparseattn.index.cluster.checked_keys`, and every key finite (a NaN key past the training
-    keys would otherwise drop out of attention silently)."""
-    keys = checked_keys(keys)
-    if not np.isfinite(keys).all():
-        raise ValueError("keys must be finite: the k-means and the exact prefix rows would take NaN / Inf "
-                         "in; clean or mask those keys first.")
-    return keys
 
 
 def _training_means(centred: np.ndarray, labels: np.ndarray, cent: np.ndarray) -> np.ndarray:

@@ -525,13 +525,18 @@ def rows_seeing_at_most(budget: int, qpos: np.ndarray, kpos: np.ndarray, kpos_as
     return np.flatnonzero((visible > 0) & (visible <= budget))
 
 
-def checked_keys(keys: object) -> np.ndarray:
+def checked_keys(keys: object, *, finite: bool = False) -> np.ndarray:
     """``keys`` as a C-contiguous (S, E) float32 or float64 array with S >= 1 and E >= 1 (ValueError
-    otherwise: FAISS's k-means divides by E, and a zero there ended the process with SIGFPE)."""
+    otherwise: FAISS's k-means divides by E, and a zero there ended the process with SIGFPE); with
+    ``finite``, every key finite too (the causal indexes: a NaN key past the k-means' training sample would
+    otherwise drop out of attention silently)."""
     keys = np.asarray(keys)
     if keys.ndim != 2 or keys.dtype not in (np.float32, np.float64) or keys.shape[0] < 1 or keys.shape[1] < 1:
         raise ValueError(f"keys must be a 2-D float32 or float64 array (S >= 1, E >= 1); got {keys.dtype} "
                          f"{keys.shape}.")
+    if finite and not np.isfinite(keys).all():
+        raise ValueError("keys must be finite: the k-means and the exact prefix rows would take NaN / Inf "
+                         "in; clean or mask those keys first.")
     return np.ascontiguousarray(keys)
 
 
