@@ -200,3 +200,32 @@ def test_prefix_index_trains_on_its_first_keys_only():
     np.testing.assert_array_equal(a.kmeans_centroids_, b.kmeans_centroids_)
     np.testing.assert_array_equal(a.centroids_, b.centroids_)
     np.testing.assert_array_equal(a.assignment_[:400], b.assignment_[:400])
+
+
+def test_overlapping_kmeans_restore_faiss_settings():
+    # FAISS's OpenMP threads and BLAS threshold are process-wide: k-means from several Python threads at
+    # once must leave them as they were before the first one started (save/restore per call did not).
+    import threading
+
+    import faiss
+
+    from sparseattn.index.kmeans import train_kmeans
+
+    before = (faiss.omp_get_max_threads(), faiss.cvar.distance_compute_blas_threshold)
+    x = np.random.default_rng(0).standard_normal((3000, 16)).astype(np.float32)
+    barrier = threading.Barrier(6)
+    out = [None] * 6
+
+    def work(t):
+        barrier.wait()
+        for _ in range(3):
+            out[t] = train_kmeans(x, 32, 3000, seed=1, n_iter=3, spherical=True)
+
+    ths = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join()
+    assert (faiss.omp_get_max_threads(), faiss.cvar.distance_compute_blas_threshold) == before
+    for o in out[1:]:
+        np.testing.assert_array_equal(o, out[0])

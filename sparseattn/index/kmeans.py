@@ -10,7 +10,10 @@ against 0.40 s on two threads with the other core busy, 16k keys).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 
@@ -50,26 +53,46 @@ def train_kmeans(centred: np.ndarray, C: int, n_train: int, *, seed: int, n_iter
             cent /= max(float(np.linalg.norm(cent)), 1e-30)
             return cent
         return cent * scale
-    old = faiss.omp_get_max_threads()
-    old_blas = faiss.cvar.distance_compute_blas_threshold
-    # One OpenMP thread, whatever n_threads: with the other core busy, FAISS's k-means took 0.40 s
-    # on 2 threads against 0.023 s on 1 (16k x 64 sample, 128 centroids): its many short parallel
-    # regions spin at barriers.  Set before pinning BLAS: FAISS's OpenBLAS follows the OpenMP setting.
-    faiss.omp_set_num_threads(1)
-    # BLAS for FAISS's assignment step at every size: with its default threshold (128,000) smaller
-    # training sets went through its SIMD loop, 3x slower (2,048 x 32 points, 128 centroids, 10
-    # iterations, one thread: 12.3 ms against 4.1 ms; the same time from 4,096 points up).  Restored after.
-    faiss.cvar.distance_compute_blas_threshold = 20
-    try:
-        with worker_threads(1):
-            km = faiss.Kmeans(E, C, niter=n_iter, seed=seed, spherical=spherical, verbose=False,
-                              max_points_per_centroid=1 << 30, min_points_per_centroid=1)
-            km.train(sample)
-    finally:
-        faiss.omp_set_num_threads(old)
-        faiss.cvar.distance_compute_blas_threshold = old_blas
+    with _faiss_training(faiss), worker_threads(1):
+        km = faiss.Kmeans(E, C, niter=n_iter, seed=seed, spherical=spherical, verbose=False,
+                          max_points_per_centroid=1 << 30, min_points_per_centroid=1)
+        km.train(sample)
     cent = np.asarray(km.centroids, dtype=np.float32).reshape(C, E)
     return cent if spherical else cent.astype(np.float64) * scale
+
+
+_training_lock = threading.Lock()
+_training_count = 0
+_training_saved: tuple[int, int] = (0, 0)
+
+
+@contextmanager
+def _faiss_training(faiss: Any) -> Iterator[None]:
+    """FAISS's process-wide settings for a k-means, restored when the last concurrent k-means ends (a
+    per-call save and restore let two overlapping ones leave the first one's settings behind for good).
+
+    * One OpenMP thread, whatever n_threads: with the other core busy, FAISS's k-means took 0.40 s on 2
+      threads against 0.023 s on 1 (16k x 64 sample, 128 centroids): its many short parallel regions spin
+      at barriers.  Set before pinning BLAS: FAISS's OpenBLAS follows the OpenMP setting.
+    * BLAS for the assignment step at every size: with FAISS's default threshold (128,000) smaller
+      training sets went through its SIMD loop, 3x slower (2,048 x 32 points, 128 centroids, 10
+      iterations, one thread: 12.3 ms against 4.1 ms; the same time from 4,096 points up).
+    """
+    global _training_count, _training_saved
+    with _training_lock:
+        if _training_count == 0:
+            _training_saved = (faiss.omp_get_max_threads(), faiss.cvar.distance_compute_blas_threshold)
+            faiss.omp_set_num_threads(1)
+            faiss.cvar.distance_compute_blas_threshold = 20
+        _training_count += 1
+    try:
+        yield
+    finally:
+        with _training_lock:
+            _training_count -= 1
+            if _training_count == 0:
+                faiss.omp_set_num_threads(_training_saved[0])
+                faiss.cvar.distance_compute_blas_threshold = _training_saved[1]
 
 
 def row_chunks(n_rows: int, n_cols: int, work: Callable[[int, int], None], n_threads: int) -> None:
