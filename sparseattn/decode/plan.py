@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..kernels import decode as kd
+from ..threads import get_num_threads
 from .store import SlotStore
 
 __all__ = ["PARALLEL_MIN_KEYS", "StepPlan", "parallel_step", "StepResult", "concat_results", "run_plan", "run_strategy"]
@@ -38,6 +39,17 @@ def parallel_step(work: float, parallel: bool | None) -> bool:
     """The user's ``parallel`` if set, else whether ``work`` (keys of E = Ev = 64 scored, or their
     equivalent: callers scale by ``(E + Ev) / 128``) reaches :data:`PARALLEL_MIN_KEYS`."""
     return parallel if parallel is not None else work >= PARALLEL_MIN_KEYS
+
+def group_size(rep: int, groups: int, threads: int) -> int:
+    """Query heads of a kv head read together (the sketch scan's codes, the decode kernel's exact keys and
+    values): the largest divisor of ``rep`` that still leaves at least ``threads`` groups of rows
+    (``groups``: kv heads x query tokens), so sharing a kv head's reads never idles a worker; 1 without
+    GQA."""
+    for d in range(rep, 0, -1):
+        if rep % d == 0 and (groups * (rep // d) >= threads or d == 1):
+            return d
+    return 1
+
 
 # kernel inputs of a step that lists no rows / records nothing (the kernel never writes them)
 _NO_ROWS = np.full((1, 1), -1, np.int64)
@@ -157,10 +169,12 @@ def run_plan(store: SlotStore, plan: StepPlan, q: np.ndarray, qpos: np.ndarray, 
     cent, cscale, cptr, n_cent, ccount, cvmean, cminpos, cmaxpos, cspread = clusters
     t1 = time.perf_counter()
     K, V, pmin, pmax = store.kernel_arrays(store.K, store.V, pages[0], pages[1])
+    # query heads of a kv head read its exact keys together (MODE_NONE / MODE_LIST without recording)
+    Qg = group_size(H // hk, hk * T, get_num_threads() if par else 1)
     fn(q, qpos, H // hk, K, V, store.pos, plan.s0, plan.ex_lo, plan.n_slots, plan.hi, plan.mode,
        plan.n_probe, cent, cscale, cptr, n_cent, ccount, pmin, pmax, pages[2],
        plan.page_size, np.float32(scale), plan.n_est, cvmean, cminpos, cmaxpos, cspread,
-       float(plan.top_p), plan.tp_min, plan.tp_max, plan.rows_sel, rec, n_rec, out, lse, nread, nest, ncap)
+       float(plan.top_p), plan.tp_min, plan.tp_max, plan.rows_sel, rec, n_rec, out, lse, nread, nest, ncap, Qg)
     if weights is not None and plan.n_slots:
         if bf16:
             acc = kd.accumulate_parallel_bf16 if par else kd.accumulate_serial_bf16

@@ -358,6 +358,123 @@ def _row(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_pr
     _finish(out, lse, h, t, acc, m_run, l_run, overflow)
 
 
+# ------------------------------------------------------------------------------ a group of rows
+@njit(cache=True, fastmath=FASTMATH, inline="always")
+def _read_chunk(Kg, Vg, pg, qs, u0, u1, idx, listed, start, stop, qp, lim, scale, sc, vis, acc, m_run, l_run, over):
+    """Slots ``start .. stop - 1`` (at most ``CHUNK``; with ``listed`` the slots ``idx[start:stop]``) read for
+    the query rows ``qs[u0:u1]`` of one kv head: each key row is scored against every one of those queries
+    while it is in L1, then each row's online softmax (the rules of :func:`_row`: visible iff ``pos <= qp``
+    and ``pos < lim``; a non-finite score of a visible key sets the row's ``over``) and one pass over the
+    value rows for all of them.  Returns the visible keys."""
+    E, Ev = qs.shape[1], Vg.shape[1]
+    kbytes, vbytes = Kg.shape[1] * Kg.itemsize, Vg.shape[1] * Vg.itemsize
+    n = stop - start
+    cnt = 0
+    for j in range(start, stop):
+        if listed and j + LIST_AHEAD < stop:
+            for off in range(0, kbytes, 64):
+                prefetch_l2(Kg, idx[j + LIST_AHEAD], off)
+            for off in range(0, vbytes, 64):
+                prefetch_l2(Vg, idx[j + LIST_AHEAD], off)
+        slot = idx[j] if listed else j
+        p = pg[slot]
+        ok = p <= qp and p < lim
+        vis[j - start] = ok
+        cnt += 1 if ok else 0
+        kj = Kg[slot]
+        for u in range(u0, u1):
+            s = np.float32(0.0)
+            for e in range(E):
+                s += qs[u, e] * (widen_bf16(kj[e]) if BF16 else widen_f16(kj[e]))
+            sc[u, j - start] = s * scale
+    if cnt == 0:
+        return 0
+    for u in range(u0, u1):
+        row = sc[u]
+        if over[u]:
+            for i in range(n):
+                row[i] = np.float32(0.0)
+            continue
+        cmax = np.float32(-np.inf)
+        for i in range(n):
+            if not vis[i]:
+                row[i] = -np.inf
+            else:
+                x = row[i]
+                if x > cmax:
+                    cmax = x
+                elif not (x > -np.inf):  # -inf or NaN from finite inputs: the score overflowed
+                    cmax = np.inf
+        if cmax == np.inf:
+            over[u] = True
+            for i in range(n):
+                row[i] = np.float32(0.0)
+            continue
+        m_run[u], l_run[u] = _raise_max(m_run[u], cmax, l_run[u], acc[u])
+        exp_shifted_f32(row, n, m_run[u], row)  # masked keys: exp(-inf) = 0
+        tot = np.float32(0.0)
+        for i in range(n):
+            tot += row[i]
+        l_run[u] += tot
+    for j in range(start, stop):
+        if not vis[j - start]:
+            continue
+        vj = Vg[idx[j] if listed else j]
+        for u in range(u0, u1):
+            w = sc[u, j - start]
+            a = acc[u]
+            for e in range(Ev):
+                a[e] += w * (widen_bf16(vj[e]) if BF16 else widen_f16(vj[e]))
+    return cnt
+
+
+def _group(k, Qg, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, scale, sel, out, lse, nread, nest,
+           ncap):
+    """Group ``k`` of rows: query heads ``h0 .. h0 + Qg - 1`` of one kv head g at token t (``Qg`` divides
+    ``rep``; groups are ordered (g, subgroup, t)), for ``MODE_NONE`` and the one-sweep ``MODE_LIST``.  The
+    exact ranges (sinks, window) are read once for the group's rows, not once per row: grouped-query
+    attention then reads a kv head's keys and values once per ``Qg`` query heads.  In ``MODE_LIST`` each
+    row then reads its own listed slots.  Rows get what :func:`_row` gives them (up to float32 summation
+    order): same masks, online softmax, overflow and empty-row rules."""
+    T = q.shape[1]
+    n_sub = rep // Qg
+    t = k % T
+    gs = k // T
+    g = gs // n_sub
+    h0 = g * rep + (gs % n_sub) * Qg
+    qp, Kg, Vg, pg = qpos[t], K[g], V[g], pos[g]
+    Ev = V.shape[2]
+    qs = np.empty((Qg, q.shape[2]), np.float32)
+    for u in range(Qg):
+        qs[u] = q[h0 + u, t]
+    acc = np.zeros((Qg, max(Ev, 1)), np.float32)
+    sc = np.empty((Qg, CHUNK), np.float32)
+    vis = np.empty(CHUNK, np.bool_)
+    m_run = np.full(Qg, -np.inf, np.float32)
+    l_run = np.zeros(Qg, np.float32)
+    over = np.zeros(Qg, np.bool_)
+    shared = 0
+    for rr in range(2):  # the sinks, then the window: shared by the group's rows
+        a = 0 if rr == 0 else ex_lo
+        b = min(n_sinks, n_slots) if rr == 0 else n_slots
+        for start in range(a, b, CHUNK):
+            shared += _read_chunk(Kg, Vg, pg, qs, 0, Qg, sel[0], False, start, min(start + CHUNK, b), qp,
+                                  2147483647, scale, sc, vis, acc, m_run, l_run, over)
+    for u in range(Qg):
+        r = (h0 + u) * T + t
+        n_read = shared
+        if mode == MODE_LIST:
+            idx = sel[r]
+            n_sel = 0
+            while n_sel < idx.shape[0] and idx[n_sel] >= 0:
+                n_sel += 1
+            for start in range(0, n_sel, CHUNK):
+                n_read += _read_chunk(Kg, Vg, pg, qs, u, u + 1, idx, True, start, min(start + CHUNK, n_sel), qp,
+                                      hi_pos, scale, sc, vis, acc, m_run, l_run, over)
+        nread[r], nest[r], ncap[r] = n_read, 0, 0
+        _finish(out, lse, h0 + u, t, acc[u], m_run[u], l_run[u], over[u])
+
+
 # one variant per storage and per slot source (ranges only, or a list in one sweep): compile-time
 # constants, so the range variant's loop has no branch of the list's.  The row body is its own compiled
 # function: a prange loop over a large body compiled ~10x slower.
@@ -367,13 +484,22 @@ _row_bf16 = njit(cache=True, fastmath=FASTMATH)(clone_with(_row, "_bf16", {"BF16
 _row_list_f32 = njit(cache=True, fastmath=FASTMATH)(clone_with(_row, "_list", {"BF16": False, "LISTED": True}))
 _row_list_bf16 = njit(cache=True, fastmath=FASTMATH)(clone_with(_row, "_list_bf16", {
     "BF16": True, "LISTED": True, "ROUTE": route_row_bf16}))
-ROW, ROW_LIST = _row_f32, _row_list_f32
+_group_f32 = njit(cache=True, fastmath=FASTMATH)(clone_with(_group, "_std", {"BF16": False}))
+_group_bf16 = njit(cache=True, fastmath=FASTMATH)(clone_with(_group, "_bf16", {
+    "BF16": True, "_read_chunk": njit(cache=True, fastmath=FASTMATH, inline="always")(
+        clone_with(_read_chunk.py_func, "_bf16", {"BF16": True}))}))
+ROW, ROW_LIST, GROUP = _row_f32, _row_list_f32, _group_f32
 
 
 def _decode_rows(q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_probe,
                  cent, cscale, cptr, n_cent, ccount, pmin, pmax, pminpos, page_size, scale, n_est, cvmean, cminpos,
-                 cmaxpos, cspread, top_p, tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest, ncap):
+                 cmaxpos, cspread, top_p, tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest, ncap, Qg):
     one_sweep = mode == MODE_LIST and rec.shape[0] == 0  # every listed slot in one sweep
+    if Qg > 1 and (one_sweep or (mode == MODE_NONE and rec.shape[0] == 0)):
+        for k in prange(q.shape[0] // Qg * q.shape[1]):  # groups of Qg query heads sharing a kv head
+            GROUP(k, Qg, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, scale, sel, out, lse, nread,
+                  nest, ncap)
+        return
     for r in prange(q.shape[0] * q.shape[1]):
         if one_sweep:
             ROW_LIST(r, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, n_probe, cent, cscale, cptr,
@@ -387,4 +513,4 @@ def _decode_rows(q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode,
 
 decode_serial, decode_parallel = serial_and_parallel(_decode_rows)
 decode_serial_bf16, decode_parallel_bf16 = serial_and_parallel(
-    _decode_rows, constants={"ROW": _row_bf16, "ROW_LIST": _row_list_bf16}, suffix="_bf16")
+    _decode_rows, constants={"ROW": _row_bf16, "ROW_LIST": _row_list_bf16, "GROUP": _group_bf16}, suffix="_bf16")

@@ -38,12 +38,12 @@ import numpy as np
 from ...kernels import decode as kd
 from ...kernels import sketch as ks
 from ...threads import get_num_threads, single_threaded_blas
-from ..plan import StepPlan, parallel_step
+from ..plan import StepPlan, group_size, parallel_step
 from ..store import EVICTED
 from .base import register_routing
 from .cluster import ClusterRouting
 
-__all__ = ["SketchRouting", "group_size", "parse_sketch"]
+__all__ = ["SketchRouting", "parse_sketch"]
 
 MIN_CANDIDATES = 1024
 DEFAULT_FRACTION = 1 / 128  # keys read exactly (at least MIN_CANDIDATES)
@@ -83,16 +83,6 @@ def parse_sketch(selector: object) -> dict[str, float] | None:
     if "candidates" in out and "fraction" in out:
         raise ValueError(f"selector {selector!r}: pass candidates or fraction, not both.")
     return out
-
-
-def group_size(rep: int, groups: int, threads: int) -> int:
-    """Query heads of a kv head scanned together: the largest divisor of ``rep`` that still leaves at least
-    ``threads`` groups of rows (``groups``: kv heads x query tokens), so sharing a kv head's code reads
-    never idles a worker; 1 without GQA."""
-    for d in range(rep, 0, -1):
-        if rep % d == 0 and (groups * (rep // d) >= threads or d == 1):
-            return d
-    return 1
 
 
 @register_routing
