@@ -21,7 +21,8 @@ from ..kernels import decode as kd
 from ..threads import get_num_threads
 from .store import SlotStore
 
-__all__ = ["PARALLEL_MIN_KEYS", "StepPlan", "parallel_step", "StepResult", "concat_results", "run_plan", "run_strategy"]
+__all__ = ["PARALLEL_MIN_KEYS", "StepPlan", "parallel_step", "StepResult", "concat_results", "group_size", "run_plan",
+           "run_strategy"]
 
 # Work per call (keys scored, plus routing vectors weighted by their bytes against a key's key + value, in
 # keys of E = Ev = 64: a key of E = Ev = 256 counts 4, see parallel_step) below which the kernel runs on one
@@ -39,6 +40,7 @@ def parallel_step(work: float, parallel: bool | None) -> bool:
     """The user's ``parallel`` if set, else whether ``work`` (keys of E = Ev = 64 scored, or their
     equivalent: callers scale by ``(E + Ev) / 128``) reaches :data:`PARALLEL_MIN_KEYS`."""
     return parallel if parallel is not None else work >= PARALLEL_MIN_KEYS
+
 
 def group_size(rep: int, groups: int, threads: int) -> int:
     """Query heads of a kv head read together (the sketch scan's codes, the decode kernel's exact keys and

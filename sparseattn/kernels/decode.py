@@ -34,6 +34,12 @@ rows).  Per row, over the cache of kv head ``h // rep``:
 3. one online softmax over all scored keys, processed in chunks of ``CHUNK``: chunk maximum, rescale of
    the running sum when the maximum grows, a vectorised float32 exp, the weighted value sum.
 
+Grouped-query attention: in ``MODE_NONE`` and the one-sweep ``MODE_LIST`` (nothing recorded) the caller
+may pass a group size ``Qg > 1`` (a divisor of ``rep``): the work is then split by groups of ``Qg`` query
+heads of one kv head at one token (``_group``), which read the exact ranges once for all of them (each
+key row scored against the group's queries while it is in L1, one pass over the value rows), then each
+row's listed slots; every row keeps its own online softmax, masks, overflow and empty-row rules.
+
 Key masks, by the int32 position of each slot (``pos``): a key is visible to a row at position ``qp``
 iff ``pos <= qp`` (causal).  An evicted key has position ``EVICTED`` (the int32 maximum), so the same
 test hides it from every row, and a cluster holding one has ``cmaxpos = EVICTED`` until its statistics
