@@ -81,7 +81,7 @@ def test_grouped_rows_equal_float64_over_the_read_slots(hk: int, rep: int, T: in
             np.testing.assert_allclose(grouped[i, t], want, rtol=2e-4, atol=2e-4)
 
 
-def test_grouped_rows_are_used_and_read_once_per_group(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernel_gets_the_rule_group_size_and_rows_count_their_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     # the kernel receives the group size of the rule; the keys-read count per row is that of the per-row path
     seen = []
     real = kd.decode_serial
