@@ -484,13 +484,15 @@ class SparseCache(Cache):
 
 
 def capture_decode_trace(model: Any, input_ids: Any, path: str | Any, *, layer: int, heads: Sequence[int] | None = None,
-                         n_queries: int = 256) -> dict[str, np.ndarray]:
+                         n_queries: int = 256, chunk: int | None = None) -> dict[str, np.ndarray]:
     """Save one layer's rotated keys, values and decode queries over a text, for ``sparseattn decode --data``.
 
-    The model runs once over ``input_ids`` (SDPA, DynamicCache); the attention call of ``layer`` is recorded:
-    its queries and keys after RoPE, and its values.  The queries of the last ``n_queries`` positions are
-    exactly the queries a decode step at those positions computes (the model is causal), so the file is a
-    real decode workload: each query may attend the keys at positions up to its own.
+    The model runs over ``input_ids`` (SDPA, a DynamicCache; in chunks of ``chunk`` tokens when given, as a
+    chunked prefill); the attention calls of ``layer`` are recorded: its queries and keys after RoPE, and
+    its values.  The queries of the last ``n_queries`` positions are exactly the queries a decode step at
+    those positions computes (the model is causal), so the file is a real decode workload: each query may
+    attend the keys at positions up to its own.  ``layer`` must be a full-attention layer: a sliding-window
+    layer's queries never see keys beyond their window, so its trace would not be that workload.
 
     Parameters
     ----------
@@ -505,25 +507,42 @@ def capture_decode_trace(model: Any, input_ids: Any, path: str | Any, *, layer: 
         Query heads to keep (default all).
     n_queries : int, default 256
         Decode queries saved (the last positions), <= S.
+    chunk : int, optional
+        Tokens per forward pass (default: all S in one): memory and time of a long text's attention grow
+        with the chunk (Gemma 3 270M at 32,768 tokens: one pass 616 s here, 2,048-token chunks about 60 s).
 
     Returns
     -------
     dict of the arrays written.
+
+    Raises
+    ------
+    ValueError
+        ``layer`` out of range or a sliding-window layer (the message lists the full-attention layers),
+        ``n_queries`` or ``chunk`` out of range, bad ``input_ids``.
     """
     ids = torch.as_tensor(input_ids)
     if ids.dim() != 2 or ids.shape[0] != 1:
         raise ValueError(f"input_ids must have shape (1, S); got {tuple(ids.shape)}.")
     S = int(ids.shape[1])
-    n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    text = model.config.get_text_config(decoder=True)
+    n_layers = text.num_hidden_layers
     layer = check_positive_int(layer, "layer", minimum=0, maximum=n_layers - 1)
+    layer_types, _ = get_layer_types_and_kwargs(text)
+    if layer_types[layer] != "full_attention":
+        full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+        raise ValueError(f"layer {layer} is a {layer_types[layer]} layer: its queries see only their window, so "
+                         f"its trace is not a decode workload over the whole text; pick a full-attention layer "
+                         f"({full if full else 'this model has none'}).")
     n_queries = check_positive_int(n_queries, "n_queries", maximum=S)
-    seen: dict[str, Any] = {}
+    chunk = S if chunk is None else check_positive_int(chunk, "chunk")
+    seen: dict[str, Any] = {"q": []}
 
     def record(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        if getattr(module, "layer_idx", None) == layer:
-            seen.update(q=query[0, :, -n_queries:].detach().float().numpy().copy(),
-                        k=key[0].detach().float().numpy().copy(), v=value[0].detach().float().numpy().copy(),
+        if getattr(module, "layer_idx", None) == layer:  # keys / values: every token so far (the last call's)
+            seen["q"].append(query[0, :, -n_queries:].detach().float().numpy().copy())
+            seen.update(k=key[0].detach().float().numpy().copy(), v=value[0].detach().float().numpy().copy(),
                         scale=kwargs.get("scaling") or query.shape[-1] ** -0.5)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
@@ -534,11 +553,23 @@ def capture_decode_trace(model: Any, input_ids: Any, path: str | Any, *, layer: 
     model.set_attn_implementation(name)
     try:
         with torch.no_grad():
-            model(ids, logits_to_keep=1)
+            if chunk >= S:
+                model(ids, logits_to_keep=1)
+            else:
+                from transformers import DynamicCache
+
+                cache = DynamicCache(config=model.config)
+                for a in range(0, S, chunk):
+                    model(ids[:, a:a + chunk], cache=cache, logits_to_keep=1)
+                del cache
     finally:
         model.set_attn_implementation(previous)
-    if "q" not in seen:
+    if not seen["q"]:
         raise ValueError(f"layer {layer} made no attention call through transformers' attention interface.")
+    seen["q"] = np.concatenate(seen["q"], axis=1)[:, -n_queries:]
+    if seen["k"].shape[1] != S:
+        raise ValueError(f"layer {layer}'s last attention call saw {seen['k'].shape[1]} keys, not the {S} tokens "
+                         f"of the text; its cache keeps fewer (a sliding or chunked layer).")
     H, h_kv = seen["q"].shape[0], seen["k"].shape[0]
     keep = list(range(H)) if heads is None else [check_positive_int(h, "heads", minimum=0, maximum=H - 1)
                                                  for h in heads]

@@ -154,3 +154,30 @@ def test_crop_refused_before_any_layer_changes(model):
     with pytest.raises(ValueError, match="cannot crop"):
         cache.crop(1)
     assert [la.get_seq_length() for la in cache.layers] == [6, 6, 6, 6]
+
+
+def test_capture_decode_trace_chunked_equals_one_pass_and_refuses_sliding_layers(model, tmp_path):
+    # a chunked capture (a DynamicCache prefill in 7-token chunks) saves what one pass saves; its keys and
+    # values are the model's own cache's for that global layer; a sliding layer's trace is refused (its
+    # queries never saw keys beyond the window), naming the full-attention layers
+    from sparseattn.hf_cache import capture_decode_trace
+
+    ids = _ids(40, 11)
+    model.set_attn_implementation("sdpa")
+    one = capture_decode_trace(model, ids, tmp_path / "one.npz", layer=3, n_queries=10)
+    chunked = capture_decode_trace(model, ids, tmp_path / "chunked.npz", layer=3, n_queries=10, chunk=7)
+    assert model.config._attn_implementation == "sdpa"
+    for name in ("q", "k", "v"):
+        assert one[name].shape == chunked[name].shape
+        assert float(abs(one[name] - chunked[name]).max()) < 1e-5, name
+    assert chunked["q_pos"].tolist() == list(range(30, 40)) and float(chunked["scale"]) == 32 ** -0.5
+    with torch.no_grad():
+        dyn = DynamicCache(config=model.config)
+        model(ids, cache=dyn)
+    # query heads 0-3 read kv heads 0, 0, 1, 1
+    assert torch.allclose(torch.from_numpy(chunked["k"]), dyn.layers[3].keys[0][[0, 0, 1, 1]], atol=1e-5)
+    assert torch.allclose(torch.from_numpy(chunked["v"]), dyn.layers[3].values[0][[0, 0, 1, 1]], atol=1e-5)
+    with pytest.raises(ValueError, match=r"layer 2 is a sliding_attention layer.*\[1, 3\]"):
+        capture_decode_trace(model, ids, tmp_path / "s.npz", layer=2)
+    with pytest.raises(ValueError, match="chunk"):
+        capture_decode_trace(model, ids, tmp_path / "c.npz", layer=1, n_queries=10, chunk=0)

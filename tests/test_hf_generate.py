@@ -279,6 +279,13 @@ def test_cli_trace_llm_bad_flags_one_line_exit_2(capsys, tmp_path):
     assert main(["trace", "llm", "--n-keys", "512", "--n-queries", "600", "--out", str(tmp_path)]) == 2
     assert main(["trace", "llm", "--heads", "a", "--out", str(tmp_path)]) == 2
     assert "--heads must be a comma list" in capsys.readouterr().err
+    assert main(["trace", "llm", "--model", "gemma3", "--n-keys", "40000", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--n-keys must be <= 32768 (gemma3's context)" in err
+    for bad, what in ((["--model", "llama"], "--model"), (["--chunk", "0"], "--chunk"), (["--chunk", "x"], "--chunk")):
+        assert main(["trace", "llm", *bad, "--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and what in err
 
 
 def test_past_key_values_keyword_reaches_the_cache(model, ids):

@@ -485,15 +485,22 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``trace llm --model``: (GGUF_MODELS key, context in tokens, default layer: a full-attention one)
+_TRACE_LLM_MODELS = {"smollm2": ("smollm2-135m", 8192, 3), "gemma3": ("gemma3-270m", 32768, 5)}
+
+
 def _cmd_trace_llm(args: argparse.Namespace) -> int:
-    """``trace llm``: one layer of SmolLM2-135M (the llm extra) over a KJV window, as a decode workload."""
+    """``trace llm``: one full-attention layer of a packaged causal LM (the llm extra) over a KJV window, as a
+    decode workload."""
     from pathlib import Path
 
+    gguf, context, default_layer = _TRACE_LLM_MODELS[args.model]
     args.n_keys = 4096 if args.n_keys is None else args.n_keys
     args.n_queries = 256 if args.n_queries is None else args.n_queries
-    if args.n_keys > 8192 or args.n_queries > args.n_keys:
-        raise ValueError(f"trace llm: --n-keys must be <= 8192 (the model's context) and --n-queries <= --n-keys; "
-                         f"got --n-keys {args.n_keys}, --n-queries {args.n_queries}.")
+    layer = default_layer if args.layer is None else args.layer
+    if args.n_keys > context or args.n_queries > args.n_keys:
+        raise ValueError(f"trace llm: --n-keys must be <= {context} ({args.model}'s context) and --n-queries <= "
+                         f"--n-keys; got --n-keys {args.n_keys}, --n-queries {args.n_queries}.")
     heads = None
     if args.heads is not None:
         try:
@@ -508,17 +515,18 @@ def _cmd_trace_llm(args: argparse.Namespace) -> int:
     from ..hf_cache import capture_decode_trace
     from . import traces
 
-    model, tok = load_gguf_model("smollm2-135m")
+    model, tok = load_gguf_model(gguf)
+    bos = list(tok("").input_ids)  # what the tokenizer puts first: [<bos>] for Gemma, [] for SmolLM2
     verses = traces.kjv_text().split("\n")
     start = int(np.random.default_rng(args.seed).integers(0, len(verses) // 2))
-    ids: list[int] = []
+    ids: list[int] = list(bos)
     for verse in verses[start:]:
         ids.extend(tok.encode(verse + " ", add_special_tokens=False))
         if len(ids) >= args.n_keys:
             break
-    path = Path(args.out) / f"{args.name or f'llm-L{args.layer}'}.npz"
-    capture_decode_trace(model, torch.tensor([ids[:args.n_keys]]), path, layer=args.layer, heads=heads,
-                         n_queries=args.n_queries)
+    path = Path(args.out) / f"{args.name or f'llm-L{layer}'}.npz"
+    capture_decode_trace(model, torch.tensor([ids[:args.n_keys]]), path, layer=layer, heads=heads,
+                         n_queries=args.n_queries, chunk=args.chunk)
     print(f"wrote {path} (sparseattn decode --data {path})")
     return 0
 
@@ -535,7 +543,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     if args.kind == "window":
         kwargs["n_windows"] = args.n_windows
     else:
-        kwargs.update(n_keys=args.n_keys, n_queries=args.n_queries, layer=args.layer)
+        kwargs.update(n_keys=args.n_keys, n_queries=args.n_queries, layer=3 if args.layer is None else args.layer)
         if args.heads is not None:
             try:
                 kwargs["heads"] = [int(h) for h in args.heads.split(",")]
@@ -624,15 +632,22 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("trace", help="capture real Q/K/V traces from MiniLM (needs the 'traces' extra), or with "
-                       "'llm' one layer of SmolLM2-135M's keys/values/decode queries (the 'llm' extra)")
+                       "'llm' one full-attention layer's keys/values/decode queries of SmolLM2-135M or Gemma 3 "
+                       "270M (the 'llm' extra)")
     p.add_argument("kind", choices=["window", "store", "llm"])
+    p.add_argument("--model", choices=sorted(_TRACE_LLM_MODELS), default="smollm2",
+                   help="llm: smollm2 (8,192-token context) or gemma3 (32,768; layers 5, 11, 17 are global)")
+    p.add_argument("--chunk", type=positive_int, default=2048,
+                   help="llm: tokens per forward pass of the capture (default 2048)")
     p.add_argument("--out", default="data", help="output folder (default ./data)")
     p.add_argument("--n-windows", type=positive_int, default=2)
     p.add_argument("--n-keys", type=positive_int, default=None, help="store: default 16384; llm: tokens of text "
-                   "(<= 8192, default 4096)")
+                   "(<= the model's context, default 4096)")
     p.add_argument("--n-queries", type=positive_int, default=None, help="store: default 2048; llm: decode queries "
                    "(the last positions, default 256)")
-    p.add_argument("--layer", type=int_arg(0), default=3)
+    p.add_argument("--layer", type=int_arg(0), default=None,
+                   help="store: MiniLM layer (default 3); llm: a full-attention layer (default 3 for smollm2, "
+                        "5 for gemma3)")
     p.add_argument("--heads", default=None, help="store: comma list of heads (default all 12)")
     p.add_argument("--name", default=None, help="file stem and manifest name (default: the kind); load it "
                    "with `sparseattn compare --data NAME@OUT`")
