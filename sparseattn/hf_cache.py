@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -519,7 +520,7 @@ def capture_decode_trace(model: Any, input_ids: Any, path: str | Any, *, layer: 
     ------
     ValueError
         ``layer`` out of range or a sliding-window layer (the message lists the full-attention layers),
-        ``n_queries`` or ``chunk`` out of range, bad ``input_ids``.
+        ``n_queries`` or ``chunk`` out of range, bad ``input_ids``, a ``path`` whose folder does not exist.
     """
     ids = torch.as_tensor(input_ids)
     if ids.dim() != 2 or ids.shape[0] != 1:
@@ -536,6 +537,9 @@ def capture_decode_trace(model: Any, input_ids: Any, path: str | Any, *, layer: 
                          f"({full if full else 'this model has none'}).")
     n_queries = check_positive_int(n_queries, "n_queries", maximum=S)
     chunk = S if chunk is None else check_positive_int(chunk, "chunk")
+    folder = Path(path).parent
+    if not folder.is_dir():  # checked before the forward pass, not after minutes of it
+        raise ValueError(f"path {path}: its folder {folder} does not exist; create it first.")
     seen: dict[str, Any] = {"q": []}
 
     def record(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

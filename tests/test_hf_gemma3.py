@@ -179,5 +179,7 @@ def test_capture_decode_trace_chunked_equals_one_pass_and_refuses_sliding_layers
     assert torch.allclose(torch.from_numpy(chunked["v"]), dyn.layers[3].values[0][[0, 0, 1, 1]], atol=1e-5)
     with pytest.raises(ValueError, match=r"layer 2 is a sliding_attention layer.*\[1, 3\]"):
         capture_decode_trace(model, ids, tmp_path / "s.npz", layer=2)
+    with pytest.raises(ValueError, match="does not exist; create it first"):
+        capture_decode_trace(model, ids, tmp_path / "no" / "t.npz", layer=1, n_queries=10)
     with pytest.raises(ValueError, match="chunk"):
         capture_decode_trace(model, ids, tmp_path / "c.npz", layer=1, n_queries=10, chunk=0)

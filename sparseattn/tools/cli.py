@@ -524,6 +524,7 @@ def _cmd_trace_llm(args: argparse.Namespace) -> int:
         ids.extend(tok.encode(verse + " ", add_special_tokens=False))
         if len(ids) >= args.n_keys:
             break
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / f"{args.name or f'llm-L{layer}'}.npz"
     capture_decode_trace(model, torch.tensor([ids[:args.n_keys]]), path, layer=layer, heads=heads,
                          n_queries=args.n_queries, chunk=args.chunk)
