@@ -520,7 +520,8 @@ def capture_decode_trace(model: Any, input_ids: Any, path: str | Any, *, layer: 
     ------
     ValueError
         ``layer`` out of range or a sliding-window layer (the message lists the full-attention layers),
-        ``n_queries`` or ``chunk`` out of range, bad ``input_ids``, a ``path`` whose folder does not exist.
+        ``n_queries``, ``chunk`` or a head out of range, bad ``input_ids``, a ``path`` whose folder does not
+        exist (all checked before the model runs).
     """
     ids = torch.as_tensor(input_ids)
     if ids.dim() != 2 or ids.shape[0] != 1:
@@ -540,6 +541,9 @@ def capture_decode_trace(model: Any, input_ids: Any, path: str | Any, *, layer: 
     folder = Path(path).parent
     if not folder.is_dir():  # checked before the forward pass, not after minutes of it
         raise ValueError(f"path {path}: its folder {folder} does not exist; create it first.")
+    n_heads = int(text.num_attention_heads)
+    keep = list(range(n_heads)) if heads is None else [
+        check_positive_int(h, "heads", minimum=0, maximum=n_heads - 1) for h in heads]
     seen: dict[str, Any] = {"q": []}
 
     def record(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -575,8 +579,6 @@ def capture_decode_trace(model: Any, input_ids: Any, path: str | Any, *, layer: 
         raise ValueError(f"layer {layer}'s last attention call saw {seen['k'].shape[1]} keys, not the {S} tokens "
                          f"of the text; its cache keeps fewer (a sliding or chunked layer).")
     H, h_kv = seen["q"].shape[0], seen["k"].shape[0]
-    keep = list(range(H)) if heads is None else [check_positive_int(h, "heads", minimum=0, maximum=H - 1)
-                                                 for h in heads]
     kv_of = [h // (H // h_kv) for h in keep]
     out = {"q": seen["q"][keep], "k": seen["k"][kv_of], "v": seen["v"][kv_of],
            "q_pos": np.arange(S - n_queries, S, dtype=np.int64), "k_pos": np.arange(S, dtype=np.int64),

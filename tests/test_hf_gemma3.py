@@ -181,5 +181,7 @@ def test_capture_decode_trace_chunked_equals_one_pass_and_refuses_sliding_layers
         capture_decode_trace(model, ids, tmp_path / "s.npz", layer=2)
     with pytest.raises(ValueError, match="does not exist; create it first"):
         capture_decode_trace(model, ids, tmp_path / "no" / "t.npz", layer=1, n_queries=10)
+    with pytest.raises(ValueError, match=r"heads must be <= 3; got 4"):
+        capture_decode_trace(model, ids, tmp_path / "h.npz", layer=1, n_queries=10, heads=[0, 4])
     with pytest.raises(ValueError, match="chunk"):
         capture_decode_trace(model, ids, tmp_path / "c.npz", layer=1, n_queries=10, chunk=0)
