@@ -510,7 +510,7 @@ def capture_decode_trace(model: Any, input_ids: Any, path: str | Any, *, layer: 
         Decode queries saved (the last positions), <= S.
     chunk : int, optional
         Tokens per forward pass (default: all S in one): memory and time of a long text's attention grow
-        with the chunk (Gemma 3 270M at 32,768 tokens: one pass 616 s here, 2,048-token chunks about 60 s).
+        with the chunk (Gemma 3 270M at 32,768 tokens here: one pass 616 s, 2,048-token chunks about 3 minutes).
 
     Returns
     -------
@@ -550,8 +550,7 @@ def capture_decode_trace(model: Any, input_ids: Any, path: str | Any, *, layer: 
                attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
         if getattr(module, "layer_idx", None) == layer:  # keys / values: every token so far (the last call's)
             seen["q"].append(query[0, :, -n_queries:].detach().float().numpy().copy())
-            seen.update(k=key[0].detach().float().numpy().copy(), v=value[0].detach().float().numpy().copy(),
-                        scale=kwargs.get("scaling") or query.shape[-1] ** -0.5)
+            seen.update(k=key[0].detach(), v=value[0].detach(), scale=kwargs.get("scaling") or query.shape[-1] ** -0.5)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     name = "sparseattn-capture"
@@ -575,6 +574,7 @@ def capture_decode_trace(model: Any, input_ids: Any, path: str | Any, *, layer: 
     if not seen["q"]:
         raise ValueError(f"layer {layer} made no attention call through transformers' attention interface.")
     seen["q"] = np.concatenate(seen["q"], axis=1)[:, -n_queries:]
+    seen["k"], seen["v"] = (seen[n].float().numpy().copy() for n in ("k", "v"))
     if seen["k"].shape[1] != S:
         raise ValueError(f"layer {layer}'s last attention call saw {seen['k'].shape[1]} keys, not the {S} tokens "
                          f"of the text; its cache keeps fewer (a sliding or chunked layer).")
