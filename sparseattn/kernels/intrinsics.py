@@ -1,5 +1,5 @@
-"""Low-level helpers for the kernels: a software prefetch, a vectorisable float32 exp, popcount and
-a compressing filter.
+"""Low-level helpers for the kernels: a software prefetch, a vectorisable float32 exp, popcount, the
+lowest set bit and a filter (values above a threshold, by a vector compare's mask).
 
 Why prefetch: a random sparse pattern gathers one key row and one value row per (query, key) pair from
 anywhere in memory; the hardware prefetcher cannot guess those addresses, so the kernel announces them a
@@ -80,44 +80,59 @@ def popcount64(typingctx, x):
 
 
 @intrinsic
-def compress_above8(typingctx, src, i, theta, dst, ids, m, idbase):
-    """Append the lanes of ``src[i:i + 8]`` (float64) above ``theta`` to ``dst[m:]`` and their indices
-    ``idbase + i + lane`` to ``ids[m:]`` (int64), in lane order; returns ``m`` + their count.
-
-    One vector compare and two ``llvm.masked.compressstore`` (``vcompresspd`` / ``vpcompressq`` with
-    AVX-512, scalar code elsewhere): a filter that keeps few of many values without a branch per value
-    (a scalar loop mispredicts on every kept one).  The caller guarantees 8 readable values at ``i`` and
-    8 writable slots at ``m``; no bounds are checked.
-    """
-    sig = types.int64(src, types.int64, types.float64, dst, ids, types.int64, types.int64)
+def above_mask16(typingctx, src, i, theta):
+    """Bit ``l`` (l < 16) set where ``src[i + l] > theta`` (float64 ``src``; NaN is not above): one vector
+    compare of 16 lanes and its mask as a uint64.  The caller guarantees 16 readable values at ``i``; no
+    bounds are checked."""
+    sig = types.uint64(src, types.int64, types.float64)
 
     def codegen(context, builder, signature, args):
-        src_t, _, _, dst_t, ids_t, _, _ = signature.args
-        srcv, iv, thv, dstv, idsv, mv, basev = args
-        f64, i64, i32 = ir.DoubleType(), ir.IntType(64), ir.IntType(32)
-        v8d, v8i, v8b = ir.VectorType(f64, 8), ir.VectorType(i64, 8), ir.VectorType(ir.IntType(1), 8)
-        splat = ir.Constant(ir.VectorType(i32, 8), [0] * 8)
-
-        def ptr(aryty, val, idx):
-            ary = context.make_array(aryty)(context, builder, val)
-            return cgutils.get_item_pointer(context, builder, aryty, ary, [idx], wraparound=False)
-
-        vals = builder.load(builder.bitcast(ptr(src_t, srcv, iv), v8d.as_pointer()), align=8)
-        thr = builder.insert_element(ir.Constant(v8d, ir.Undefined), thv, ir.Constant(i32, 0))
-        mask = builder.fcmp_ordered(">", vals, builder.shuffle_vector(thr, ir.Constant(v8d, ir.Undefined), splat))
-        start = builder.insert_element(ir.Constant(v8i, ir.Undefined), builder.add(basev, iv), ir.Constant(i32, 0))
-        idv = builder.add(builder.shuffle_vector(start, ir.Constant(v8i, ir.Undefined), splat),
-                          ir.Constant(v8i, list(range(8))))
-        for vec, vty, aryty, val, ety in ((vals, v8d, dst_t, dstv, f64), (idv, v8i, ids_t, idsv, i64)):
-            fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [vty, ety.as_pointer(), v8b]),
-                f"llvm.masked.compressstore.v8{'f64' if ety is f64 else 'i64'}")
-            builder.call(fn, [vec, ptr(aryty, val, mv), mask])
-        i8 = ir.IntType(8)
-        pc = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i8, [i8]), "llvm.ctpop.i8")
-        return builder.add(mv, builder.zext(builder.call(pc, [builder.bitcast(mask, i8)]), i64))
+        src_t = signature.args[0]
+        srcv, iv, thv = args
+        f64, i32 = ir.DoubleType(), ir.IntType(32)
+        vt = ir.VectorType(f64, 16)
+        ary = context.make_array(src_t)(context, builder, srcv)
+        ptr = cgutils.get_item_pointer(context, builder, src_t, ary, [iv], wraparound=False)
+        vals = builder.load(builder.bitcast(ptr, vt.as_pointer()), align=8)
+        thr = builder.insert_element(ir.Constant(vt, ir.Undefined), thv, ir.Constant(i32, 0))
+        splat = builder.shuffle_vector(thr, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+        mask = builder.fcmp_ordered(">", vals, splat)
+        return builder.zext(builder.bitcast(mask, ir.IntType(16)), ir.IntType(64))
 
     return sig, codegen
+
+
+@intrinsic
+def trailing_zeros64(typingctx, x):
+    """Index of the lowest set bit of a non-zero uint64 (``llvm.cttz``: one ``tzcnt``), as int64."""
+    sig = types.int64(types.uint64)
+
+    def codegen(context, builder, signature, args):
+        i64, i1 = ir.IntType(64), ir.IntType(1)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64, i1]), "llvm.cttz.i64")
+        return builder.call(fn, [args[0], ir.Constant(i1, 1)])
+
+    return sig, codegen
+
+
+@njit(cache=True, inline="always")
+def append_above16(src, i, theta, dst, ids, m, idbase):
+    """Append the values of ``src[i:i + 16]`` (float64) above ``theta`` to ``dst[m:]`` and their indices
+    ``idbase + i + lane`` to ``ids[m:]`` (int64), in lane order; returns ``m`` + their count.
+
+    A filter that keeps few of many values: one vector compare gives a 16-bit mask, and only the kept lanes
+    cost a step (their bits, lowest first); a scalar loop would branch on every value.  (Measured on the
+    sketch scan's filter, 131,072 keys x 8 rows, ~5 % kept: 1.96 -> 1.24 ms against the former 8-lane
+    ``llvm.masked.compressstore``, which compiles to scalar code without AVX-512.)  The caller guarantees 16
+    readable values at ``i`` and 16 writable slots at ``m``; no bounds are checked."""
+    mk = above_mask16(src, i, theta)
+    while mk != 0:
+        lane = trailing_zeros64(mk)
+        dst[m] = src[i + lane]
+        ids[m] = idbase + i + lane
+        m += 1
+        mk &= mk - np.uint64(1)
+    return m
 
 
 LOG2E = np.float32(1.0 / math.log(2.0))
