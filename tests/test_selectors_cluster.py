@@ -1073,3 +1073,92 @@ def test_causal_bands_are_built_when_first_reached(rng, monkeypatch):
     assert built == [384] and [b.is_built for b in index.bands_] == [True, False, True]
     for o in outs[1:]:
         np.testing.assert_array_equal(o, outs[0])
+
+
+# ------------------------------------------------------------------------------------------ spread routing
+def _spread_oracle(sel: ClusterSelector, q: np.ndarray, k: np.ndarray, a: float) -> tuple[np.ndarray, np.ndarray]:
+    """Float64 from the keys alone: each cluster's member mean (centred) and root mean per-dimension
+    variance, the ranking score q.mu + a |q| sigma, and q.mu."""
+    assignment = oracle_assignment(sel, k)
+    kc = k.astype(np.float64) - k.astype(np.float64).mean(axis=0)
+    C, E = sel.n_clusters_, k.shape[1]
+    mu, sigma = np.zeros((C, E)), np.zeros(C)
+    for c in range(C):
+        members = kc[assignment == c]
+        if len(members):
+            mu[c] = members.mean(axis=0)
+            sigma[c] = np.sqrt(members.var(axis=0).mean())
+    qd = q.astype(np.float64)
+    base = qd @ mu.T
+    return base + a * np.linalg.norm(qd, axis=1)[:, None] * sigma[None, :], base
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_spread_routing_ranks_by_the_spread_bound_and_attends_exactly(rng, dtype):
+    q, k, v = clustered(rng, 1500, 200, dtype=dtype)
+    k[:300] += (3.0 * rng.standard_normal((300, k.shape[1]))).astype(dtype)  # some clusters spread widely
+    a = 1.5
+    sel = ClusterSelector(n_clusters=20, n_probe=3, mode="block", spread=a).build(k)
+    rank, base = _spread_oracle(sel, q, k, a)
+    ids, scores = sel.index_.route(q)
+    chosen = np.zeros_like(rank, dtype=bool)
+    np.put_along_axis(chosen, ids.astype(np.int64), True, axis=1)
+    # the chosen clusters rank at least as high as every other one (float32 rounding aside) ...
+    worst_chosen = np.where(chosen, rank, np.inf).min(axis=1)
+    best_other = np.where(chosen, -np.inf, rank).max(axis=1)
+    np.testing.assert_array_less(best_other - 1e-4 * (1 + np.abs(rank).max(axis=1)), worst_chosen)
+    # ... the order differs from q.c alone on some rows, and the scores returned are q.c (the bounds use them)
+    plain = np.sort(np.argsort(-base, axis=1)[:, :3], axis=1)
+    assert (np.sort(ids, axis=1) != plain).any(axis=1).mean() > 0.05
+    np.testing.assert_allclose(scores, np.take_along_axis(base, ids.astype(np.int64), axis=1),
+                               rtol=1e-4 if dtype == np.float32 else 1e-10, atol=1e-4 if dtype == np.float32 else 1e-10)
+    # attention stays exact softmax over the keys of the clusters it routed to
+    assignment = oracle_assignment(sel, k)
+    mask = chosen[:, assignment]
+    out, lse = sel.attend(q, v, scale=0.3)
+    ref, ref_lse = masked_attention(q, k, v, mask, 0.3)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=TOL[dtype])
+    np.testing.assert_allclose(lse, ref_lse, rtol=TOL[dtype], atol=TOL[dtype])
+    np.testing.assert_array_equal(sel.query(q, 1).to_mask(), mask)
+    # spread = 0 is the plain routing, bit for bit
+    sel0 = ClusterSelector(n_clusters=20, n_probe=3, mode="block", spread=0.0).build(k)
+    np.testing.assert_array_equal(sel0.route(q), ClusterSelector(n_clusters=20, n_probe=3, mode="block").build(k).route(q))
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), True, "wide"])
+def test_spread_refuses_bad_values_naming_it(bad):
+    from sparseattn.index import ClusterIndex
+
+    with pytest.raises((ValueError, TypeError), match="spread"):
+        ClusterSelector(spread=bad)
+    if not isinstance(bad, str):
+        with pytest.raises(ValueError, match="spread"):
+            ClusterIndex(spread=bad)
+
+
+def test_spread_is_refused_with_the_estimate_and_top_p(rng):
+    q, k, v = clustered(rng, 600, 20)
+    for extra in ({"estimate": -1}, {"top_p": 0.9}):
+        sel = ClusterSelector(n_clusters=10, n_probe=2, mode="block", spread=1.0, **extra).build(k)
+        with pytest.raises(ValueError, match="spread=1.0 changes the fixed n_probe routing"):
+            sel.attend(q, v)
+
+
+@settings(max_examples=15, deadline=None)
+@given(S=st.integers(1, 400), L=st.integers(1, 30), C=st.integers(1, 12), seed=st.integers(0, 2**32 - 1),
+       causal=st.booleans(), a=st.sampled_from([0.5, 2.0, 40.0]))
+def test_property_spread_block_attend_is_exact_on_the_keys_it_reports(S, L, C, seed, causal, a):
+    rng = np.random.default_rng(seed)
+    C = min(C, S)
+    p = int(rng.integers(1, C + 1))
+    q = rng.standard_normal((L, 5)).astype(np.float32)
+    k = (rng.standard_normal((S, 5)) * rng.uniform(0.1, 3.0, (S, 1))).astype(np.float32)
+    v = rng.standard_normal((S, 3)).astype(np.float32)
+    sel = ClusterSelector(n_clusters=C, n_probe=p, mode="block", spread=a).build(k)
+    out, lse = sel.attend(q, v, is_causal=causal)
+    mask = sel.query(q, 1, is_causal=causal).to_mask()
+    if causal:
+        assert not np.triu(mask, 1).any()  # query i (position i) never reads a key j > i
+    ref, ref_lse = masked_attention(q, k, v, mask, 5 ** -0.5)
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(ref_lse))

@@ -212,6 +212,10 @@ def routed_attention(index: ClusterIndex | CausalClusterIndex, queries: np.ndarr
         raise ValueError("key_positions must be the ones the CausalClusterIndex was built with (its bands are "
                          "prefixes in that position order): pass those, or build it with these.")
     budget = check_budget(index.prefix_budget(), estimate, top_p, min_keys, max_keys)
+    if budget is not None and index.get_params()["spread"]:
+        raise ValueError(f"spread={index.get_params()['spread']} changes the fixed n_probe routing; estimate and "
+                         f"top_p plan their own routing and would ignore it: build the index with spread=0, or "
+                         f"pass estimate=0 and top_p=None.")
     if L == 0:
         if stats is not None:
             stats["refined_pairs"] = 0

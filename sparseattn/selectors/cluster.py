@@ -84,7 +84,7 @@ _MODES = ("topk", "block")
 # Parameters that configure the ClusterIndex (the others, mode, exact_prefix, strict_causal, ..., are
 # query-time choices).
 _INDEX_PARAMS = ("n_clusters", "n_probe", "train_sample", "n_iter", "seed", "center", "spherical", "assign",
-                 "route_by", "split", "n_threads")
+                 "route_by", "split", "spread", "n_threads")
 
 
 def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
@@ -190,6 +190,16 @@ class ClusterSelector(Selector):
         0.971 -> 0.958; norm-matched Gaussian keys recall@64 0.37 -> 0.07; real MiniLM store keys no
         gain.  The spherical default is far more balanced (largest cluster 2.6x the mean on real keys).
         ``n_probe = n_clusters`` still routes to every cluster (exact attention).
+    spread : float, default 0 (off)
+        Rank clusters by ``q . c + spread |q| sigma_c`` (``sigma_c``: root mean per-dimension variance of
+        the cluster's keys) instead of ``q . c``: a cluster whose keys spread widely can hold a key far
+        along q although its mean scores low.  Keys per query for recall@64 0.9
+        (``benchmarks/results/block-routing-study.md``, ``spread=1.5``): at C = round(sqrt(S)) 0-13 % fewer
+        on real MiniLM keys (65k store: head 5 7,664 -> 6,646) and 13 % fewer on clustered keys; at 4x as
+        many clusters 3-22 % fewer (head 5 3,735 -> 2,896).  Clusters that spread widely are often the
+        larger ones, so at a fixed ``n_probe`` a query may read more keys (clustered 65k, 8 probes:
+        1,970 -> 2,150, recall@64 0.964 -> 0.983).  Fixed ``n_probe`` routing only: refused with
+        ``estimate`` or ``top_p``, which plan their own routing.
     estimate : int, default 0 (off)
         Block attention only: the clusters a query does not read are estimated from per-cluster
         statistics (count, mean key, key spread, mean value, pooled value-on-key regression) instead of
@@ -251,7 +261,8 @@ class ClusterSelector(Selector):
     metric = "inner_product"
     requires = ("faiss", "install faiss-cpu")
     guarantee = ("k-means clusters of the (centred) keys, each query routed to its n_probe clusters of "
-                 "largest q.c. mode=topk: exact top-k by inner product among the routed clusters' keys. "
+                 "largest q.c (plus spread * |q| * sigma_c when spread > 0). mode=topk: exact top-k by "
+                 "inner product among the routed clusters' keys. "
                  "mode=block: attend() is exact softmax attention restricted to all keys of the routed "
                  "clusters (query() returns that key set). n_probe = n_clusters is exact full attention. "
                  "Causal: strictly causal (a query seeing at most T = max(n_probe*S/C, 16C) keys reads all of "
@@ -284,6 +295,8 @@ class ClusterSelector(Selector):
                                "(the keys a row reads depend on later keys)", when="query"),
         "split": Param(float, 0.0, "split clusters larger than split * S / n_clusters (0 = never; "
                        "a speed/recall trade)", non_negative),
+        "spread": Param(float, 0.0, "route by q.c + spread * |q| * sigma_c (sigma_c: the cluster's key spread; "
+                        "0 = q.c alone); n_probe routing only, not with estimate or top_p", non_negative),
         "estimate": Param(int, 0, "mode=block: estimate unread clusters from their statistics (0 = off, N = "
                           "the next N clusters after the routed ones, -1 = every unread cluster)", _at_least_minus_one,
                           when="query"),
