@@ -151,8 +151,9 @@ class ClusterIndex:
         scores low.  The scores :meth:`route` returns stay ``q . c``.  Measured
         (``benchmarks/results/block-routing-study.md``, ``spread=1.5``): keys per query for recall@64 0.9
         3-22 % fewer on real MiniLM keys (most on the flattest heads) and 17 % fewer on clustered keys at
-        4 sqrt(S) clusters; at sqrt(S) clusters up to 13 % fewer.  (The mass-driven ``top_p`` budget of
-        routed attention ranks clusters its own way and does not use it.)
+        4 sqrt(S) clusters; at sqrt(S) clusters up to 13 % fewer (up to 1 % more on the most peaked
+        heads).  (Routed attention refuses it with ``estimate`` / ``top_p``, which rank clusters by
+        estimated mass.)
     n_threads : int, optional
         Worker threads (default: Numba's current thread count).
 

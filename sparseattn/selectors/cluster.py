@@ -194,9 +194,10 @@ class ClusterSelector(Selector):
         Rank clusters by ``q . c + spread |q| sigma_c`` (``sigma_c``: root mean per-dimension variance of
         the cluster's keys) instead of ``q . c``: a cluster whose keys spread widely can hold a key far
         along q although its mean scores low.  Keys per query for recall@64 0.9
-        (``benchmarks/results/block-routing-study.md``, ``spread=1.5``): at C = round(sqrt(S)) 0-13 % fewer
-        on real MiniLM keys (65k store: head 5 7,664 -> 6,646) and 13 % fewer on clustered keys; at 4x as
-        many clusters 3-22 % fewer (head 5 3,735 -> 2,896).  Clusters that spread widely are often the
+        (``benchmarks/results/block-routing-study.md``, ``spread=1.5``): at C = round(sqrt(S)) up to 13 %
+        fewer on real MiniLM keys (65k store: head 5 7,664 -> 6,646; up to 1 % more on the most peaked
+        heads) and 13 % fewer on clustered keys; at 4x as many clusters 3-22 % fewer (head 5 3,735 ->
+        2,896).  Clusters that spread widely are often the
         larger ones, so at a fixed ``n_probe`` a query may read more keys (clustered 65k, 8 probes:
         1,970 -> 2,150, recall@64 0.964 -> 0.983).  Fixed ``n_probe`` routing only: refused with
         ``estimate`` or ``top_p``, which plan their own routing.
