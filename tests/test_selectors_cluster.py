@@ -1137,11 +1137,20 @@ def test_spread_refuses_bad_values_naming_it(bad):
 
 
 def test_spread_is_refused_with_the_estimate_and_top_p(rng):
+    from sparseattn.attention.routed import routed_attention
+    from sparseattn.index import ClusterIndex
+
     q, k, v = clustered(rng, 600, 20)
     for extra in ({"estimate": -1}, {"top_p": 0.9}):
-        sel = ClusterSelector(n_clusters=10, n_probe=2, mode="block", spread=1.0, **extra).build(k)
         with pytest.raises(ValueError, match="spread=1.0 changes the fixed n_probe routing"):
-            sel.attend(q, v)
+            ClusterSelector(n_clusters=10, n_probe=2, mode="block", spread=1.0, **extra)
+        sel = ClusterSelector(n_clusters=10, n_probe=2, mode="block", spread=1.0)
+        with pytest.raises(ValueError, match="spread=1.0 changes the fixed n_probe routing"):
+            sel.set_params(**extra)
+        assert sel.get_params()["spread"] == 1.0 and sel.get_params()["estimate"] == 0  # left unchanged
+        index = ClusterIndex(n_clusters=10, n_probe=2, spread=1.0).build(k)  # the index used directly
+        with pytest.raises(ValueError, match="spread=1.0 changes the fixed n_probe routing"):
+            routed_attention(index, q, v, **extra)
 
 
 @settings(max_examples=15, deadline=None)

@@ -311,6 +311,11 @@ class ClusterSelector(Selector):
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
         self._make_index()  # the index checks the cross-parameter rules (n_probe <= n_clusters, ...)
+        p = self._params
+        if p["spread"] and (p["estimate"] != 0 or p["top_p"] is not None):
+            raise ValueError(f"cluster: spread={p['spread']} changes the fixed n_probe routing; estimate and top_p "
+                             f"plan their own routing and would ignore it: pass spread=0, or estimate=0 and "
+                             f"top_p=None.")
 
     def _make_index(self) -> ClusterIndex:
         return ClusterIndex(**{p: self._params[p] for p in _INDEX_PARAMS})
