@@ -11,11 +11,15 @@ from sparseattn.kernels.intrinsics import append_above16, popcount64, trailing_z
 
 
 @njit(cache=False)
-def _bits(x):
-    out = np.empty(x.shape[0], np.int64)
+def _per_word(x):
+    """(popcount64, trailing_zeros64) of every uint64 (the lowest set bit's index; -1 for 0, not asked)."""
+    pop = np.empty(x.shape[0], np.int64)
+    low = np.full(x.shape[0], -1, np.int64)
     for i in range(x.shape[0]):
-        out[i] = popcount64(x[i])
-    return out
+        pop[i] = popcount64(x[i])
+        if x[i] != 0:
+            low[i] = trailing_zeros64(x[i])
+    return pop, low
 
 
 @njit(cache=False)
@@ -37,24 +41,16 @@ def _filter(src, theta, base):
     return dst, ids, m
 
 
-@njit(cache=False)
-def _low_bits(x):
-    out = np.empty(x.shape[0], np.int64)
-    for i in range(x.shape[0]):
-        out[i] = trailing_zeros64(x[i])
-    return out
-
-
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=40))
 def test_popcount(values: list[int]) -> None:
-    assert _bits(np.array(values, np.uint64)).tolist() == [bin(v).count("1") for v in values]
+    assert _per_word(np.array(values, np.uint64))[0].tolist() == [bin(v).count("1") for v in values]
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 2**64 - 1), min_size=1, max_size=40))
 def test_trailing_zeros(values: list[int]) -> None:
-    assert _low_bits(np.array(values, np.uint64)).tolist() == [(v & -v).bit_length() - 1 for v in values]
+    assert _per_word(np.array(values, np.uint64))[1].tolist() == [(v & -v).bit_length() - 1 for v in values]
 
 
 finite = st.floats(-1e300, 1e300, allow_nan=False)
