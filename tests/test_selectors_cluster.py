@@ -1125,6 +1125,16 @@ def test_spread_routing_ranks_by_the_spread_bound_and_attends_exactly(rng, dtype
     np.testing.assert_array_equal(sel0.route(q), ClusterSelector(n_clusters=20, n_probe=3, mode="block").build(k).route(q))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_spread_routing_is_scale_invariant_at_extreme_query_magnitudes(rng, dtype):
+    # q.c + a |q| sigma_c scales with |q|: the same clusters at 1e-30 .. 1e30 (float32) / 1e-200 .. 1e200
+    q, k, _ = clustered(rng, 800, 60, dtype=dtype)
+    sel = ClusterSelector(n_clusters=12, n_probe=3, mode="block", spread=1.5).build(k)
+    ids = np.sort(sel.route(q), axis=1)
+    for f in ((1e-30, 1e30) if dtype == np.float32 else (1e-200, 1e200)):
+        np.testing.assert_array_equal(np.sort(sel.route(q * dtype(f)), axis=1), ids)
+
+
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), True, "wide"])
 def test_spread_refuses_bad_values_naming_it(bad):
     from sparseattn.index import ClusterIndex

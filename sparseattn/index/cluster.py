@@ -451,7 +451,7 @@ class ClusterIndex:
         L, p = q.shape[0], self.n_probe_
         route, scores = np.empty((L, p), dtype=np.int32), np.empty((L, p), dtype=q.dtype)
         cent = self.centroids_.astype(q.dtype, copy=False)
-        width = self.spread_widths(q.dtype)
+        width = self.spread_widths()
 
         def work(a: int, b: int) -> None:
             s = q[a:b] @ cent.T
@@ -459,19 +459,22 @@ class ClusterIndex:
             if width is None:
                 route[a:b], scores[a:b] = ck.row_top_p_serial(s, p, kmin, qp)
                 return
-            qn = np.sqrt(np.einsum("ij,ij->i", q[a:b], q[a:b]))
+            big = np.abs(q[a:b]).max(axis=1).astype(np.float64)  # |q| without overflow at any magnitude
+            safe = np.where(big > 0, big, 1.0)
+            qn = big * np.sqrt(np.einsum("ij,ij->i", q[a:b] / safe[:, None], q[a:b] / safe[:, None],
+                                         dtype=np.float64))
             route[a:b] = ck.row_top_p_serial(s + qn[:, None] * width, p, kmin, qp)[0]
             scores[a:b] = np.take_along_axis(s, route[a:b], axis=1)  # q . c: the bounds use it
 
         self.row_chunks(L, work, n_threads)
         return route, scores
 
-    def spread_widths(self, dtype: np.dtype) -> np.ndarray | None:
-        """``spread * sigma_c`` (C,) in ``dtype`` (the routing's spread term per unit ``|q|``), or None when
+    def spread_widths(self) -> np.ndarray | None:
+        """``spread * sigma_c`` (C,) float64 (the routing's spread term per unit ``|q|``), or None when
         ``spread`` is 0."""
         if not self.spread:
             return None
-        return (float(self.spread) * np.sqrt(self.key_stats()[2])).astype(dtype)
+        return float(self.spread) * np.sqrt(self.key_stats()[2])  # float64: the ranking is float64
 
     def route(self, queries: np.ndarray, *, check_finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """The ``n_probe_`` clusters of largest ``q.c`` (plus ``spread |q| sigma_c``) for each query.
