@@ -520,14 +520,22 @@ def capture_decode_trace(model: Any, input_ids: Any, path: str | Any, *, layer: 
     ------
     ValueError
         ``layer`` out of range or a sliding-window layer (the message lists the full-attention layers),
-        ``n_queries``, ``chunk`` or a head out of range, bad ``input_ids``, a ``path`` whose folder does not
-        exist (all checked before the model runs).
+        ``n_queries``, ``chunk`` or a head out of range, an empty ``heads``, ``input_ids`` that are not
+        integer token ids of shape (1, S) below the vocabulary size, a ``path`` that is a folder or whose
+        folder does not exist (all checked before the model runs).
     """
     ids = torch.as_tensor(input_ids)
-    if ids.dim() != 2 or ids.shape[0] != 1:
-        raise ValueError(f"input_ids must have shape (1, S); got {tuple(ids.shape)}.")
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+        raise ValueError(f"input_ids must have shape (1, S) with S >= 1; got {tuple(ids.shape)}.")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids; got dtype {ids.dtype} (use torch.long).")
     S = int(ids.shape[1])
     text = model.config.get_text_config(decoder=True)
+    vocab = int(text.vocab_size)
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"input_ids must be token ids in [0, {vocab}) (the model's vocab_size); got values from "
+                         f"{lo} to {hi}.")
     n_layers = text.num_hidden_layers
     layer = check_positive_int(layer, "layer", minimum=0, maximum=n_layers - 1)
     layer_types, _ = get_layer_types_and_kwargs(text)
@@ -539,9 +547,15 @@ def capture_decode_trace(model: Any, input_ids: Any, path: str | Any, *, layer: 
     n_queries = check_positive_int(n_queries, "n_queries", maximum=S)
     chunk = S if chunk is None else check_positive_int(chunk, "chunk")
     folder = Path(path).parent
-    if not folder.is_dir():  # checked before the forward pass, not after minutes of it
-        raise ValueError(f"path {path}: its folder {folder} does not exist; create it first.")
+    if Path(path).is_dir():  # checked before the forward pass, not after minutes of it
+        raise ValueError(f"path {path} is a folder; give a file name such as {Path(path) / 'trace.npz'}.")
+    if not folder.is_dir():
+        why = "is a file, not a folder" if folder.exists() else "does not exist; create it first"
+        raise ValueError(f"path {path}: its folder {folder} {why}.")
     n_heads = int(text.num_attention_heads)
+    if heads is not None and len(heads) == 0:
+        raise ValueError(f"heads must list at least one query head in [0, {n_heads}); got an empty list (or "
+                         f"leave heads=None for all).")
     keep = list(range(n_heads)) if heads is None else [
         check_positive_int(h, "heads", minimum=0, maximum=n_heads - 1) for h in heads]
     seen: dict[str, Any] = {"q": []}
@@ -568,7 +582,6 @@ def capture_decode_trace(model: Any, input_ids: Any, path: str | Any, *, layer: 
                 cache = DynamicCache(config=model.config)
                 for a in range(0, S, chunk):
                     model(ids[:, a:a + chunk], cache=cache, logits_to_keep=1)
-                del cache
     finally:
         model.set_attn_implementation(previous)
     if not seen["q"]:

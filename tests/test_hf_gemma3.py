@@ -185,3 +185,19 @@ def test_capture_decode_trace_chunked_equals_one_pass_and_refuses_sliding_layers
         capture_decode_trace(model, ids, tmp_path / "h.npz", layer=1, n_queries=10, heads=[0, 4])
     with pytest.raises(ValueError, match="chunk"):
         capture_decode_trace(model, ids, tmp_path / "c.npz", layer=1, n_queries=10, chunk=0)
+    # refused before the model runs, with what to pass instead; nothing written
+    with pytest.raises(ValueError, match=r"heads must list at least one query head in \[0, 4\)"):
+        capture_decode_trace(model, ids, tmp_path / "e.npz", layer=1, n_queries=10, heads=[])
+    with pytest.raises(ValueError, match=r"integer token ids; got dtype torch.float32 \(use torch.long\)"):
+        capture_decode_trace(model, ids.float(), tmp_path / "f.npz", layer=1, n_queries=10)
+    with pytest.raises(ValueError, match=r"token ids in \[0, \d+\) \(the model's vocab_size\); got values from -1"):
+        capture_decode_trace(model, ids - ids.min() - 1, tmp_path / "n.npz", layer=1, n_queries=10)
+    with pytest.raises(ValueError, match=r"with S >= 1; got \(1, 0\)"):
+        capture_decode_trace(model, ids[:, :0], tmp_path / "z.npz", layer=1, n_queries=10)
+    (tmp_path / "d.npz").mkdir()
+    with pytest.raises(ValueError, match="is a folder; give a file name such as"):
+        capture_decode_trace(model, ids, tmp_path / "d.npz", layer=1, n_queries=10)
+    (tmp_path / "plain").write_text("x")
+    with pytest.raises(ValueError, match="its folder .*plain is a file, not a folder"):
+        capture_decode_trace(model, ids, tmp_path / "plain" / "t.npz", layer=1, n_queries=10)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["chunked.npz", "d.npz", "one.npz", "plain"]

@@ -282,10 +282,22 @@ def test_cli_trace_llm_bad_flags_one_line_exit_2(capsys, tmp_path):
     assert main(["trace", "llm", "--model", "gemma3", "--n-keys", "40000", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--n-keys must be <= 32768 (gemma3's context)" in err
-    for bad, what in ((["--model", "llama"], "--model"), (["--chunk", "0"], "--chunk"), (["--chunk", "x"], "--chunk")):
-        assert main(["trace", "llm", *bad, "--out", str(tmp_path)]) == 2
+    for bad, what in ((["--model", "llama"], "--model"), (["--chunk", "0"], "--chunk"), (["--chunk", "x"], "--chunk"),
+                      (["--layer", "99"], "--layer 99 is not a full-attention layer of smollm2; use one of 0 to 29"),
+                      (["--model", "gemma3", "--layer", "4"], "of gemma3; use one of 5, 11, 17"),
+                      (["--heads", "0,9"], "--heads must list distinct heads from 0 to 8"),
+                      (["--model", "gemma3", "--heads", "1,1"], "distinct heads from 0 to 3"),
+                      (["--n-windows", "3"], "trace llm does not use --n-windows; drop it")):
+        assert main(["trace", "llm", *bad, "--out", str(tmp_path / "new")]) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and what in err
+        assert err.count("\n") == 1 and what in err, (bad, err)
+    assert not (tmp_path / "new").exists()  # refused before any folder is made or model loaded
+    for kind, bad in (("window", ["--model", "gemma3"]), ("store", ["--chunk", "512"]),
+                      ("window", ["--heads", "0", "--layer", "2"])):
+        assert main(["trace", kind, *bad, "--out", str(tmp_path / "new")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"trace {kind} does not use" in err and bad[0] in err, (kind, err)
+    assert not (tmp_path / "new").exists()
 
 
 def test_past_key_values_keyword_reaches_the_cache(model, ids):

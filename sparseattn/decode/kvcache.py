@@ -78,7 +78,8 @@ class KVCache(CacheReport):
     scale : float, optional
         Score scale, > 0 (default ``1 / sqrt(E)``).
     parallel : bool, optional
-        Run the step's rows (heads x tokens) on Numba's threads (``True``) or on one thread (``False``);
+        Run the step's rows (heads x tokens; with grouped-query attention, groups of query heads that share
+        a kv head) on Numba's threads (``True``) or on one thread (``False``);
         default: parallel when the step scores at least ``PARALLEL_MIN_KEYS`` keys in total.
     **legacy
         The flat keywords of the three groups (``sinks=``, ``segment=``, ``n_probe=``, ...): deprecated,

@@ -1,7 +1,8 @@
 """Decode-step kernel of :class:`sparseattn.KVCache`: route + gather + online softmax in one call.
 
 One row is one (query head, query token); rows are split over ``prange`` (a decode step of H heads is H
-rows).  Per row, over the cache of kv head ``h // rep``:
+rows), or groups of rows with grouped-query attention (below).  Per row, over the cache of kv head
+``h // rep``:
 
 1. the exact part: slots ``[0, n_sinks)`` (the attention sinks) and ``[ex_lo, n_slots)`` (the recent
    window, plus for the cluster index the tail not yet clustered), every key scored;
@@ -52,7 +53,9 @@ overflowed) sets ``lse = +inf`` (the caller raises the overflow error).
 Layout of the code: the routing of a row is in :mod:`sparseattn.kernels.decode_route` (``route_row``: one
 function per mode, and the mass walk), the range order in ``_fixed_range``, the estimation zone in
 ``_estimate`` / ``_estimate_zone``; ``_row`` routes, reads every range with one online softmax (that loop
-is written out in it: as a called function the step was 1-3 % slower) and writes the row.
+is written out in it: as a called function the step was 1-3 % slower) and writes the row.  A group of
+rows (grouped-query attention) is ``_group``: the shared exact ranges, then each row's listed slots,
+``CHUNK`` slots at a time through ``_read_chunk``, which applies the same rules as ``_row``'s loop.
 
 With ``rec`` of nonzero length the kernel records, per row, the slot ranges it scored (``rec[r, i] =
 (first, stop, hi)``, ``n_rec[r]`` of them); ``accumulate_serial`` / ``accumulate_parallel`` (:mod:`sparseattn.kernels.decode_weights`) replay them
@@ -107,7 +110,7 @@ __all__ = ["CHUNK", "EVICTED", "MASS_MARGIN", "MODE_CLUSTER", "MODE_LIST", "MODE
            "narrow_f16", "page_bounds", "step_summary", "store_token_bf16", "store_token_f16", "store_token_f32", "widen_bf16",
            "widen_f16"]
 
-CHUNK = 128  # keys scored before one softmax update (scratch per row: CHUNK floats)
+CHUNK = 128  # keys scored before one softmax update (scratch: CHUNK floats a row, Qg x CHUNK a group)
 LIST_AHEAD = 8  # MODE_LIST: the listed slot this many ahead is prefetched while one is scored
 LISTED = False  # compile-time constant: True in the list variants of the scoring loop
 BF16 = False  # compile-time constant: True in the bfloat16 variants below
@@ -501,7 +504,7 @@ def _decode_rows(q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode,
                  cent, cscale, cptr, n_cent, ccount, pmin, pmax, pminpos, page_size, scale, n_est, cvmean, cminpos,
                  cmaxpos, cspread, top_p, tp_min, tp_max, sel, rec, n_rec, out, lse, nread, nest, ncap, Qg):
     one_sweep = mode == MODE_LIST and rec.shape[0] == 0  # every listed slot in one sweep
-    if Qg > 1 and (one_sweep or (mode == MODE_NONE and rec.shape[0] == 0)):
+    if Qg > 1 and rec.shape[0] == 0 and (mode == MODE_LIST or mode == MODE_NONE):
         for k in prange(q.shape[0] // Qg * q.shape[1]):  # groups of Qg query heads sharing a kv head
             GROUP(k, Qg, q, qpos, rep, K, V, pos, n_sinks, ex_lo, n_slots, hi_pos, mode, scale, sel, out, lse, nread,
                   nest, ncap)

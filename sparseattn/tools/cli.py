@@ -485,8 +485,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-#: ``trace llm --model``: (GGUF_MODELS key, context in tokens, default layer: a full-attention one)
-_TRACE_LLM_MODELS = {"smollm2": ("smollm2-135m", 8192, 3), "gemma3": ("gemma3-270m", 32768, 5)}
+#: ``trace llm --model``: (GGUF_MODELS key, context in tokens, default layer, its full-attention layers, query heads)
+_TRACE_LLM_MODELS = {"smollm2": ("smollm2-135m", 8192, 3, tuple(range(30)), 9),
+                     "gemma3": ("gemma3-270m", 32768, 5, (5, 11, 17), 4)}
+#: options of ``trace`` and the kinds that read them (the others refuse them rather than ignore them)
+_TRACE_OPTIONS = {"model": ("llm",), "chunk": ("llm",), "n_windows": ("window",), "n_keys": ("store", "llm"),
+                  "n_queries": ("store", "llm"), "layer": ("store", "llm"), "heads": ("store", "llm")}
 
 
 def _cmd_trace_llm(args: argparse.Namespace) -> int:
@@ -494,19 +498,20 @@ def _cmd_trace_llm(args: argparse.Namespace) -> int:
     decode workload."""
     from pathlib import Path
 
-    gguf, context, default_layer = _TRACE_LLM_MODELS[args.model]
+    args.model = "smollm2" if args.model is None else args.model
+    gguf, context, default_layer, full_layers, n_heads = _TRACE_LLM_MODELS[args.model]
     args.n_keys = 4096 if args.n_keys is None else args.n_keys
     args.n_queries = 256 if args.n_queries is None else args.n_queries
     layer = default_layer if args.layer is None else args.layer
     if args.n_keys > context or args.n_queries > args.n_keys:
         raise ValueError(f"trace llm: --n-keys must be <= {context} ({args.model}'s context) and --n-queries <= "
                          f"--n-keys; got --n-keys {args.n_keys}, --n-queries {args.n_queries}.")
-    heads = None
-    if args.heads is not None:
-        try:
-            heads = [int(h) for h in args.heads.split(",")]
-        except ValueError:
-            raise ValueError(f"--heads must be a comma list of integers such as 0,1; got {args.heads!r}.") from None
+    if layer not in full_layers:  # known before the model loads
+        shown = f"0 to {full_layers[-1]}" if full_layers == tuple(range(len(full_layers))) else \
+            ", ".join(map(str, full_layers))
+        raise ValueError(f"trace llm: --layer {layer} is not a full-attention layer of {args.model}; use one of "
+                         f"{shown}.")
+    heads = _heads_arg(args.heads, n_heads)
     check_out_dir(args.out)
     import numpy as np
     import torch
@@ -527,14 +532,32 @@ def _cmd_trace_llm(args: argparse.Namespace) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / f"{args.name or f'llm-L{layer}'}.npz"
     capture_decode_trace(model, torch.tensor([ids[:args.n_keys]]), path, layer=layer, heads=heads,
-                         n_queries=args.n_queries, chunk=args.chunk)
+                         n_queries=args.n_queries, chunk=2048 if args.chunk is None else args.chunk)
     print(f"wrote {path} (sparseattn decode --data {path})")
     return 0
+
+
+def _heads_arg(text: str | None, n_heads: int) -> list[int] | None:
+    """``--heads`` of ``trace``: a comma list of distinct heads in [0, n_heads), or None (all)."""
+    if text is None:
+        return None
+    try:
+        heads = [int(h) for h in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--heads must be a comma list of integers such as 0,1; got {text!r}.") from None
+    if any(not 0 <= h < n_heads for h in heads) or len(set(heads)) != len(heads):
+        raise ValueError(f"--heads must list distinct heads from 0 to {n_heads - 1}; got {text!r}.")
+    return heads
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
     from . import traces
 
+    unused = [f"--{name.replace('_', '-')}" for name, kinds in _TRACE_OPTIONS.items()
+              if getattr(args, name) is not None and args.kind not in kinds]
+    if unused:
+        raise ValueError(f"trace {args.kind} does not use {', '.join(unused)}; drop {'it' if len(unused) == 1 else 'them'} "
+                         f"(see `sparseattn trace --help` for which kind reads which option).")
     if args.kind == "llm":
         return _cmd_trace_llm(args)
     args.n_keys = 16384 if args.n_keys is None else args.n_keys
@@ -542,15 +565,12 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     check_out_dir(args.out)
     kwargs: dict[str, Any] = {"seed": args.seed}
     if args.kind == "window":
-        kwargs["n_windows"] = args.n_windows
+        kwargs["n_windows"] = 2 if args.n_windows is None else args.n_windows
     else:
         kwargs.update(n_keys=args.n_keys, n_queries=args.n_queries, layer=3 if args.layer is None else args.layer)
-        if args.heads is not None:
-            try:
-                kwargs["heads"] = [int(h) for h in args.heads.split(",")]
-            except ValueError:
-                raise ValueError(f"--heads must be a comma list of integers such as 0,1; got {args.heads!r}.") \
-                    from None
+        heads = _heads_arg(args.heads, 12)
+        if heads is not None:
+            kwargs["heads"] = heads
     with progress_steps(traces.GENERATE_STEPS, f"trace {args.kind}", quiet=args.quiet) as say:
         out = traces.generate_traces(args.out, args.kind, name=args.name, progress=say, **kwargs)
     print(f"wrote {out}")
@@ -636,12 +656,13 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                        "'llm' one full-attention layer's keys/values/decode queries of SmolLM2-135M or Gemma 3 "
                        "270M (the 'llm' extra)")
     p.add_argument("kind", choices=["window", "store", "llm"])
-    p.add_argument("--model", choices=sorted(_TRACE_LLM_MODELS), default="smollm2",
-                   help="llm: smollm2 (8,192-token context) or gemma3 (32,768; layers 5, 11, 17 are global)")
-    p.add_argument("--chunk", type=positive_int, default=2048,
+    p.add_argument("--model", choices=sorted(_TRACE_LLM_MODELS), default=None,
+                   help="llm: smollm2 (8,192-token context, the default) or gemma3 (32,768; layers 5, 11, 17 are "
+                        "global)")
+    p.add_argument("--chunk", type=positive_int, default=None,
                    help="llm: tokens per forward pass of the capture (default 2048)")
     p.add_argument("--out", default="data", help="output folder (default ./data)")
-    p.add_argument("--n-windows", type=positive_int, default=2)
+    p.add_argument("--n-windows", type=positive_int, default=None, help="window: windows to capture (default 2)")
     p.add_argument("--n-keys", type=positive_int, default=None, help="store: default 16384; llm: tokens of text "
                    "(<= the model's context, default 4096)")
     p.add_argument("--n-queries", type=positive_int, default=None, help="store: default 2048; llm: decode queries "
@@ -649,7 +670,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layer", type=int_arg(0), default=None,
                    help="store: MiniLM layer (default 3); llm: a full-attention layer (default 3 for smollm2, "
                         "5 for gemma3)")
-    p.add_argument("--heads", default=None, help="store: comma list of heads (default all 12)")
+    p.add_argument("--heads", default=None, help="store / llm: comma list of heads (default all: 12 for store)")
     p.add_argument("--name", default=None, help="file stem and manifest name (default: the kind); load it "
                    "with `sparseattn compare --data NAME@OUT`")
     p.add_argument("--seed", type=int_arg(0), default=0)
