@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparseattn.index.cluster import key_spans
+from sparseattn.index.cluster import ClusterIndex, key_spans
 from sparseattn.kernels import cluster as ck
 from sparseattn.kernels.topk import rows_topk
 from sparseattn.selectors.base import get_selector
@@ -1181,3 +1181,142 @@ def test_property_spread_block_attend_is_exact_on_the_keys_it_reports(S, L, C, s
     ref, ref_lse = masked_attention(q, k, v, mask, 5 ** -0.5)
     np.testing.assert_allclose(out, ref, atol=1e-5)
     np.testing.assert_array_equal(np.isinf(lse), np.isinf(ref_lse))
+
+
+# ------------------------------------------------------------------ two-level build and wide routing
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 40), C=st.integers(1, 1500), p_frac=st.floats(0.0, 1.0), kind=st.sampled_from(
+    ["normal", "ties", "masked", "huge", "flat"]), f64=st.booleans(), causal=st.booleans(),
+    seed=st.integers(0, 2**16))
+def test_property_top_p_of_many_clusters_matches_a_stable_sort(n, C, p_frac, kind, f64, causal, seed):
+    # Oracle: a stable argsort by (-score, column), with clusters after the row at -inf when causal.
+    # Many columns and probes reach every path of the selection: the threshold bisection, ranking by
+    # counting (<= 128 candidates) and sorted insertion (more: rows that see few clusters, equal scores).
+    rng = np.random.default_rng(seed)
+    p = max(1, min(C, int(round(p_frac * min(C, 96)))))
+    s = rng.standard_normal((n, C))
+    if kind == "ties":
+        s = np.round(s * 2)
+    elif kind == "masked":
+        s = np.where(rng.random((n, C)) < 0.5, -np.inf, s)
+    elif kind == "huge":
+        s = s * 1e30
+    elif kind == "flat":
+        s[:] = 2.0
+    s = s.astype(np.float64 if f64 else np.float32)
+    kmin = rng.integers(0, 50, C).astype(np.int64) if causal else ck.NO_POS
+    qpos = rng.integers(-5, 55, n).astype(np.int64) if causal else ck.NO_POS
+    masked = np.where(kmin[None, :] > qpos[:, None], -np.inf, s) if causal else s
+    want = np.argsort(-masked, axis=1, kind="stable")[:, :p]
+    for fn in (ck.row_top_p, ck.row_top_p_serial):
+        ids, vals = fn(s, p, kmin, qpos)
+        np.testing.assert_array_equal(ids, want)
+        np.testing.assert_array_equal(vals, np.take_along_axis(s, want, axis=1))
+
+
+def test_top_p_rows_with_nan_still_get_in_range_distinct_columns(rng):
+    s = rng.standard_normal((20, 700)).astype(np.float32)
+    s[::2, ::5] = np.nan
+    s[3] = np.nan
+    ids, _ = ck.row_top_p_serial(s, 24, ck.NO_POS, ck.NO_POS)
+    assert ids.min() >= 0 and ids.max() < 700
+    clean = np.argsort(-s[1::2], axis=1, kind="stable")[:, :24]  # rows without NaN: exact
+    np.testing.assert_array_equal(ids[1::2], clean)
+
+
+def test_spread_rank_is_the_float64_sum(rng):
+    s = rng.standard_normal((30, 50)).astype(np.float32)
+    qn, width = rng.random(30) * 1e30, rng.random(50) * 1e-20
+    out = np.full((30, 50), np.nan)
+    ck.spread_rank(s, qn, width, out)
+    np.testing.assert_array_equal(out, s.astype(np.float64) + qn[:, None] * width[None, :])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_coarse_build_is_two_levels_and_block_attention_is_exact_over_its_clusters(rng, dtype):
+    # coarse=8, n_clusters=32: a k-means of 8 clusters, each split by a Lloyd k-means of its members into
+    # ceil(size / (S / 32)) parts; every key keeps its coarse cluster and sits in its nearest part
+    # (oracle_assignment, float64); block attention is exact over the key set query() reports.
+    q, k, v = clustered(rng, 2000, 300, dtype=dtype)
+    coarse = ClusterSelector(n_clusters=8).build(k)
+    sel = ClusterSelector(n_clusters=32, coarse=8, n_probe=6, mode="block").build(k)
+    np.testing.assert_array_equal(sel.coarse_centroids_, coarse.kmeans_centroids_)  # same seed and sample
+    np.testing.assert_array_equal(sel.parent_[sel.assignment_], coarse.assignment_)
+    sizes = np.bincount(coarse.assignment_, minlength=8)
+    parts = np.bincount(sel.parent_, minlength=8)
+    assert (parts <= np.ceil(sizes / (2000 / 32))).all() and sel.n_clusters_ == parts.sum() >= 32
+    assert np.bincount(sel.assignment_, minlength=sel.n_clusters_).min() > 0  # parts left empty are dropped
+    oracle_assignment(sel, k)
+    assert sel.n_probe_ == 6
+    mask = sel.query(q, 1).to_mask()
+    out, lse = sel.attend(q, v, scale=0.3)
+    ref, ref_lse = masked_attention(q, k, v, mask, 0.3)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=TOL[dtype])
+    np.testing.assert_allclose(lse, ref_lse, rtol=TOL[dtype], atol=TOL[dtype])
+    assert mask.sum(axis=1).max() < 2000  # routed: not every key
+    # every cluster probed: exact attention; causal over the global index: masked to the visible keys
+    full = ClusterSelector(n_clusters=32, coarse=8, n_probe=32, mode="block").build(k)
+    assert full.n_probe_ == full.n_clusters_
+    out, _ = full.attend(q, v, scale=0.3)
+    np.testing.assert_allclose(out, masked_attention(q, k, v, np.ones((300, 2000), bool), 0.3)[0], atol=TOL[dtype])
+    loose = ClusterSelector(n_clusters=32, coarse=8, n_probe=32, mode="block", strict_causal=False).build(k)
+    out, _ = loose.attend(q, v, scale=0.3, is_causal=True)
+    np.testing.assert_allclose(out, masked_attention(q, k, v, causal_mask(300, 2000), 0.3)[0], atol=TOL[dtype])
+
+
+def test_coarse_split_members_oracle_and_determinism(rng):
+    # The member k-means itself against a numpy Lloyd: same start (members evenly spaced), same rounds.
+    from sparseattn.index.kmeans import split_every
+
+    x = rng.standard_normal((500, 6))
+    assignment = rng.integers(0, 4, 500).astype(np.int32)
+    assignment[assignment == 3] = 2  # cluster 3 empty
+    out, cent, parent = split_every(x, assignment, 4, 40.0, 3)
+    again = split_every(x, assignment, 4, 40.0, 3)
+    np.testing.assert_array_equal(out, again[0])
+    np.testing.assert_array_equal(cent, again[1])
+    want_parts = []
+    for c in range(4):
+        rows = np.flatnonzero(assignment == c)
+        if rows.size == 0:
+            continue
+        f = int(min(np.ceil(rows.size / 40.0), rows.size))
+        xs = x[rows]
+        cc = xs[[(2 * u + 1) * rows.size // (2 * f) for u in range(f)]].copy()
+        for it in range(4):
+            lab = np.argmax(xs @ cc.T - 0.5 * (cc ** 2).sum(1), axis=1)
+            if it == 3:
+                break
+            for u in range(f):
+                if (lab == u).any():
+                    cc[u] = xs[lab == u].mean(axis=0)
+        used = np.unique(lab)
+        want_parts += [(c, cc[u]) for u in used]
+        got_ids = out[rows]
+        base = np.flatnonzero(parent == c)
+        np.testing.assert_array_equal(got_ids, base[np.searchsorted(used, lab)])
+    np.testing.assert_array_equal(parent, [c for c, _ in want_parts])
+    np.testing.assert_allclose(cent, np.array([v for _, v in want_parts]), atol=1e-12)
+
+
+def test_coarse_refusals_name_the_fix(rng):
+    q, k, v = clustered(rng, 400, 10)
+    for bad in (0, -1, True, 1.5, "eight"):
+        with pytest.raises((ValueError, TypeError), match="coarse"):
+            ClusterSelector(coarse=bad)
+    for bad in (0, -1, True, 1.5, np.int64(0)):
+        with pytest.raises(ValueError, match=r"coarse must be an int >= 1"):
+            ClusterIndex(coarse=bad)
+    with pytest.raises(ValueError, match=r"coarse must be <= n_clusters .*got coarse=9 > n_clusters=8"):
+        ClusterSelector(n_clusters=8, coarse=9)
+    with pytest.raises(ValueError, match=r"coarse=4 already splits every cluster; pass split=0"):
+        ClusterSelector(n_clusters=8, coarse=4, split=2.0)
+    with pytest.raises(ValueError, match=r"train_sample must be >= coarse"):
+        ClusterSelector(n_clusters=8, coarse=6, train_sample=5)
+    with pytest.raises(ValueError, match=r"coarse=30 exceeds the n_clusters=20 in force for S=400 keys"):
+        ClusterIndex(coarse=30).build(k)
+    with pytest.raises(ValueError, match=r"coarse=30 exceeds the n_clusters=20 in force for S=400 keys"):
+        ClusterSelector(coarse=30, mode="block").build(k).attend(q, v)
+    sel = ClusterSelector(n_clusters=16, coarse=4, mode="block").build(k)
+    with pytest.raises(ValueError, match=r"strict_causal=False or coarse=None"):
+        sel.attend(q, v, is_causal=True)

@@ -20,7 +20,7 @@ import numpy as np
 from ..kernels import cluster as ck
 from ..threads import run_jobs, worker_threads
 
-__all__ = ["BLOCK_BUDGET", "assign_keys", "cov_factors", "row_chunks", "split_large", "train_kmeans"]
+__all__ = ["BLOCK_BUDGET", "assign_keys", "cov_factors", "row_chunks", "split_every", "split_large", "train_kmeans"]
 
 # Elements (not bytes) of the per-block buffers: queries are processed in blocks so the score chunks and
 # the top-k candidate lists stay near 2**24 elements (64 MiB in float32).
@@ -170,6 +170,41 @@ def split_large(centred: np.ndarray, assignment: np.ndarray, centroids: np.ndarr
         parents.append(np.full(parts, c, dtype=np.int64))
         nxt += parts
     return out, np.ascontiguousarray(np.concatenate(cents)), np.concatenate(parents)
+
+
+def split_every(centred: np.ndarray, assignment: np.ndarray, n_coarse: int, target: float, n_iter: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split every cluster of ``assignment`` into parts of about ``target`` keys: the second level of a
+    two-level build (``ClusterIndex(coarse=...)``).
+
+    centred (S, E) keys, assignment (S,) int in [0, n_coarse), target > 0.  Cluster c of m keys gets
+    ``ceil(m / target)`` parts (at most m), found by a Lloyd k-means of its members (``n_iter`` rounds,
+    all clusters at once: :func:`~sparseattn.kernels.cluster.split_members`).  Returns (assignment (S,)
+    int32 of the parts, centroids (P, E) in centred's dtype: the part means, parent (P,) int64: the
+    cluster each part came from); parts without members are dropped.
+
+    Why not :func:`split_large` on every cluster: it runs one FAISS k-means per cluster (about 0.4 ms each
+    here, 100 ms for 256 clusters at S = 65,536); one compiled loop over all clusters takes a few ms.
+    """
+    S, E = centred.shape
+    sizes = np.bincount(assignment, minlength=n_coarse).astype(np.int64)
+    order = np.argsort(assignment, kind="stable").astype(np.int64)
+    kptr = np.zeros(n_coarse + 1, dtype=np.int64)
+    np.cumsum(sizes, out=kptr[1:])
+    kp = np.empty((S, E), dtype=centred.dtype)
+    ck.gather_rows(np.ascontiguousarray(centred), order, kp)
+    parts = np.clip(np.ceil(sizes / float(target)), 1, np.maximum(sizes, 1)).astype(np.int64)
+    pptr = np.zeros(n_coarse + 1, dtype=np.int64)
+    np.cumsum(parts, out=pptr[1:])
+    labels = np.empty(S, dtype=np.int64)
+    cent = np.empty((int(pptr[-1]), E), dtype=np.float64)
+    ck.split_members(kp, kptr, parts, pptr, int(n_iter), labels, cent)
+    keep = np.bincount(labels, minlength=cent.shape[0]) > 0
+    new_id = np.cumsum(keep) - 1
+    out = np.empty(S, dtype=np.int32)
+    out[order] = new_id[labels]
+    parent = np.repeat(np.arange(n_coarse, dtype=np.int64), parts)[keep]
+    return out, np.ascontiguousarray(cent[keep], dtype=centred.dtype), parent
 
 
 def cov_factors(kp: np.ndarray, kptr: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:

@@ -117,6 +117,86 @@ def _insert_top(v, c, n_have, p, top_v, top_c):
     return n_have
 
 
+_BISECT = 16  # halvings of the threshold interval in _candidates
+_RANK_MAX = 128  # candidates up to which _row_top_p ranks by counting (m^2 compares), else by insertion
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _threshold(cmax, n_ch, p):
+    """A lower bound t of the p-th largest of ``cmax[:n_ch]`` (no NaN) with at least p entries >= t,
+    close to it: -inf when fewer than p entries are finite or above -inf; else the bisection of
+    [least entry above -inf, largest] on ``count(cmax >= t) >= p`` (``_BISECT`` halvings, float64; a
+    fixed loop of vectorised counts: a sorted insertion or a quickselect of the entries cost ~3 us a
+    row at 144 entries, most of it mispredicted branches)."""
+    n_fin = 0
+    lo = np.inf
+    hi = -np.inf
+    for b in range(n_ch):
+        x = np.float64(cmax[b])
+        fin = x > -np.inf
+        n_fin += fin
+        lo = x if fin and x < lo else lo
+        hi = x if x > hi else hi
+    if n_fin < p:
+        return -np.inf
+    for _ in range(_BISECT):
+        mid = cmax.dtype.type(lo + (hi - lo) * 0.5)  # compared in the scores' dtype: 8 lanes in float32
+        if not (mid > lo and mid < hi):  # the interval is one float wide (or inf): lo stands
+            break
+        cnt = np.float32(0.0)  # a float count vectorises best (exact: n_ch < 2**24)
+        for b in range(n_ch):
+            cnt += np.float32(1.0) if cmax[b] >= mid else np.float32(0.0)
+        if cnt >= p:
+            lo = np.float64(mid)
+        else:
+            hi = np.float64(mid)
+    return lo
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _candidates(row, C, p, cmax, chunks, cand):
+    """Steps (1)-(2) of :func:`_row_top_p` for a row without NaN: the columns >= a threshold t that at
+    least p columns reach, in column order, into ``cand``; returns how many (>= p)."""
+    W = _CHUNK
+    n_ch = (C + W - 1) // W
+    _chunk_max(row, C, cmax)
+    t = _threshold(cmax, n_ch, p)
+    n_b = 0
+    for b in range(n_ch):
+        chunks[n_b] = b
+        n_b += cmax[b] >= t
+    m_c = 0
+    for u in range(n_b):
+        b = chunks[u]
+        for c in range(b * W, min(C, b * W + W)):
+            cand[m_c] = c
+            m_c += row[c] >= t
+    return m_c
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _rank_top(row, cand, m_c, p, work, seen, vals, ids):
+    """The p best of the candidate columns ``cand[:m_c]`` (column order; no NaN) into vals / ids, best
+    first, lower column first on ties: candidate u goes to position g + j, with g the candidates of larger
+    score (a branch-free count that vectorises) and j the equal ones before it in column order
+    (``seen[g]``, counted as they are placed); positions below p are written.  ``seen`` (>= m_c,) int64
+    scratch."""
+    for u in range(m_c):
+        work[u] = row[cand[u]]
+        seen[u] = 0
+    for u in range(m_c):
+        x = work[u]
+        gf = np.float32(0.0)  # a float count vectorises best (exact: m_c <= _RANK_MAX)
+        for w in range(m_c):
+            gf += np.float32(1.0) if work[w] > x else np.float32(0.0)
+        g = np.int64(gf)
+        r = g + seen[g]
+        seen[g] += 1
+        if r < p:
+            vals[r] = x
+            ids[r] = cand[u]
+
+
 def _row_top_p(scores, p, kmin, qpos):
     """The p largest columns of each row, best first (lower column first on ties).
 
@@ -124,25 +204,27 @@ def _row_top_p(scores, p, kmin, qpos):
     (C,) / ``qpos`` (L,) int64 (causal routing; empty arrays: off) a column with ``kmin[c] > qpos[i]`` (a
     cluster whose every key is after the row) ranks below every other one: chosen only to fill a row
     that sees fewer than p clusters; the scores returned are the columns' own (bounds stay valid).
-    Per row: (1) the maximum of each chunk of 8 columns (a fixed-width loop that vectorises); the p-th
-    largest chunk maximum t is a lower bound of the row's p-th largest score, since p different chunks
-    reach it; (2) the columns >= t of the chunks whose maximum is >= t are collected (typically ~2p)
-    by branch-free compaction (write always, advance when kept: the kept/dropped pattern is random, and
-    branch mispredictions were most of the time); (3) those candidates are insertion-sorted into the
-    top p.  Scratch is allocated once per block of 64 rows.  Measured serial, 32,768 rows:
-    C = 256, p = 9: 18 ms (28 ms with branches and a bisection select); C = 893, p = 8: 35 ms (42).
-    A row with NaN scores (garbage in) still gets p in-range columns.
+    Per row: (1) the maximum of each chunk of 8 columns (a fixed-width loop that vectorises), and a
+    threshold t that at least p chunk maxima reach (:func:`_threshold`: a bisection just below the p-th
+    largest), so at least p columns reach it too; (2) the columns >= t of the chunks whose maximum is >= t
+    are collected (typically ~p to 2p) by branch-free compaction (write always, advance when kept: the
+    kept/dropped pattern is random, and branch mispredictions were most of the time); (3) up to
+    ``_RANK_MAX`` candidates are ranked by counting (:func:`_rank_top`), more are inserted into a sorted
+    list of p.  Scratch is allocated once per block of 64 rows.  Measured serial, 16,384 rows of a
+    random-projection score matrix: C = 256, p = 8: 4.4 ms (11.0 with the p-th chunk maximum found by
+    sorted insertion and every candidate inserted); C = 1,152, p = 32: 12.5 ms (59.5).  A row with NaN
+    scores (garbage
+    in) takes the insertion path, which still gives p in-range columns.
     """
     L, C = scores.shape
-    W = _CHUNK
-    n_ch = (C + W - 1) // W
+    n_ch = (C + _CHUNK - 1) // _CHUNK
     out = np.empty((L, p), dtype=np.int32)
     out_s = np.empty((L, p), dtype=scores.dtype)
     n_blocks = (L + _ROWS - 1) // _ROWS
     for blk in prange(n_blocks):
         cmax = np.empty(n_ch, dtype=scores.dtype)
-        top_v = np.empty(p, dtype=scores.dtype)
-        top_c = np.empty(p, dtype=np.int32)
+        work = np.empty(min(C, _RANK_MAX), dtype=scores.dtype)
+        seen = np.empty(min(C, _RANK_MAX), dtype=np.int64)
         chunks = np.empty(n_ch, dtype=np.int32)
         cand = np.empty(C, dtype=np.int32)
         masked = np.empty(C if kmin.shape[0] > 0 else 0, dtype=scores.dtype)
@@ -153,34 +235,23 @@ def _row_top_p(scores, p, kmin, qpos):
                 for c in range(C):
                     masked[c] = row[c] if kmin[c] <= qp else -np.inf
                 row = masked
-            _chunk_max(row, C, cmax)
-            t = -np.inf
-            if n_ch == p:  # (C = 8p, e.g. 64 clusters and 8 probes): every chunk max counts, t = the least
-                t = cmax[0]
-                for b in range(1, n_ch):
-                    t = cmax[b] if cmax[b] < t else t
-            elif n_ch > p:
-                n_have = 0
-                for b in range(n_ch):
-                    n_have = _insert_top(cmax[b], b, n_have, p, top_v, top_c)
-                t = top_v[p - 1]
-            n_b = 0
-            for b in range(n_ch):
-                chunks[n_b] = b
-                n_b += cmax[b] >= t
-            m_c = 0
-            for u in range(n_b):
-                b = chunks[u]
-                for c in range(b * W, min(C, b * W + W)):
-                    cand[m_c] = c
-                    m_c += row[c] >= t
+            z = row[0] - row[0]
+            for c in range(1, C):
+                z += row[c] - row[c]  # 0 unless a score is NaN or infinite (vectorises)
+            nan = False
+            if z != 0:
+                for c in range(C):
+                    nan |= row[c] != row[c]
             vals = out_s[i]
             ids = out[i]
-            n_have = 0
-            for u in range(m_c):
-                c = cand[u]
-                n_have = _insert_top(row[c], c, n_have, p, vals, ids)
-            if n_have < p:  # only with NaN scores (garbage in): every column, then padding
+            m_c = 0 if nan else _candidates(row, C, p, cmax, chunks, cand)
+            if p <= m_c <= _RANK_MAX:
+                _rank_top(row, cand, m_c, p, work, seen, vals, ids)
+            elif m_c >= p:  # many candidates (C < 8p, rows that see few clusters): sorted insertion
+                n_have = 0
+                for u in range(m_c):
+                    n_have = _insert_top(row[cand[u]], cand[u], n_have, p, vals, ids)
+            else:  # NaN scores (garbage in): every column into the sorted list, then padding
                 n_have = 0
                 for c in range(C):
                     n_have = _insert_top(row[c], c, n_have, p, vals, ids)
@@ -192,6 +263,20 @@ def _row_top_p(scores, p, kmin, qpos):
                 for u in range(p):
                     vals[u] = scores[i, ids[u]]
     return out, out_s
+
+
+@njit(cache=True, nogil=True)  # no fastmath: a fused multiply-add would round differently from numpy
+def spread_rank(s, qn, width, out):
+    """``out[i, c] = s[i, c] + qn[i] * width[c]`` in float64 (one pass, no temporaries): the ranking of
+    spread routing.  s (n, C) float32 / float64 scores ``q . c``, qn (n,) float64 query norms, width (C,)
+    float64 ``spread * sigma_c``, out (>= n, C) float64: the same bits as numpy's
+    ``s + qn[:, None] * width``, without its two temporaries.  Serial and ``nogil``: called on a worker's
+    row chunk."""
+    n, C = s.shape
+    for i in range(n):
+        a = qn[i]
+        for c in range(C):
+            out[i, c] = np.float64(s[i, c]) + a * width[c]
 
 
 NO_POS = np.zeros(0, dtype=np.int64)  # the kmin / qpos of row_top_p when routing is not causal
@@ -289,6 +374,77 @@ def gather_pairs(q, q_norm, q0, src, p, route, route_scores, radius, scale, out,
             ot[e] = qi[e] * sc
         c = route[il, r]
         m_out[t] = scale * np.float64(route_scores[il, r]) + abs_scale * q_norm[i] * radius[c]
+
+
+@njit(parallel=True, cache=True, fastmath=FASTMATH)
+def split_members(kp, kptr, parts, pptr, n_iter, labels, cent):
+    """Split every cluster into parts by a Lloyd (Euclidean) k-means of its members, all clusters at once.
+
+    kp (S, E) keys in cluster order, kptr (C + 1,) int64; parts (C,) int64 >= 1 wanted parts of cluster c
+    (at most its size, or 1 when empty), pptr (C + 1,) int64 their offsets (``cumsum`` of parts).
+    Writes labels (S,) int64: the part of each ordered row, as a global part id in
+    ``[pptr[c], pptr[c + 1])``, and cent (P, E) float64 the part means (the initial centroid for a part
+    that ends without members).  Initial centroids: members evenly spaced in the cluster's order; then
+    ``n_iter`` rounds of nearest-centroid assignment (largest ``x . c - |c|^2 / 2``, the lower part on
+    ties) and member means; the labels are the final centroids' assignment.  Deterministic: clusters are
+    independent, each computed in a fixed order, whatever the thread count."""
+    C = parts.shape[0]
+    E = kp.shape[1]
+    for c in prange(C):
+        a = kptr[c]
+        m = kptr[c + 1] - a
+        f = parts[c]
+        p0 = pptr[c]
+        if m == 0:
+            for e in range(E):
+                cent[p0, e] = 0.0
+            continue
+        if f == 1:
+            for j in range(m):
+                labels[a + j] = p0
+            for e in range(E):
+                acc = 0.0
+                for j in range(m):
+                    acc += kp[a + j, e]
+                cent[p0, e] = acc / m
+            continue
+        for u in range(f):
+            src = a + (2 * u + 1) * m // (2 * f)
+            for e in range(E):
+                cent[p0 + u, e] = kp[src, e]
+        half = np.empty(f)
+        sums = np.empty((f, E))
+        cnt = np.empty(f, dtype=np.int64)
+        for it in range(n_iter + 1):
+            for u in range(f):
+                h = 0.0
+                for e in range(E):
+                    h += cent[p0 + u, e] * cent[p0 + u, e]
+                half[u] = 0.5 * h
+            for j in range(m):
+                best = -np.inf
+                arg = 0
+                for u in range(f):
+                    d = -half[u]
+                    for e in range(E):
+                        d += kp[a + j, e] * cent[p0 + u, e]
+                    if d > best:
+                        best = d
+                        arg = u
+                labels[a + j] = p0 + arg
+            if it == n_iter:
+                break
+            sums[:] = 0.0
+            cnt[:] = 0
+            for j in range(m):
+                u = labels[a + j] - p0
+                cnt[u] += 1
+                for e in range(E):
+                    sums[u, e] += kp[a + j, e]
+            for u in range(f):
+                if cnt[u] > 0:
+                    for e in range(E):
+                        cent[p0 + u, e] = sums[u, e] / cnt[u]
 
 
 @njit(parallel=True, cache=True, fastmath=FASTMATH)
