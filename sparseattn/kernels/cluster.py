@@ -117,7 +117,7 @@ def _insert_top(v, c, n_have, p, top_v, top_c):
     return n_have
 
 
-_BISECT = 16  # halvings of the threshold interval in _candidates
+_BISECT = 16  # halvings of the threshold interval in _threshold
 _RANK_MAX = 128  # candidates up to which _row_top_p ranks by counting (m^2 compares), else by insertion
 
 
@@ -125,9 +125,10 @@ _RANK_MAX = 128  # candidates up to which _row_top_p ranks by counting (m^2 comp
 def _threshold(cmax, n_ch, p):
     """A lower bound t of the p-th largest of ``cmax[:n_ch]`` (no NaN) with at least p entries >= t,
     close to it: -inf when fewer than p entries are finite or above -inf; else the bisection of
-    [least entry above -inf, largest] on ``count(cmax >= t) >= p`` (``_BISECT`` halvings, float64; a
-    fixed loop of vectorised counts: a sorted insertion or a quickselect of the entries cost ~3 us a
-    row at 144 entries, most of it mispredicted branches)."""
+    [least entry above -inf, largest] on ``count(cmax >= t) >= p`` (``_BISECT`` halvings, each midpoint
+    rounded to the scores' dtype and counted in it: a fixed loop of vectorised counts, where a sorted
+    insertion or a quickselect of the entries cost ~3 us a row at 144 entries, most of it mispredicted
+    branches).  Any such t gives the same final columns; a closer one only gives fewer candidates."""
     n_fin = 0
     lo = np.inf
     hi = -np.inf
@@ -211,10 +212,10 @@ def _row_top_p(scores, p, kmin, qpos):
     kept/dropped pattern is random, and branch mispredictions were most of the time); (3) up to
     ``_RANK_MAX`` candidates are ranked by counting (:func:`_rank_top`), more are inserted into a sorted
     list of p.  Scratch is allocated once per block of 64 rows.  Measured serial, 16,384 rows of a
-    random-projection score matrix: C = 256, p = 8: 4.4 ms (11.0 with the p-th chunk maximum found by
-    sorted insertion and every candidate inserted); C = 1,152, p = 32: 12.5 ms (59.5).  A row with NaN
-    scores (garbage
-    in) takes the insertion path, which still gives p in-range columns.
+    random-projection score matrix: C = 1,152, p = 32: 31 ms against 60 ms when every chunk maximum and
+    every candidate went through a sorted insertion (mostly mispredicted branches); C = 4,096, p = 32:
+    52 against 106 ms; C = 256, p = 8 or 12: the same within noise (11-13 ms).  A row with NaN scores
+    (garbage in) takes the insertion path over every column, which still gives p in-range columns.
     """
     L, C = scores.shape
     n_ch = (C + _CHUNK - 1) // _CHUNK
