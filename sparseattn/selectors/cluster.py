@@ -52,7 +52,9 @@ position (``tests/test_causality.py``; for block attention up to float rounding:
 each cluster's radius over all its members).  Measured at S = 65,536 (clustered synthetic keys, d = 64,
 ``benchmarks/results/block-profile.md``): recall@64 at least the global index's (masked to the visible
 keys, not strictly causal) at about its speed; on real MiniLM keys ``benchmarks/results/causal-cluster.md``.
-A band's codebook assumes its earliest quarter represents the rest of it.
+A band's codebook assumes its earliest quarter represents the rest of it.  The band indexes store raw keys,
+route by their training keys' mean and are never split: ``center``, ``route_by`` and ``split`` do not apply
+to them, and ``coarse`` (a two-level build over all keys) is refused for strictly causal queries.
 
 Threads: the per-cluster products run on ``n_threads`` worker threads with BLAS held to one thread each
 (on a machine whose other core is busy, multi-threaded BLAS on these small products is 10x slower);
