@@ -125,10 +125,11 @@ _RANK_MAX = 128  # candidates up to which _row_top_p ranks by counting (m^2 comp
 def _threshold(cmax, n_ch, p):
     """A lower bound t of the p-th largest of ``cmax[:n_ch]`` (no NaN) with at least p entries >= t,
     close to it: -inf when fewer than p entries are finite or above -inf; else the bisection of
-    [least entry above -inf, largest] on ``count(cmax >= t) >= p`` (``_BISECT`` halvings, each midpoint
-    rounded to the scores' dtype and counted in it: a fixed loop of vectorised counts, where a sorted
-    insertion or a quickselect of the entries cost ~3 us a row at 144 entries, most of it mispredicted
-    branches).  Any such t gives the same final columns; a closer one only gives fewer candidates."""
+    [least entry above -inf, largest] on ``count(cmax >= t) >= p`` (at most ``_BISECT`` halvings, ending
+    early when exactly p entries reach the midpoint; each midpoint rounded to the scores' dtype and counted
+    in it, a vectorised loop, where a sorted insertion or a quickselect of the entries cost ~3 us a row at
+    144 entries, most of it mispredicted branches).  Any such t gives the same final columns; a closer one
+    only gives fewer candidates."""
     n_fin = 0
     lo = np.inf
     hi = -np.inf
@@ -149,6 +150,8 @@ def _threshold(cmax, n_ch, p):
             cnt += np.float32(1.0) if cmax[b] >= mid else np.float32(0.0)
         if cnt >= p:
             lo = np.float64(mid)
+            if cnt == p:  # exactly p entries reach it: no closer threshold exists
+                break
         else:
             hi = np.float64(mid)
     return lo
@@ -180,15 +183,18 @@ def _rank_top(row, cand, m_c, p, work, seen, vals, ids):
     """The p best of the candidate columns ``cand[:m_c]`` (column order; no NaN) into vals / ids, best
     first, lower column first on ties: candidate u goes to position g + j, with g the candidates of larger
     score (a branch-free count that vectorises) and j the equal ones before it in column order
-    (``seen[g]``, counted as they are placed); positions below p are written.  ``seen`` (>= m_c,) int64
-    scratch."""
+    (``seen[g]``, counted as they are placed); positions below p are written.  ``work`` (>= m_c + 8,) in
+    the row's dtype and ``seen`` (>= m_c,) int64 are scratch."""
     for u in range(m_c):
         work[u] = row[cand[u]]
         seen[u] = 0
+    m8 = (m_c + 7) // 8 * 8  # padded with -inf (above no score): whole 8-lane groups, no scalar tail
+    for u in range(m_c, m8):
+        work[u] = -np.inf
     for u in range(m_c):
         x = work[u]
         gf = np.float32(0.0)  # a float count vectorises best (exact: m_c <= _RANK_MAX)
-        for w in range(m_c):
+        for w in range(m8):
             gf += np.float32(1.0) if work[w] > x else np.float32(0.0)
         g = np.int64(gf)
         r = g + seen[g]
@@ -212,10 +218,11 @@ def _row_top_p(scores, p, kmin, qpos):
     kept/dropped pattern is random, and branch mispredictions were most of the time); (3) up to
     ``_RANK_MAX`` candidates are ranked by counting (:func:`_rank_top`), more are inserted into a sorted
     list of p.  Scratch is allocated once per block of 64 rows.  Measured serial, 16,384 rows of a
-    random-projection score matrix: C = 1,152, p = 32: 31 ms against 60 ms when every chunk maximum and
-    every candidate went through a sorted insertion (mostly mispredicted branches); C = 4,096, p = 32:
-    52 against 106 ms; C = 256, p = 8 or 12: the same within noise (11-13 ms).  A row with NaN scores
-    (garbage in) takes the insertion path over every column, which still gives p in-range columns.
+    random-projection score matrix, against the same selection by sorted insertions of every chunk
+    maximum and candidate (mostly mispredicted branches): C = 256, p = 8: 7.4 against 11.0 ms; p = 12:
+    9.8 against 14.4; p = 24: 23.6 against 30.1; C = 512, p = 8: 9.0 against 14.8; C = 1,152, p = 32:
+    26 against 61.  A row with NaN scores (garbage in) takes the insertion path over every column, which
+    still gives p in-range columns.
     """
     L, C = scores.shape
     n_ch = (C + _CHUNK - 1) // _CHUNK
@@ -224,7 +231,7 @@ def _row_top_p(scores, p, kmin, qpos):
     n_blocks = (L + _ROWS - 1) // _ROWS
     for blk in prange(n_blocks):
         cmax = np.empty(n_ch, dtype=scores.dtype)
-        work = np.empty(min(C, _RANK_MAX), dtype=scores.dtype)
+        work = np.empty(min(C, _RANK_MAX) + 8, dtype=scores.dtype)
         seen = np.empty(min(C, _RANK_MAX), dtype=np.int64)
         chunks = np.empty(n_ch, dtype=np.int32)
         cand = np.empty(C, dtype=np.int32)
