@@ -209,6 +209,34 @@ def test_gqa_heads_scanned_together_read_their_own_best_keys(hk: int, h: int) ->
         ref = _attend64(q[i], c.store.keys(g, sel), c.store.values(g, sel), c.scale)
         np.testing.assert_allclose(out[i], ref, rtol=2e-5, atol=2e-5)
 
+@pytest.mark.parametrize("hk, h, seed", [(1, 1, 0), (1, 4, 1), (2, 6, 2), (1, 3, 3)])
+def test_skipped_clusters_between_runs_change_no_selection(hk: int, h: int, seed: int) -> None:
+    # well-separated key clusters: the ball bound skips most clusters, so the scan's runs of consecutive
+    # live clusters start and end at skipped ones, and the query heads of a group (each aimed at a
+    # different centre) skip different clusters; every head still reads the best keys by the two
+    # estimates (the numpy oracle), and the step equals float64 attention over what it reads
+    rng = np.random.default_rng(seed)
+    n = 6000
+    cent = rng.standard_normal((12, E)) * 6.0
+    lab = rng.integers(0, 12, (hk, n))
+    K = (cent[lab] + 0.3 * rng.standard_normal((hk, n, E))).astype(np.float32)
+    V = rng.standard_normal((hk, n, E)).astype(np.float32)
+    c = KVCache(h, E, num_kv_heads=hk, selector="sketch:candidates=30,shortlist=0.02", **group_options(KW))
+    for a in range(0, n, 700):
+        c.append(K[:, a:a + 700], V[:, a:a + 700])
+    q = (cent[rng.integers(0, 12, h)] / 6.0 + 0.1 * rng.standard_normal((h, E))).astype(np.float32)
+    out = c.attend(q)
+    routed = int(c.debug_view()["cluster_ptr"][0, int(c.debug_view()["n_clusters"][0])]
+                 - c.debug_view()["cluster_ptr"][0, 0])
+    assert c.stats["sketch_keys_scanned_per_query"] < 0.8 * routed  # clusters were skipped
+    for i in range(h):
+        sel = np.asarray(c.selected_slots(q[i], i))
+        _check_two_stage(c, q[i], i, sel)
+        g = i // (h // hk)
+        ref = _attend64(q[i], c.store.keys(g, sel), c.store.values(g, sel), c.scale)
+        np.testing.assert_allclose(out[i], ref, rtol=2e-5, atol=2e-5)
+
+
 def test_evictions_and_compaction_keep_codes_in_step() -> None:
     c, K, V = _cache(4000, hk=1, h=1, selector="sketch:candidates=100000", max_keys=1500)
     assert c.stats["compactions"] > 0
