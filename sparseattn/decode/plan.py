@@ -36,6 +36,8 @@ __all__ = ["PARALLEL_MIN_KEYS", "StepPlan", "parallel_step", "StepResult", "conc
 PARALLEL_MIN_KEYS = 12288
 
 
+PLAN_BYTES = 32 << 20  # slot lists (MODE_LIST) of one plan: longer multi-token calls run in token blocks
+
 def parallel_step(work: float, parallel: bool | None) -> bool:
     """The user's ``parallel`` if set, else whether ``work`` (keys of E = Ev = 64 scored, or their
     equivalent: callers scale by ``(E + Ev) / 128``) reaches :data:`PARALLEL_MIN_KEYS`."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...kernels import decode as kd
-from ..plan import StepPlan
+from ..plan import PLAN_BYTES, StepPlan
 from .base import Routing, register_routing
 
 __all__ = ["DenseRouting", "TopKRouting", "WindowRouting"]
@@ -37,7 +37,8 @@ class _RangeRouting(Routing):
 
 @register_routing
 class WindowRouting(_RangeRouting):
-    """The sinks and the newest ``window`` slots."""
+    """The sinks and the newest ``window`` slots: of the cache for a decode step, of each query's own
+    position for the rows of a multi-token attend (row t reads the ``window`` slots up to its own key)."""
 
     name = "window"
 
@@ -46,6 +47,24 @@ class WindowRouting(_RangeRouting):
 
     def work_slots(self) -> int:
         return self.cfg.window + self.store.s0
+
+    def plan(self, q: np.ndarray, qpos: np.ndarray, k: int) -> StepPlan:
+        st, T = self.store, q.shape[1]
+        # the slot of each row's own key: the newest keys hold the newest positions, one slot each
+        own = st.slots - (st.n - qpos.astype(np.int64))
+        lo = np.maximum(st.s0, own - self.cfg.window + 1)
+        if T == 1 or lo[-1] == st.s0:  # one row, or every row's window reaches back to the sinks: one range
+            return super().plan(q, qpos, k)
+        width = int((own - lo).max()) + 1
+        cols = np.arange(width)
+        sel_t = np.where(cols[None, :] <= (own - lo)[:, None], lo[:, None] + cols[None, :], -1)  # (T, width)
+        rows = np.ascontiguousarray(np.broadcast_to(sel_t[None], (q.shape[0], T, width)).reshape(-1, width))
+        return StepPlan(kd.MODE_LIST, st.s0, st.slots, st.slots, work=(self.cfg.window + st.s0) * q.shape[0] * T,
+                        n_ranges=2 + width, rows_sel=rows)
+
+    def max_tokens(self, num_heads: int) -> int | None:
+        # a multi-token plan lists each row's window slots (int64): at most PLAN_BYTES of them per block
+        return max(1, PLAN_BYTES // (8 * num_heads * max(self.cfg.window, 1)))
 
 
 @register_routing

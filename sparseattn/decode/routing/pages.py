@@ -136,14 +136,17 @@ class PagesRouting(Routing):
 
     def plan(self, q: np.ndarray, qpos: np.ndarray, k: int) -> StepPlan:
         st, cfg = self.store, self.cfg
-        ex_lo, stop = self._exact_lo(), st.slots
+        # the exact window of the block's first row (its own key and the window slots before it; the newest
+        # keys hold the newest positions, one slot each): later rows read it too, from further back
+        first_own = st.slots - (st.n - int(qpos[0])) if qpos.shape[0] else st.slots - 1
+        ex_lo, stop = max(st.s0, first_own - cfg.window + 1), st.slots
         n_pages = self.n_pages()
         hi = int(st.pos[0, ex_lo]) if ex_lo < st.slots else INT32_MAX
         first, last = self._straddled(qpos[:1]) if qpos.shape[0] and qpos[0] < st.n - 1 else ((-1,), (-1,))
         if first[0] >= 0:  # rows inside pages with later keys: those are read exactly, the pages before ranked
-            ex_lo = st.s0 + int(first[0]) * cfg.page_size
+            ex_lo = min(ex_lo, st.s0 + int(first[0]) * cfg.page_size)
             stop = min(st.s0 + (int(last[0]) + 1) * cfg.page_size, st.slots)
-            n_pages, hi = int(first[0]), INT32_MAX
+            n_pages, hi = min(n_pages, int(first[0])), INT32_MAX
         n_probe = min(cfg.n_probe, n_pages)
         work = (stop - ex_lo + st.s0 + cfg.n_probe * cfg.page_size + n_pages // 8) * q.shape[0] * q.shape[1]
         return StepPlan(kd.MODE_PAGES, st.s0, ex_lo, stop, work=work, hi=hi, n_probe=n_probe,

@@ -38,7 +38,7 @@ import numpy as np
 from ...kernels import decode as kd
 from ...kernels import sketch as ks
 from ...threads import get_num_threads, single_threaded_blas
-from ..plan import StepPlan, group_size, parallel_step
+from ..plan import PLAN_BYTES, StepPlan, group_size, parallel_step
 from ..store import EVICTED
 from .base import register_routing
 from .cluster import ClusterRouting
@@ -53,7 +53,6 @@ DENSE_RATIO = 8  # candidates above 1/8 of the routed keys: read every key inste
 # A shortlist above 1/ONE_STAGE_RATIO of the routed keys: every key is estimated from its whole 4-bit code
 # in one streamed pass instead (re-ranking that many keys by scattered reads costs more; see one_stage)
 ONE_STAGE_RATIO = 8
-PLAN_BYTES = 32 << 20  # candidate lists of one plan (a long prefill runs in token blocks)
 
 
 def parse_sketch(selector: object) -> dict[str, float] | None:
