@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sparseattn import sparse_attention
 from sparseattn.index.cluster import ClusterIndex, key_spans
 from sparseattn.kernels import cluster as ck
 from sparseattn.kernels.topk import rows_topk
@@ -1320,3 +1321,37 @@ def test_coarse_refusals_name_the_fix(rng):
     sel = ClusterSelector(n_clusters=16, coarse=4, mode="block").build(k)
     with pytest.raises(ValueError, match=r"strict_causal=False or coarse=None"):
         sel.attend(q, v, is_causal=True)
+
+
+@pytest.mark.parametrize("big", [1e6, 1e10, 1e14])
+@pytest.mark.parametrize("C", [1, 32])
+def test_one_huge_key_every_cluster_read_is_exact_attention(big: float, C: int) -> None:
+    # one key far longer than the rest dominates the mean key: centring the float32 keys on it would erase
+    # the other keys' low-order bits (q.(k - mean) + q.mean cancels), so the index does not centre then, and
+    # reading every cluster stays exact attention (against float64)
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((1000, 16)).astype(np.float32)
+    k[17] = big
+    q = rng.standard_normal((30, 16)).astype(np.float32)
+    v = rng.standard_normal((1000, 5)).astype(np.float32)
+    s = q.astype(np.float64) @ k.astype(np.float64).T / 4.0
+    w = np.exp(s - s.max(axis=1, keepdims=True))
+    ref = (w / w.sum(axis=1, keepdims=True)) @ v.astype(np.float64)
+    out = sparse_attention(q, k, v, f"cluster:mode=block,n_clusters={C},n_probe={C}")
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-6
+
+
+def test_key_mean_skips_a_dominated_mean_only() -> None:
+    from sparseattn.index.cluster import CENTRE_LIMIT, key_mean
+
+    rng = np.random.default_rng(1)
+    k = rng.standard_normal((5000, 8)).astype(np.float32)
+    np.testing.assert_array_equal(key_mean(k), k.mean(axis=0, dtype=np.float64).astype(np.float32))
+    off = k + np.float32(1000.0)  # a large common offset: every key is long, the mean is typical
+    np.testing.assert_allclose(key_mean(off), off.mean(axis=0, dtype=np.float64), rtol=1e-6)
+    out = k.copy()
+    out[3] = 5000.0 * CENTRE_LIMIT * 3.0  # one key drags the mean beyond the limit
+    assert not key_mean(out).any()
+    assert not key_mean(np.zeros((4, 3), np.float64)).any()
+    idx = ClusterIndex(n_clusters=4).build(out)
+    assert not idx.mean_.any()
