@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparseattn import sparse_attention
+from sparseattn import sparse_attention, sparse_attention_result
 from sparseattn.index.cluster import ClusterIndex, key_spans
 from sparseattn.kernels import cluster as ck
 from sparseattn.kernels.topk import rows_topk
@@ -1355,3 +1355,19 @@ def test_key_mean_skips_a_dominated_mean_only() -> None:
     assert not key_mean(np.zeros((4, 3), np.float64)).any()
     idx = ClusterIndex(n_clusters=4).build(out)
     assert not idx.mean_.any()
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("max_keys", [0, 1, 10])
+def test_top_p_cap_below_the_best_cluster_still_reads_it(max_keys: int, is_causal: bool) -> None:
+    # a cap smaller than every cluster: each row still reads its best cluster (before, it read nothing and
+    # returned zeros): every row reads keys, has a finite log-sum-exp and an output inside the values' range
+    rng = np.random.default_rng(3)
+    S, E = 300, 8
+    q = rng.standard_normal((S if is_causal else 10, E)).astype(np.float32)
+    k = rng.standard_normal((S, E)).astype(np.float32)
+    v = (rng.standard_normal((S, 3)) + 5).astype(np.float32)  # every value above 2: zero rows are wrong
+    spec = f"cluster:mode=block,top_p=0.9,max_keys={max_keys}"
+    r = sparse_attention_result(q, k, v, spec, is_causal=is_causal)
+    assert (r.keys_read > 0).all()
+    assert np.isfinite(r.lse).all() and (r.output > 2).all()

@@ -282,7 +282,9 @@ def mass_route(A, cand, sizes, top_p, margin, min_keys, max_keys, n_est, dummy, 
 
     A (R, C) float32 log masses (-inf: nothing visible); cand (R, K) int32 the K clusters of largest A,
     best first; sizes (R, C) int64 keys each cluster holds for the row (its visible keys when causal).
-    Walking ``cand``: a cluster is routed unless routing it would pass ``max_keys``, which ends the walk;
+    Walking ``cand``: a cluster is routed unless routing it would pass ``max_keys``, which ends the walk
+    (except the row's first cluster, routed whatever its size: a row never reads nothing because its best
+    cluster is larger than the cap);
     the walk also ends at the first cluster with A = -inf, and once the routed estimated mass m_in
     reaches ``top_p`` of ``m_in + margin * m_out`` (m_out: the estimated mass not routed; ``margin >= 1``
     counts it larger, a safety factor against its estimation error) with at least ``min_keys`` keys read
@@ -310,7 +312,7 @@ def mass_route(A, cand, sizes, top_p, margin, min_keys, max_keys, n_est, dummy, 
                 break
             if top_p < 1.0 and cum >= top_p * (cum + margin * (tot - cum)) and nk >= min_keys:
                 break
-            if nk + sizes[r, c] > max_keys:
+            if nr > 0 and nk + sizes[r, c] > max_keys:
                 break
             route[r, nr] = c
             nr += 1

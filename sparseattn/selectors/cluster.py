@@ -227,7 +227,8 @@ class ClusterSelector(Selector):
     top_p : float in (0, 1], optional
         Block attention only: instead of ``n_probe`` clusters, route clusters in order of estimated mass
         until ``top_p`` of the query's estimated mass, with ``min_keys`` / ``max_keys`` (default 0 and
-        ``4 * n_probe * S / C``) as floor and cap of keys read; peaky queries read few keys, flat ones more.
+        ``4 * n_probe * S / C``) as floor and cap of keys read (a query reads its best cluster even when
+        that cluster alone passes the cap); peaky queries read few keys, flat ones more.
         Block-mode ``query`` then returns those routed keys (masses at the default scale 1/sqrt(E)).
 
     Attributes
@@ -322,8 +323,8 @@ class ClusterSelector(Selector):
         "top_p": Param(float, None, "mode=block: route clusters by estimated mass until top_p of it "
                        "(None = fixed n_probe)", _unit_open, when="query"),
         "min_keys": Param(int, 0, "top_p: floor of keys read per query", non_negative, when="query"),
-        "max_keys": Param(int, None, "top_p: cap of keys read per query (default 4 * n_probe * S / C)",
-                          non_negative, when="query"),
+        "max_keys": Param(int, None, "top_p: cap of keys read per query (default 4 * n_probe * S / C; "
+                          "a query always reads its best cluster)", non_negative, when="query"),
     }
 
     def __init__(self, **params: Any) -> None:
