@@ -1371,3 +1371,27 @@ def test_top_p_cap_below_the_best_cluster_still_reads_it(max_keys: int, is_causa
     r = sparse_attention_result(q, k, v, spec, is_causal=is_causal)
     assert (r.keys_read > 0).all()
     assert np.isfinite(r.lse).all() and (r.output > 2).all()
+
+
+@pytest.mark.parametrize("spec", ["cluster:mode=block,estimate=-1", "cluster:mode=block,estimate=2"])
+def test_estimate_keeps_float64_values_beyond_float32_range(spec: str) -> None:
+    # float64 values of 1e300: the estimate's cluster mean values stay float64 (a float32 copy was inf and
+    # the output NaN); the output is finite and inside each value column's range
+    rng = np.random.default_rng(1)
+    k, q = rng.standard_normal((200, 8)), rng.standard_normal((20, 8))
+    v = rng.standard_normal((200, 4)) * 1e300
+    out = sparse_attention(q, k, v, spec)
+    assert np.isfinite(out).all()
+    assert (out >= v.min(axis=0) * (1 + 1e-12)).all() and (out <= v.max(axis=0) * (1 + 1e-12)).all()
+
+
+def test_estimate_with_subnormal_float32_keys_is_uniform_attention() -> None:
+    # queries and keys of 1e-40 (subnormal float32): every score is ~0, so attention is the mean value; the
+    # regression term's coefficient passed float32's range (inf, then NaN rows with a finite lse) and is
+    # now dropped when it cannot be represented
+    rng = np.random.default_rng(1)
+    k = (rng.standard_normal((200, 8)) * 1e-40).astype(np.float32)
+    q = (rng.standard_normal((20, 8)) * 1e-40).astype(np.float32)
+    v = rng.standard_normal((200, 4)).astype(np.float32)
+    out = sparse_attention(q, k, v, "cluster:mode=block,estimate=-1")
+    np.testing.assert_allclose(out, np.broadcast_to(v.astype(np.float64).mean(axis=0), out.shape), atol=1e-5)

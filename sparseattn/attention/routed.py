@@ -541,7 +541,10 @@ def _value_stats(index: ClusterIndex, Vp: np.ndarray, Kp: np.ndarray, sig2: np.n
     # cross-covariance sum_j (v_j - vbar_c)(k_j - mu_c)^T / S and sigma^2 the pooled variance.
     xcov = (Vp.T @ Kp).astype(np.float64) - vsum.T @ (index.key_sum_ / safe)
     var_pool = float(np.sum(count * sig2)) / max(S, 1)
-    B = (xcov / (S * var_pool)).astype(dtype) if var_pool > 0 else np.zeros((Ev, E), dtype=dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        B = (xcov / (S * var_pool)).astype(dtype) if var_pool > 0 else np.zeros((Ev, E), dtype=dtype)
+    if not np.isfinite(B).all():  # keys so small (subnormal float32) that B passes the dtype's range: no
+        B = np.zeros((Ev, E), dtype=dtype)  # regression term (the estimate is then the clusters' mean values)
     v_lo, v_hi = np.empty(Ev, dtype=dtype), np.empty(Ev, dtype=dtype)
     ek.column_range(Vp, v_lo, v_hi)  # the regression term keeps the estimate in this range
     return vbar, np.ascontiguousarray(B.T), v_lo, v_hi
@@ -615,7 +618,10 @@ def _attend_estimated(index, q, v_in, sc, is_causal, qpos, kpos, n_threads, refi
         kpos_p = kmin = kmax = None
         kpos_sorted = False
         vbar, B_T, v_lo, v_hi = _value_stats(index, Vp, Kp, sig2, dtype)
-        vbar32, B_T32 = vbar.astype(np.float32), B_T.astype(np.float32)
+        # float32 inputs: one float32 product with the weights; float64 ones keep their range (values beyond
+        # float32's largest became inf and the estimate NaN)
+        vbar32 = vbar.astype(np.float32) if dtype == np.float32 else vbar
+        B_T32 = B_T.astype(np.float32) if dtype == np.float32 else B_T
         if est_cpu is not None:
             est_cpu[0] += time.thread_time() - t_stats
     lock = threading.Lock()
