@@ -447,3 +447,31 @@ def test_blas_is_pinned_from_any_python_thread(enter):
     with ctx():  # and the main thread again
         assert all(v == 1 for v in _blas().values())
     assert _blas() == before
+
+
+def test_concurrent_kmeans_builds_equal_sequential_ones() -> None:
+    # FAISS's OpenMP thread count is a per-thread setting: every concurrent k-means must set its own (one
+    # thread), or its centroids depend on the summation order of however many threads it got; block
+    # attention routed with top_p (whose routing flips on near ties) must then be bit-identical too
+    from concurrent.futures import ThreadPoolExecutor
+
+    import sparseattn as sa
+    from sparseattn.index.cluster import ClusterIndex
+
+    rng = np.random.default_rng(5)
+    centers = rng.standard_normal((20, 32)) * 3
+    k = (centers[rng.integers(0, 20, 3000)] + rng.standard_normal((3000, 32))).astype(np.float32)
+    q = (centers[rng.integers(0, 20, 200)] + rng.standard_normal((200, 32))).astype(np.float32)
+    v = rng.standard_normal((3000, 8)).astype(np.float32)
+    keys = [k * np.float32(1 - 0.05 * i) for i in range(8)]
+    ref = [ClusterIndex().build(x).centroids_ for x in keys]
+    spec = "cluster:mode=block,top_p=0.9"
+    out_ref = [sa.sparse_attention(q, x, v, spec) for x in keys[:4]]
+    for _ in range(3):
+        with ThreadPoolExecutor(4) as ex:
+            got = list(ex.map(lambda x: ClusterIndex().build(x).centroids_, keys))
+            outs = list(ex.map(lambda x: sa.sparse_attention(q, x, v, spec), keys[:4]))
+        for g, r in zip(got, ref, strict=True):
+            np.testing.assert_array_equal(g, r)
+        for g, r in zip(outs, out_ref, strict=True):
+            np.testing.assert_array_equal(g, r)

@@ -63,36 +63,42 @@ def train_kmeans(centred: np.ndarray, C: int, n_train: int, *, seed: int, n_iter
 
 _training_lock = threading.Lock()
 _training_count = 0
-_training_saved: tuple[int, int] = (0, 0)
+_training_saved = 0
 
 
 @contextmanager
 def _faiss_training(faiss: Any) -> Iterator[None]:
-    """FAISS's process-wide settings for a k-means, restored when the last concurrent k-means ends (a
-    per-call save and restore let two overlapping ones leave the first one's settings behind for good).
+    """FAISS's settings for a k-means on this thread.
 
     * One OpenMP thread, whatever n_threads: with the other core busy, FAISS's k-means took 0.40 s on 2
       threads against 0.023 s on 1 (16k x 64 sample, 128 centroids): its many short parallel regions spin
-      at barriers.  Set before pinning BLAS: FAISS's OpenBLAS follows the OpenMP setting.
+      at barriers.  Set before pinning BLAS: FAISS's OpenBLAS follows the OpenMP setting.  OpenMP's thread
+      count is a setting of the calling thread, so each k-means sets (and restores) its own: when only the
+      first of several concurrent ones set it, the others ran on every core and their centroids depended on
+      the threads' summation order (k-means from four Python threads at once differed from sequential
+      ones in 1-2 of 8 builds).
     * BLAS for the assignment step at every size: with FAISS's default threshold (128,000) smaller
       training sets went through its SIMD loop, 3x slower (2,048 x 32 points, 128 centroids, 10
-      iterations, one thread: 12.3 ms against 4.1 ms; the same time from 4,096 points up).
+      iterations, one thread: 12.3 ms against 4.1 ms; the same time from 4,096 points up).  This one is
+      process-wide: set by the first of concurrent k-means and restored when the last ends (a per-call save
+      and restore let two overlapping ones leave the first one's setting behind for good).
     """
     global _training_count, _training_saved
     with _training_lock:
         if _training_count == 0:
-            _training_saved = (faiss.omp_get_max_threads(), faiss.cvar.distance_compute_blas_threshold)
-            faiss.omp_set_num_threads(1)
+            _training_saved = faiss.cvar.distance_compute_blas_threshold
             faiss.cvar.distance_compute_blas_threshold = 20
         _training_count += 1
+    omp = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
     try:
         yield
     finally:
+        faiss.omp_set_num_threads(omp)
         with _training_lock:
             _training_count -= 1
             if _training_count == 0:
-                faiss.omp_set_num_threads(_training_saved[0])
-                faiss.cvar.distance_compute_blas_threshold = _training_saved[1]
+                faiss.cvar.distance_compute_blas_threshold = _training_saved
 
 
 def row_chunks(n_rows: int, n_cols: int, work: Callable[[int, int], None], n_threads: int) -> None:
