@@ -1395,3 +1395,19 @@ def test_estimate_with_subnormal_float32_keys_is_uniform_attention() -> None:
     v = rng.standard_normal((200, 4)).astype(np.float32)
     out = sparse_attention(q, k, v, "cluster:mode=block,estimate=-1")
     np.testing.assert_allclose(out, np.broadcast_to(v.astype(np.float64).mean(axis=0), out.shape), atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", [2**31, 2**40, -1])
+def test_seed_outside_faiss_range_is_refused_by_name(seed: int) -> None:
+    # FAISS's k-means takes a 32-bit seed: a larger one was a raw OverflowError from inside FAISS
+    with pytest.raises(ValueError, match="seed"):
+        ClusterIndex(seed=seed)
+    with pytest.raises(ValueError, match="seed"):
+        get_selector(f"cluster:mode=block,seed={seed}")
+
+
+def test_largest_seed_with_split_offsets_builds() -> None:
+    # split clusters train with seed + offset: the sum wraps inside FAISS's range instead of overflowing
+    k = np.random.default_rng(0).standard_normal((2000, 8)).astype(np.float32)
+    idx = ClusterIndex(seed=2**31 - 1, split=0.5, n_clusters=8).build(k)
+    assert idx.n_clusters_ >= 8

@@ -56,7 +56,7 @@ from ..kernels import topk as topk_core
 from ..pattern import SparsePattern
 from ..threads import run_jobs, worker_threads
 from .kmeans import BLOCK_BUDGET as _BLOCK_BUDGET
-from .kmeans import assign_keys, cov_factors, row_chunks, split_every, split_large, train_kmeans
+from .kmeans import SEED_MAX, assign_keys, cov_factors, row_chunks, split_every, split_large, train_kmeans
 
 __all__ = ["ClusterIndex", "check_built", "checked_keys", "key_mean", "rows_seeing_at_most"]
 
@@ -79,8 +79,12 @@ def cluster_jobs(qptr: np.ndarray, kptr: np.ndarray) -> list[int]:
 
 
 def check_params(n_clusters: int | None, n_probe: int | None, train_sample: int | None, assign: str,
-                 route_by: str, spread: float = 0.0, coarse: int | None = None, split: float = 0.0) -> None:
+                 route_by: str, spread: float = 0.0, coarse: int | None = None, split: float = 0.0,
+                 seed: int = 0) -> None:
     """Raise ValueError naming the parameter when :class:`ClusterIndex`'s options contradict each other."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed <= SEED_MAX:
+        raise ValueError(f"cluster: seed must be an int in [0, {SEED_MAX}] (FAISS's k-means takes a 32-bit "
+                         f"seed); got {seed!r}.")
     if coarse is not None:
         if isinstance(coarse, bool) or not isinstance(coarse, (int, np.integer)) or coarse < 1:
             raise ValueError(f"cluster: coarse must be an int >= 1 (the first k-means' clusters) or None (one "
@@ -260,7 +264,7 @@ class ClusterIndex:
                  train_sample: int | None = None, n_iter: int = 5, seed: int = 0, center: bool = True,
                  spherical: bool = True, assign: str = "ip", route_by: str = "mean", split: float = 0.0,
                  spread: float = 0.0, coarse: int | None = None, n_threads: int | None = None) -> None:
-        check_params(n_clusters, n_probe, train_sample, assign, route_by, spread, coarse, split)
+        check_params(n_clusters, n_probe, train_sample, assign, route_by, spread, coarse, split, seed)
         self.n_clusters = n_clusters
         self.n_probe = n_probe
         self.train_sample = train_sample
@@ -401,8 +405,9 @@ class ClusterIndex:
 
     def _kmeans(self, centred: np.ndarray, C: int, n_train: int, seed_offset: int = 0) -> np.ndarray:
         """(C, E) centroids of a k-means over ``n_train`` sampled rows of ``centred`` (:func:`train_kmeans`)."""
-        return train_kmeans(centred, C, n_train, seed=self.seed + seed_offset, n_iter=self.n_iter,
-                            spherical=self.spherical)
+        # the offsets of split clusters' k-means wrap around within FAISS's 32-bit seeds
+        return train_kmeans(centred, C, n_train, seed=(self.seed + seed_offset) % (SEED_MAX + 1),
+                            n_iter=self.n_iter, spherical=self.spherical)
 
     def row_chunks(self, n_rows: int, work: Callable[[int, int], None], n_threads: int) -> None:
         """``work(a, b)`` over row chunks of about 2**24 (rows x clusters) score elements, on the workers

@@ -20,11 +20,12 @@ import numpy as np
 from ..kernels import cluster as ck
 from ..threads import run_jobs, worker_threads
 
-__all__ = ["BLOCK_BUDGET", "assign_keys", "cov_factors", "row_chunks", "split_every", "split_large", "train_kmeans"]
+__all__ = ["BLOCK_BUDGET", "SEED_MAX", "assign_keys", "cov_factors", "row_chunks", "split_every", "split_large", "train_kmeans"]
 
 # Elements (not bytes) of the per-block buffers: queries are processed in blocks so the score chunks and
 # the top-k candidate lists stay near 2**24 elements (64 MiB in float32).
 BLOCK_BUDGET = 1 << 24
+SEED_MAX = 2**31 - 1  # FAISS's k-means takes its seed as a C int
 
 
 def train_kmeans(centred: np.ndarray, C: int, n_train: int, *, seed: int, n_iter: int,

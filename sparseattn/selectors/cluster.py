@@ -79,7 +79,7 @@ from ..kernels import cluster as ck
 from ..pattern import SparsePattern
 from ..threads import worker_threads
 from .base import Selector, fill_small_rows
-from .params import Param, non_negative, positive
+from .params import Param, faiss_seed, non_negative, positive
 from .registry import attention_for, register
 
 _MODES = ("topk", "block")
@@ -296,7 +296,7 @@ class ClusterSelector(Selector):
                       _one_of(_MODES), when="query"),
         "train_sample": Param(int, None, "keys sampled to train k-means (default min(S, 64*C))", positive),
         "n_iter": Param(int, 5, "k-means iterations", positive),
-        "seed": Param(int, 0, "seed of the sample and the k-means initialisation", non_negative),
+        "seed": Param(int, 0, "seed of the sample and the k-means initialisation", faiss_seed),
         "center": Param(bool, True, "subtract the mean key before clustering"),
         "spherical": Param(bool, True, "spherical (cosine) k-means"),
         "assign": Param(str, "ip", "key -> cluster rule: 'ip' (max k.c) or 'l2' (nearest centroid)",

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..index.kmeans import SEED_MAX
+
 __all__ = ["Param", "coerce_param", "in_unit_interval", "non_negative", "parse_value", "positive"]
 
 #: When a parameter is read: at ``build()`` (changing it needs a rebuild) or at every ``query()``.
@@ -60,6 +62,11 @@ def positive(v: Any) -> str | None:
 def non_negative(v: Any) -> str | None:
     """Check: None or >= 0."""
     return None if v is None or v >= 0 else "must be >= 0"
+
+
+def faiss_seed(v: Any) -> str | None:
+    """Check: 0 <= v <= 2**31 - 1 (a seed FAISS takes)."""
+    return None if 0 <= v <= SEED_MAX else f"must lie in [0, {SEED_MAX}] (FAISS's k-means takes a 32-bit seed)"
 
 
 def in_unit_interval(v: Any) -> str | None:
