@@ -29,7 +29,7 @@ def _dense64(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.nd
 def test_values_near_float32_max_are_exact_or_refused() -> None:
     c = KVCache(1, 4, selector="dense")
     c.append(np.zeros((1, 2, 4)), np.full((1, 2, 4), 2e38))
-    with pytest.raises(ValueError, match="values: the attention output overflows float32"):
+    with pytest.raises(ValueError, match="values: the step.s running sum of weighted values overflowed float32"):
         c.attend(np.zeros((1, 1, 4), np.float32))
     # scaled down as the message says, the answer is exact (the true one is 2e38)
     d = KVCache(1, 4, selector="dense")
@@ -123,3 +123,41 @@ def test_index_prefill_memory_is_linear_and_exact(spec: str, monkeypatch: pytest
     np.testing.assert_array_equal(c.attend(q), out)
     if spec == "faiss-flat":  # exact search: every key read, the float64 answer
         np.testing.assert_allclose(c.attend(q, k=S), _dense64(q, k, v, E ** -0.5), atol=2e-5)
+
+
+def test_scale_beyond_float32_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="scale must be <= 3.4e38"):
+        KVCache(1, 4, scale=1e39)
+
+
+def test_audit_and_selected_slots_check_queries_like_attend() -> None:
+    c = KVCache(2, 4)
+    with pytest.raises(ValueError, match="positions were appended"):
+        c.audit(np.ones((2, 4), np.float32))  # an empty cache: attend refuses it too
+    rng = np.random.default_rng(0)
+    c.append(rng.standard_normal((2, 50, 4)).astype(np.float32), rng.standard_normal((2, 50, 4)).astype(np.float32))
+    with pytest.raises(ValueError, match="float32's range"):
+        c.audit(np.full((2, 4), 1e200))
+    with pytest.raises(TypeError, match="queries must have dtype"):
+        c.audit(np.ones((2, 4), np.int64))
+    with pytest.raises(TypeError, match="query must have dtype"):
+        c.selected_slots(np.array(list("abcd")), 0)
+    with pytest.raises(ValueError, match="float32's range"):
+        c.selected_slots(np.full(4, 1e300), 0)
+
+
+def test_audit_recall_counts_copies_of_a_tied_key() -> None:
+    # ten distinct keys, each repeated 200 times: the window step reads the newest 640 slots (64 copies of
+    # each key); the exact top 64 are 64 of the 200 copies of the best key, by a stable sort the oldest
+    # ones, none in the window.  Copies are the same key: recall counts the read keys tying with the
+    # 64th best score, all 64 copies of the best key (it was 0)
+    rng = np.random.default_rng(2)
+    base = rng.standard_normal((10, 8)).astype(np.float32)
+    K = np.tile(base, (200, 1))[None]
+    V = rng.standard_normal((1, 2000, 8)).astype(np.float32)
+    c = KVCache(1, 8, selector="window", retention=Retention(sinks=0, window=640))
+    c.append(K, V)
+    q = base[3] * 3
+    rep = c.audit(q[None], k=64)
+    assert rep["keys_read"][0] == 640
+    assert rep["recall"][0] == 1.0

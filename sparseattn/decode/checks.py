@@ -81,13 +81,19 @@ def check_queries(cfg: CacheConfig, queries: object) -> tuple[np.ndarray, bool]:
 
 
 def check_query(cfg: CacheConfig, query: object) -> np.ndarray:
-    """One query (E,) as float32 (ValueError naming ``query`` for a wrong size or NaN/Inf)."""
+    """One query (E,) as float32 (TypeError / ValueError naming ``query`` for a non-float dtype, a wrong size,
+    NaN/Inf, or values beyond float32), checked as :func:`check_queries` checks an attend's."""
     q = to_numpy(query, "query")
+    check_float(q, "query")
     if q.size != cfg.head_dim:
         raise ValueError(f"query must hold head_dim={cfg.head_dim} values (shape (E,)); got shape {q.shape}.")
     if not np.isfinite(q).all():
         raise ValueError("query contains NaN or Inf; clean the input.")
-    return np.asarray(q, np.float32).reshape(cfg.head_dim)
+    with np.errstate(over="ignore"):  # beyond float32's range: refused just below
+        q32 = np.asarray(q, np.float32).reshape(cfg.head_dim)
+    if not np.isfinite(q32).all():
+        raise ValueError(f"query exceeds float32's range (largest magnitude {np.abs(q).max():.3g}); {OVERFLOW_FIX}.")
+    return q32
 
 
 def check_kv_head(cfg: CacheConfig, kv_head: object) -> int:
@@ -120,8 +126,7 @@ def check_output(out: np.ndarray) -> None:
     """ValueError when a step's output left float32's range (finite scores, but the weighted sum of the
     values overflowed: the kernels accumulate in float32)."""
     if not np.isfinite(out).all():
-        big = np.abs(out[np.isfinite(out)]).max(initial=0.0)
-        raise ValueError(f"values: the attention output overflows float32 (a weighted sum of the appended values "
-                         f"beyond 3.4e38; largest finite output {big:.3g}); the cache accumulates in float32, so "
-                         f"append the values scaled down (the output is linear in them) and scale the result "
-                         f"back up.")
+        raise ValueError("values: the step's running sum of weighted values overflowed float32 (the kernels sum "
+                         "up to one weight-1 value per key read before dividing by the weights' total, so values "
+                         "near 3.4e38 / keys read are too large even when the output itself would fit); append "
+                         "the values scaled down (the output is linear in them) and scale the result back up.")

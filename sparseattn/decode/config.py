@@ -5,6 +5,8 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+import numpy as np
+
 from ..inputs import check_bool, check_positive_int, check_scale
 from .store import INT32_MAX
 
@@ -82,6 +84,9 @@ class CacheConfig:
         self.scale = check_scale(scale, self.head_dim)
         if not self.scale > 0:
             raise ValueError(f"scale must be > 0; got {scale!r}.")
+        if not self.scale <= float(np.finfo(np.float32).max):  # the kernels scale float32 scores by it
+            raise ValueError(f"scale must be <= 3.4e38 (the cache computes in float32); got {scale!r}. Scale the "
+                             f"queries up instead.")
         self.seed = check_positive_int(seed, "seed", minimum=0, maximum=INT32_MAX)
         self.parallel = None if parallel is None else check_bool(parallel, "parallel")
 

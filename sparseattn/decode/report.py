@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..inputs import check_positive_int
-from .checks import check_kv_head
+from .checks import check_kv_head, check_queries, check_query_tokens
 from .store import EVICTED
 
 __all__ = ["CacheReport"]
@@ -147,15 +147,16 @@ class CacheReport:
         Returns
         -------
         dict of (H,) arrays: ``keys_read`` (int64, keys the step reads), ``recall`` (float64, share of the
-        exact top-``k`` keys among them), ``mass`` (float64, share of the exact softmax mass they hold).
+        exact top-``k`` keys among them; a read key whose score ties with the k-th best counts as one),
+        ``mass`` (float64, share of the exact softmax mass they hold).
         """
-        q = np.asarray(queries, dtype=np.float64) if not hasattr(queries, "detach") else \
-            queries.detach().double().numpy()
+        q32, _ = check_queries(self._cfg, queries)  # the checks of attend: dtype, shape, NaN/Inf, range
         H, E = self._cfg.num_heads, self._cfg.head_dim
-        if q.shape not in ((H, E), (H, 1, E)):
+        if q32.shape[1] != 1:
             raise ValueError(f"queries must have shape ({H}, {E}) or ({H}, 1, {E}) (one token per head); "
-                             f"got {q.shape}.")
-        q = q.reshape(H, E)
+                             f"got {q32.shape[1]} tokens.")
+        check_query_tokens(1, self._store.n)
+        q = q32.reshape(H, E).astype(np.float64)
         k = check_positive_int(k, "k")
         out = {"keys_read": np.zeros(H, np.int64), "recall": np.zeros(H), "mass": np.zeros(H)}
         with self._lock:
@@ -170,6 +171,10 @@ class CacheReport:
                 w = np.exp(s - s.max()) if s.size else s
                 w = w / w.sum() if s.size else w
                 out["keys_read"][h] = sel.size
-                out["recall"][h] = float(np.isin(top, sel).mean()) if top.size else 1.0
+                # recall counts a read key tying with the k-th best score as one of the top k (copies of
+                # one key are interchangeable)
+                kth = np.partition(s, s.size - top.size)[s.size - top.size] if top.size else 0.0
+                hits = int(np.count_nonzero(s[np.isin(live, sel)] >= kth)) if top.size else 0
+                out["recall"][h] = min(hits, top.size) / top.size if top.size else 1.0
                 out["mass"][h] = float(w[np.isin(live, sel)].sum()) if s.size else 1.0
         return out

@@ -55,7 +55,7 @@ class WindowRouting(_RangeRouting):
         lo = np.maximum(st.s0, own - self.cfg.window + 1)
         if T == 1 or lo[-1] == st.s0:  # one row, or every row's window reaches back to the sinks: one range
             return super().plan(q, qpos, k)
-        width = int((own - lo).max()) + 1
+        width = max(int((own - lo).max()) + 1, 1)  # rows inside the sinks list nothing (-1) beyond them
         cols = np.arange(width)
         sel_t = np.where(cols[None, :] <= (own - lo)[:, None], lo[:, None] + cols[None, :], -1)  # (T, width)
         rows = np.ascontiguousarray(np.broadcast_to(sel_t[None], (q.shape[0], T, width)).reshape(-1, width))
