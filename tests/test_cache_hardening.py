@@ -161,3 +161,26 @@ def test_audit_recall_counts_copies_of_a_tied_key() -> None:
     rep = c.audit(q[None], k=64)
     assert rep["keys_read"][0] == 640
     assert rep["recall"][0] == 1.0
+
+
+@pytest.mark.parametrize("mag", [1e30, 1e37])
+def test_pages_selection_is_scale_invariant_up_to_float32_range(mag: float) -> None:
+    # Quest page bounds scale with the keys; summed in float32 they overflowed to inf near 1e37 and the
+    # ranking lost the page of the best key.  Bounds are summed in float64: the same pages as at scale 1,
+    # and the step returns the best key's value as dense attention does
+    import warnings
+
+    rng = np.random.default_rng(6)
+    n, E = 20000, 32
+    K0 = rng.standard_normal((1, n, E)).astype(np.float32)
+    V = rng.standard_normal((1, n, E)).astype(np.float32)
+    q = rng.standard_normal((1, E)).astype(np.float32)
+    K0[0, 7777] = q[0] / np.linalg.norm(q[0]) * 6  # clearly the best key
+    ref = KVCache(1, E, selector="pages")
+    ref.append(K0, V)
+    c = KVCache(1, E, selector="pages")
+    c.append((K0 * np.float32(mag)).astype(np.float32), V)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the scores' float32 resolution warning at 1e37
+        np.testing.assert_array_equal(c.selected_slots(q[0], 0), ref.selected_slots(q[0], 0))
+        np.testing.assert_allclose(c.attend(q)[0], V[0, 7777], atol=1e-6)

@@ -67,22 +67,26 @@ def route_clusters(qi, g, qp, mode, cent, cscale, n_cent, ccount, cminpos, cspre
 
 
 def _route_pages(qi, g, qp, pmin, pmax, pminpos, n_pages, n_probe, hs, hb):
-    """Quest: the ``n_probe`` pages of largest bound ``sum_e max(q_e min_e, q_e max_e)`` to the heap
-    (pages of later or evicted keys only are skipped); returns its size."""
+    """Quest: the ``n_probe`` pages of largest bound ``sum_e max(q_e min_e, q_e max_e)`` to the heap ``hb``
+    (pages of later or evicted keys only are skipped); returns its size.  The bounds are summed in float64
+    and ranked in a float64 heap of their own (``hs`` is not written): in float32, pages of keys near 1e37
+    all bounded to inf and the ranking lost the best page."""
     E = qi.shape[0]
     n_sel = 0
+    h64 = np.empty(max(n_probe, 1), dtype=np.float64)
     for b in range(n_pages):
         if pminpos[g, b] > qp:
             continue  # a page of later or evicted keys only
         mn = pmin[g, b]
         mx = pmax[g, b]
-        s = np.float32(0.0)
+        s = 0.0
         for e in range(E):
-            a1 = qi[e] * widen_bf16(mn[e]) if BF16 else qi[e] * widen_f16(mn[e])
-            a2 = qi[e] * widen_bf16(mx[e]) if BF16 else qi[e] * widen_f16(mx[e])
+            qe = np.float64(qi[e])
+            a1 = qe * np.float64(widen_bf16(mn[e]) if BF16 else widen_f16(mn[e]))
+            a2 = qe * np.float64(widen_bf16(mx[e]) if BF16 else widen_f16(mx[e]))
             s += a1 if a1 > a2 else a2
-        if n_sel < n_probe or s > hs[0]:
-            n_sel = heap_offer(hs, hb, n_sel, n_probe, s, b)
+        if n_sel < n_probe or s > h64[0]:
+            n_sel = heap_offer(h64, hb, n_sel, n_probe, s, b)
     return n_sel
 
 

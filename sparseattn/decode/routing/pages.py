@@ -158,9 +158,10 @@ class PagesRouting(Routing):
         parts = [np.arange(s0), np.arange(ex_lo, st.slots)]
         n_pages = -(-(ex_lo - s0) // P)
         if n_pages:
-            mn = st.decode(self.pmin[g, :n_pages])
-            mx = st.decode(self.pmax[g, :n_pages])
-            bound = np.maximum(q * mn, q * mx).sum(axis=1)
+            mn = st.decode(self.pmin[g, :n_pages]).astype(np.float64)
+            mx = st.decode(self.pmax[g, :n_pages]).astype(np.float64)
+            q64 = q.astype(np.float64)
+            bound = np.maximum(q64 * mn, q64 * mx).sum(axis=1)  # float64, as the kernel (keys near 1e37)
             bound[self.pminpos[g, :n_pages] == kd.EVICTED] = -np.inf
             for b in np.argsort(-bound, kind="stable")[:self.cfg.n_probe]:
                 if bound[b] > -np.inf:
