@@ -1411,3 +1411,12 @@ def test_largest_seed_with_split_offsets_builds() -> None:
     k = np.random.default_rng(0).standard_normal((2000, 8)).astype(np.float32)
     idx = ClusterIndex(seed=2**31 - 1, split=0.5, n_clusters=8).build(k)
     assert idx.n_clusters_ >= 8
+
+
+def test_spec_strings_refuse_a_repeated_parameter_and_name_nan() -> None:
+    with pytest.raises(ValueError, match="given twice"):
+        get_selector("cluster:mode=block,n_probe=2,n_probe=3")
+    with pytest.raises(TypeError, match="finite number"):
+        get_selector("cluster:mode=block,spread=nan")
+    with pytest.raises(ValueError, match="name=value"):
+        get_selector("cluster:topk")

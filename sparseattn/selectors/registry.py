@@ -139,7 +139,10 @@ def parse_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
         for item in filter(None, (x.strip() for x in rest.split(","))):
             key, eq, value = item.partition("=")
             if not eq:
-                raise ValueError(f"selector spec {piece!r}: parameter {item!r} must look like name=value.")
+                raise ValueError(f"selector spec {piece!r}: parameter {item!r} must look like name=value (a "
+                                 f"value alone names no parameter; `sparseattn selectors` lists them).")
+            if key.strip() in params:
+                raise ValueError(f"selector spec {piece!r}: parameter {key.strip()!r} is given twice; give it once.")
             params[key.strip()] = value.strip()
         parts.append((name.strip(), params))
     return parts
