@@ -20,7 +20,9 @@ with ``U_p`` the bit planes of ``u``: five popcounts and a few integer operation
 vectorise (``vpopcntq``); 8 bytes of code per 64 dimensions and 4 of factor read.  The scan streams the
 clusters in slot order against a threshold taken from a sample of the keys (about 1.5 x the shortlist
 beats it; a row with fewer is scanned again from -inf), skipping every cluster whose ball bound ``q . mu
-+ |q| rad`` (``rad``: its largest residual norm) is below the threshold, and keeps the ``R`` best keys.
++ |q| rad`` (``rad``: its largest residual norm) is below the threshold, and keeps the ``R`` best keys;
+consecutive clusters it does not skip are estimated and filtered as one block, each key with its
+cluster's ``q . mu``.
 
 Stage 2 (the shortlist): the whole 4-bit codes re-rank the ``R`` keys (20 popcounts a key at E = 64,
 ``fine_scale * sum_i qhat_i (c_i - 7.5)``), and the best ``R2`` are returned for the exact reads (the
