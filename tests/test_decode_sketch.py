@@ -166,6 +166,18 @@ def test_planted_keys_found_at_every_depth(depth: float) -> None:
     np.testing.assert_allclose(out, _attend64(q, ks_, vs_, c2.scale), rtol=1e-5, atol=1e-5)
 
 
+def _check_heads(c: KVCache, q: np.ndarray, out: np.ndarray) -> None:
+    """Every query head's read slots pass the two-stage oracle, and its output ``out[i]`` equals float64
+    attention over them."""
+    h, hk = c.num_heads, c.num_kv_heads
+    for i in range(h):
+        sel = np.asarray(c.selected_slots(q[i], i))
+        _check_two_stage(c, q[i], i, sel)
+        g = i // (h // hk)
+        ref = _attend64(q[i], c.store.keys(g, sel), c.store.values(g, sel), c.scale)
+        np.testing.assert_allclose(out[i], ref, rtol=2e-5, atol=2e-5)
+
+
 def test_selection_is_the_top_estimates_brute_force() -> None:
     # the candidates are the best routed keys by the two estimates (recomputed here in numpy from the
     # codes), plus the sinks and the tail
@@ -202,12 +214,8 @@ def test_gqa_heads_scanned_together_read_their_own_best_keys(hk: int, h: int) ->
     c, K, V = _cache(3000, hk=hk, h=h, selector="sketch:candidates=40")
     q = np.random.default_rng(11).standard_normal((h, E)).astype(np.float32)
     out = c.attend(q)
-    for i in range(h):
-        sel = np.asarray(c.selected_slots(q[i], i))
-        _check_two_stage(c, q[i], i, sel)
-        g = i // (h // hk)
-        ref = _attend64(q[i], c.store.keys(g, sel), c.store.values(g, sel), c.scale)
-        np.testing.assert_allclose(out[i], ref, rtol=2e-5, atol=2e-5)
+    _check_heads(c, q, out)
+
 
 @pytest.mark.parametrize("hk, h, seed", [(1, 1, 0), (1, 4, 1), (2, 6, 2), (1, 3, 3)])
 def test_skipped_clusters_between_runs_change_no_selection(hk: int, h: int, seed: int) -> None:
@@ -229,12 +237,7 @@ def test_skipped_clusters_between_runs_change_no_selection(hk: int, h: int, seed
     routed = int(c.debug_view()["cluster_ptr"][0, int(c.debug_view()["n_clusters"][0])]
                  - c.debug_view()["cluster_ptr"][0, 0])
     assert c.stats["sketch_keys_scanned_per_query"] < 0.8 * routed  # clusters were skipped
-    for i in range(h):
-        sel = np.asarray(c.selected_slots(q[i], i))
-        _check_two_stage(c, q[i], i, sel)
-        g = i // (h // hk)
-        ref = _attend64(q[i], c.store.keys(g, sel), c.store.values(g, sel), c.scale)
-        np.testing.assert_allclose(out[i], ref, rtol=2e-5, atol=2e-5)
+    _check_heads(c, q, out)
 
 
 def test_evictions_and_compaction_keep_codes_in_step() -> None:
