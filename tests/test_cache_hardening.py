@@ -184,3 +184,19 @@ def test_pages_selection_is_scale_invariant_up_to_float32_range(mag: float) -> N
         warnings.simplefilter("ignore")  # the scores' float32 resolution warning at 1e37
         np.testing.assert_array_equal(c.selected_slots(q[0], 0), ref.selected_slots(q[0], 0))
         np.testing.assert_allclose(c.attend(q)[0], V[0, 7777], atol=1e-6)
+
+
+def test_audit_recall_ties_do_not_stand_in_for_a_better_unread_key() -> None:
+    # one best key early (outside the window) and 200 copies of the second best spread over the cache: the
+    # exact top 64 are the best key and 63 copies; the window reads 64 copies but not the best key, so
+    # recall is 63/64 (ties fill only the slots left after the strictly better keys)
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal((10, 8)).astype(np.float32)
+    K = np.tile(base, (200, 1))
+    q = base[3] * 3
+    K[5] = q / np.linalg.norm(q) * (np.linalg.norm(base[3]) * 2)  # better than every copy of base[3]
+    V = rng.standard_normal((1, 2000, 8)).astype(np.float32)
+    c = KVCache(1, 8, selector="window", retention=Retention(sinks=0, window=640))
+    c.append(K[None], V)
+    rep = c.audit(q[None], k=64)
+    assert rep["recall"][0] == 63 / 64

@@ -1399,6 +1399,8 @@ def test_estimate_with_subnormal_float32_keys_is_uniform_attention() -> None:
 
 @pytest.mark.parametrize("seed", [2**31, 2**40, -1])
 def test_seed_outside_faiss_range_is_refused_by_name(seed: int) -> None:
+    with pytest.raises(TypeError, match="seed"):
+        ClusterIndex(seed=1.5)
     # FAISS's k-means takes a 32-bit seed: a larger one was a raw OverflowError from inside FAISS
     with pytest.raises(ValueError, match="seed"):
         ClusterIndex(seed=seed)
@@ -1416,7 +1418,7 @@ def test_largest_seed_with_split_offsets_builds() -> None:
 def test_spec_strings_refuse_a_repeated_parameter_and_name_nan() -> None:
     with pytest.raises(ValueError, match="given twice"):
         get_selector("cluster:mode=block,n_probe=2,n_probe=3")
-    with pytest.raises(TypeError, match="finite number"):
+    with pytest.raises(ValueError, match="must be finite"):
         get_selector("cluster:mode=block,spread=nan")
     with pytest.raises(ValueError, match="name=value"):
         get_selector("cluster:topk")

@@ -163,8 +163,9 @@ def routed_attention(index: ClusterIndex | CausalClusterIndex, queries: np.ndarr
         Mass-driven budget instead of ``n_probe``: each query routes clusters in order of estimated mass
         until the routed estimated mass m_in reaches ``top_p`` of ``m_in + 1.1 m_out`` (m_out: the
         estimated mass left unrouted, counted 10 % larger as a margin for its estimation error), with at
-        least ``min_keys`` keys when available and never more than ``max_keys``.  ``top_p = 1``: every
-        cluster with a visible key (within ``max_keys``).  Non-causal log masses are second order with
+        least ``min_keys`` keys when available and never more than ``max_keys`` (except a row's best
+        cluster, read whatever its size).  ``top_p = 1``: every cluster with a visible key (within
+        ``max_keys``).  Non-causal log masses are second order with
         each cluster's key covariance (its top 8 eigen-directions plus an isotropic rest:
         :meth:`~sparseattn.index.cluster.ClusterIndex.key_cov_factors`; the term capped as under
         "Estimation" below except for the cap of 2), so that a row keeps about
@@ -176,7 +177,7 @@ def routed_attention(index: ClusterIndex | CausalClusterIndex, queries: np.ndarr
         ``top_p`` only: floor of keys read per query (the walk continues past ``top_p`` until reached).
     max_keys : int, optional
         ``top_p`` only: cap of keys read per query (default ``4 * n_probe * S / n_clusters``, four times
-        the fixed budget); a query stops at the first cluster that would exceed it.
+        the fixed budget); a query stops at the first cluster that would exceed it, after its first.
 
     Returns
     -------

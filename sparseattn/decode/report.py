@@ -173,8 +173,14 @@ class CacheReport:
                 out["keys_read"][h] = sel.size
                 # recall counts a read key tying with the k-th best score as one of the top k (copies of
                 # one key are interchangeable)
-                kth = np.partition(s, s.size - top.size)[s.size - top.size] if top.size else 0.0
-                hits = int(np.count_nonzero(s[np.isin(live, sel)] >= kth)) if top.size else 0
-                out["recall"][h] = min(hits, top.size) / top.size if top.size else 1.0
+                if top.size:
+                    kth = np.partition(s, s.size - top.size)[s.size - top.size]
+                    read = s[np.isin(live, sel)]
+                    above = int(np.count_nonzero(s > kth))  # keys strictly better than the k-th: all count
+                    hits = int(np.count_nonzero(read > kth)) + min(int(np.count_nonzero(read == kth)),
+                                                                   top.size - above)
+                    out["recall"][h] = hits / top.size
+                else:
+                    out["recall"][h] = 1.0
                 out["mass"][h] = float(w[np.isin(live, sel)].sum()) if s.size else 1.0
         return out

@@ -22,7 +22,8 @@ rows), or groups of rows with grouped-query attention (below).  Per row, over th
      estimated mass read (the exact part's true mass plus ``exp(A_c)`` of each cluster read) reaches
      ``top_p`` of the estimated total (exact part + every cluster) with at least ``tp_min`` routed keys;
      a cluster that would take the routed keys past ``tp_max`` ends the walk (the semantics of
-     :func:`sparseattn.kernels.estimate.mass_route`).  ``n_est`` clusters after the last one read are
+     :func:`sparseattn.kernels.estimate.mass_route`, except that there a row's first cluster is read
+     whatever its size: prefill rows have no exact window to fall back on).  ``n_est`` clusters after the last one read are
      estimated as above;
    * ``MODE_PAGES`` (Quest): per page of ``page_size`` slots starting at slot ``n_sinks``, the upper
      bound ``sum_e max(q_e * min_e, q_e * max_e)`` of ``q . k`` over the page, the ``n_probe`` largest

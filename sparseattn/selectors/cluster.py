@@ -116,7 +116,7 @@ _INDEX_ATTRIBUTES = {
     "kmeans_centroids_": "(C, E) centroids that assigned the keys.",
     "coarse_centroids_": "(C0, E) centroids of the first k-means.",
     "parent_": "(C,) int64 coarse cluster of each final cluster.",
-    "mean_": "(E,) mean key (zeros when center=False).",
+    "mean_": "(E,) mean key (zeros when center=False or when a few keys dominate it: index.cluster.key_mean).",
     "assignment_": "(S,) int32 cluster of each key.",
     "perm_": "(S,) int64 key ids in cluster order.",
     "cluster_ptr_": "(C + 1,) int64 cluster -> range of perm_.",

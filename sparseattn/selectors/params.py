@@ -132,9 +132,9 @@ def coerce_param(selector: str, pname: str, value: Any, spec: Param) -> Any:
         value = int(value)
     elif spec.type is float:
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-            what = "a finite number" if isinstance(value, str) and value.strip().lower().lstrip("+-") in (
-                "nan", "inf", "infinity") else "a number"
-            raise TypeError(f"{selector}: parameter {pname} must be {what}; got {value!r}.")
+            if isinstance(value, str) and value.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):
+                raise ValueError(f"{selector}: parameter {pname} must be finite; got {value!r}.")
+            raise TypeError(f"{selector}: parameter {pname} must be a number; got {value!r}.")
         value = float(value)
         if not np.isfinite(value):
             raise ValueError(f"{selector}: parameter {pname} must be finite; got {value!r}.")

@@ -7,9 +7,12 @@ import numpy as np
 
 from ...kernels import decode as kd
 from ..plan import PLAN_BYTES, StepPlan
+from ..store import EVICTED
 from .base import Routing, register_routing
 
 __all__ = ["DenseRouting", "TopKRouting", "WindowRouting"]
+
+INT64_MAX = np.iinfo(np.int64).max
 
 
 class _RangeRouting(Routing):
@@ -37,8 +40,8 @@ class _RangeRouting(Routing):
 
 @register_routing
 class WindowRouting(_RangeRouting):
-    """The sinks and the newest ``window`` slots: of the cache for a decode step, of each query's own
-    position for the rows of a multi-token attend (row t reads the ``window`` slots up to its own key)."""
+    """The sinks and the newest ``window`` slots: of the cache for a decode step; for the rows of a
+    multi-token attend, the ``window`` newest live keys at or before each row's own position."""
 
     name = "window"
 
@@ -49,22 +52,39 @@ class WindowRouting(_RangeRouting):
         return self.cfg.window + self.store.s0
 
     def plan(self, q: np.ndarray, qpos: np.ndarray, k: int) -> StepPlan:
-        st, T = self.store, q.shape[1]
-        # the slot of each row's own key: the newest keys hold the newest positions, one slot each
-        own = st.slots - (st.n - qpos.astype(np.int64))
-        lo = np.maximum(st.s0, own - self.cfg.window + 1)
-        if T == 1 or lo[-1] == st.s0:  # one row, or every row's window reaches back to the sinks: one range
+        st, T, W = self.store, q.shape[1], self.cfg.window
+        if T == 1:
             return super().plan(q, qpos, k)
-        width = max(int((own - lo).max()) + 1, 1)  # rows inside the sinks list nothing (-1) beyond them
+        # each row: the W newest live keys at or before its position (after the sinks), found by position
+        # (a cluster or sketch cache keeps its older slots in cluster order, not position order)
+        H, hk = q.shape[0], st.num_kv_heads
+        rep = H // hk
+        parts, width, covers = [], 1, True
+        for g in range(hk):
+            pos = st.pos[g, st.s0:st.slots].astype(np.int64)
+            live = np.flatnonzero(pos != EVICTED)
+            order = live[np.argsort(pos[live], kind="stable")] + st.s0  # live slots in position order
+            hi = np.searchsorted(pos[order - st.s0], qpos, side="right")  # (T,) keys at or before each row
+            lo = np.maximum(hi - W, 0)
+            covers &= bool((lo == 0).all())
+            parts.append((order, lo, hi))
+            width = max(width, int((hi - lo).max(initial=0)))
+        if covers:  # every row's window holds all its earlier keys: one range, masked causally
+            return StepPlan(kd.MODE_NONE, st.s0, st.s0, st.slots, work=(W + st.s0) * H * T)
+        rows = np.full((H, T, width), -1, np.int64)
         cols = np.arange(width)
-        sel_t = np.where(cols[None, :] <= (own - lo)[:, None], lo[:, None] + cols[None, :], -1)  # (T, width)
-        rows = np.ascontiguousarray(np.broadcast_to(sel_t[None], (q.shape[0], T, width)).reshape(-1, width))
-        return StepPlan(kd.MODE_LIST, st.s0, st.slots, st.slots, work=(self.cfg.window + st.s0) * q.shape[0] * T,
-                        n_ranges=2 + width, rows_sel=rows)
+        for g, (order, lo, hi) in enumerate(parts):
+            idx = lo[:, None] + cols[None, :]
+            ok = idx < hi[:, None]
+            sel = np.where(ok, order[np.minimum(idx, max(order.size - 1, 0))] if order.size else -1, INT64_MAX)
+            sel = np.sort(sel, axis=1)  # ascending slots (a forward sweep), the padding last
+            rows[g * rep:(g + 1) * rep] = np.where(sel == INT64_MAX, -1, sel)[None]
+        return StepPlan(kd.MODE_LIST, st.s0, st.slots, st.slots, work=(W + st.s0) * H * T, n_ranges=2 + width,
+                        rows_sel=rows.reshape(H * T, width))
 
     def max_tokens(self, num_heads: int) -> int | None:
         # a multi-token plan lists each row's window slots (int64): at most PLAN_BYTES of them per block
-        return max(1, PLAN_BYTES // (8 * num_heads * max(self.cfg.window, 1)))
+        return max(1, PLAN_BYTES // (8 * num_heads * max(min(self.cfg.window, self.store.slots), 1)))
 
 
 @register_routing
