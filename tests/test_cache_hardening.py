@@ -200,3 +200,20 @@ def test_audit_recall_ties_do_not_stand_in_for_a_better_unread_key() -> None:
     c.append(K[None], V)
     rep = c.audit(q[None], k=64)
     assert rep["recall"][0] == 63 / 64
+
+
+def test_k_as_a_zero_d_integer_array_is_its_value_and_sketch_counts_are_plain_digits() -> None:
+    import torch
+
+    rng = np.random.default_rng(0)
+    c = KVCache(2, 4, selector="topk")
+    c.append(rng.standard_normal((2, 20, 4)).astype(np.float32), rng.standard_normal((2, 20, 4)).astype(np.float32))
+    q = rng.standard_normal((2, 4)).astype(np.float32)
+    ref = c.attend(q, k=3)
+    for k in (np.array(3), torch.tensor(3), np.int64(3)):
+        np.testing.assert_array_equal(c.attend(q, k=k), ref)
+    for bad in (np.array(3.0), np.array([3]), np.array(True), 2.5):
+        with pytest.raises(TypeError, match="k must be an integer"):
+            c.attend(q, k=bad)
+    with pytest.raises(ValueError, match="candidates must be an integer"):
+        KVCache(2, 4, selector="sketch:candidates=5_0")

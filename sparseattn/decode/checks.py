@@ -106,6 +106,10 @@ def check_budget(k: object) -> int:
     non-integer is refused in one line, whichever the selector."""
     if k is None:
         return 64
+    if not isinstance(k, numbers.Number) and hasattr(k, "item") and np.ndim(k) == 0:
+        v = k.item()  # a 0-d array or tensor: its value, when that is an integer
+        if isinstance(v, int) and not isinstance(v, bool):
+            k = v
     if isinstance(k, bool) or not isinstance(k, numbers.Integral):
         what = f"an array of shape {np.shape(k)}" if np.ndim(k) else repr(k)[:40]
         raise TypeError(f"k must be an integer (keys per query of the 'topk' and index selectors); got {what} "

@@ -70,6 +70,8 @@ def parse_sketch(selector: object) -> dict[str, float] | None:
                              f"or fraction=<float in (0, 1]>, and shortlist=<float in (0, 1]>, e.g. "
                              f"'sketch:candidates=4096,shortlist=0.05'.")
         try:
+            if name == "candidates" and not val.strip().isdigit():  # int() would take "5_0" as 50
+                raise ValueError(val)
             x = int(val) if name == "candidates" else float(val)
         except ValueError:
             what = "an integer" if name == "candidates" else "a number"
