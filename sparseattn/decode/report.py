@@ -171,16 +171,17 @@ class CacheReport:
                 w = np.exp(s - s.max()) if s.size else s
                 w = w / w.sum() if s.size else w
                 out["keys_read"][h] = sel.size
+                is_read = np.isin(live, sel)
                 # recall counts a read key tying with the k-th best score as one of the top k (copies of
                 # one key are interchangeable)
                 if top.size:
                     kth = np.partition(s, s.size - top.size)[s.size - top.size]
-                    read = s[np.isin(live, sel)]
+                    read = s[is_read]
                     above = int(np.count_nonzero(s > kth))  # keys strictly better than the k-th: all count
                     hits = int(np.count_nonzero(read > kth)) + min(int(np.count_nonzero(read == kth)),
                                                                    top.size - above)
                     out["recall"][h] = hits / top.size
                 else:
                     out["recall"][h] = 1.0
-                out["mass"][h] = float(w[np.isin(live, sel)].sum()) if s.size else 1.0
+                out["mass"][h] = float(w[is_read].sum()) if s.size else 1.0
         return out

@@ -142,11 +142,10 @@ def key_mean(keys: np.ndarray) -> np.ndarray:
     index subtracts before clustering and scoring; zeros when a few keys dominate it (its norm above
     ``CENTRE_LIMIT`` times the median key norm, taken over up to 4,096 evenly spaced keys; also when more
     than half the keys are near zero and the rest share an offset, which costs clustering quality, not
-    exactness).  Why: the
-    kernels score ``q . (k - mean)`` in the keys' dtype and add ``q . mean`` back; a mean far longer than
-    the typical key (one key of 1e10 among unit keys) would leave the centred keys with none of the
-    typical keys' low-order bits (measured: relative error 0.096 against float64 dense attention with every
-    cluster read, 4.5e-8 uncentred).  A mean up to 16 times the median norm costs at most 4 of float32's 24
+    exactness).  Why: the kernels score ``q . (k - mean)`` in the keys' dtype and add ``q . mean`` back; a
+    mean far longer than the typical key (one key of 1e10 among unit keys) would leave the centred keys
+    with none of the typical keys' low-order bits (measured: relative error 0.096 against float64 dense
+    attention with every cluster read, 4.5e-8 uncentred).  A mean up to 16 times the median norm costs at most 4 of float32's 24
     bits; ordinary keys, even with a large common offset, stay far below it (the mean of the keys is no
     longer than their average norm)."""
     S, E = keys.shape
