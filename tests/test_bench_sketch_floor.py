@@ -20,7 +20,8 @@ _spec.loader.exec_module(bsf)
 @pytest.mark.parametrize("argv, flag", [(["--heads", "0"], "--heads"), (["--steps", "x"], "--steps"),
                                         (["--flush-mb", "0"], "--flush-mb"), (["--lengths", "100"], "--lengths"),
                                         (["--lengths", "a,b"], "--lengths"), (["--settings", "fast"], "--settings"),
-                                        (["--settings", ""], "--settings")])
+                                        (["--settings", ""], "--settings"),
+                                        (["--workload", "needle"], "--workload")])
 def test_bad_flags_are_refused_naming_the_flag(argv: list[str], flag: str, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:
         bsf.main(argv)
@@ -47,6 +48,23 @@ def test_read_kernels_sum_exactly_their_bytes() -> None:
     assert out.tolist() == [want0, want1]
 
 
+def test_dense64_matches_a_hand_computed_softmax() -> None:
+    rng = np.random.default_rng(3)
+    K = rng.standard_normal((2, 100, 64)).astype(np.float32)
+    V = rng.standard_normal((2, 100, 64)).astype(np.float32)
+    qs = rng.standard_normal((3, 2, 64)).astype(np.float32)
+    out, top = bsf.dense64(K, V, qs, 0.125)
+    for t in range(3):
+        for h in range(2):
+            s = [float(np.dot(K[h, j].astype(np.float64), qs[t, h].astype(np.float64))) * 0.125 for j in range(100)]
+            w = np.exp(np.array(s) - max(s))
+            np.testing.assert_allclose(out[t, h], (w / w.sum()) @ V[h].astype(np.float64), rtol=1e-12, atol=1e-12)
+            best = np.argsort(s)[-64:]
+            wt = w[best] / w[best].sum()
+            np.testing.assert_allclose(top[t, h], wt @ V[h, best].astype(np.float64), rtol=1e-12, atol=1e-12)
+    assert bsf.rel_err(np.array([[3.0, 4.0]]), np.array([[0.0, 5.0]])) == pytest.approx(np.sqrt(10) / 5)
+
+
 def test_tiny_run_reports_floor_as_the_sum_of_its_reads(tmp_path) -> None:
     out = tmp_path / "floor"
     assert bsf.main(["--lengths", "16384", "--heads", "2", "--steps", "2", "--flush-mb", "8",
@@ -58,4 +76,23 @@ def test_tiny_run_reports_floor_as_the_sum_of_its_reads(tmp_path) -> None:
     assert r["x_sdpa_floor"] == pytest.approx(m["sdpa"] / m["floor"])
     assert 1024 <= r["keys_read"] < 16384 and 0 < r["index_over_kv"] < 0.1
     assert r["floor_rows"] == r["keys_read"]  # read rows touches exactly the key rows the step reads
-    assert "| 16,384 (2) | default |" in out.with_suffix(".md").read_text()
+    # the accuracy of the timed steps (passkey-gaussian, the default workload): at 16,384 keys the default
+    # estimates every key from its 4-bit code and reads the best 1,024 exactly, so it finds the planted keys
+    # and the exact top-64 and errs less than exact top-64 attention
+    case = res["cases"][0]
+    assert case["workload"] == "passkey-gaussian" and case["planted"] == 4
+    assert r["planted_recall_min"] == 1.0 and 0.95 <= r["recall64_min"] <= r["recall64"] <= 1.0
+    assert 0.5 < r["mass"] <= 1.0 and 0.0 <= r["rel_err"] < case["top64_rel_err"]
+    assert "| passkey-gaussian | 16,384 (2) | default | 1.000 (1.00) |" in out.with_suffix(".md").read_text()
+
+
+def test_gaussian_workload_reports_no_planted_recall(tmp_path) -> None:
+    out = tmp_path / "floor"
+    assert bsf.main(["--workload", "gaussian", "--lengths", "16384", "--heads", "1", "--steps", "2",
+                     "--flush-mb", "8", "--settings", "default", "--out", str(out)]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    case = res["cases"][0]
+    assert case["planted"] == 0 and case["scale"] == 0.125
+    r = case["settings"]["default"]
+    assert np.isnan(r["planted_recall"]) and 0.0 <= r["recall64"] <= 1.0 and r["rel_err"] >= 0.0
+    assert "| gaussian | 16,384 (1) | default | - |" in out.with_suffix(".md").read_text()
