@@ -38,6 +38,7 @@ How the pieces meet (transformers 5.x decoder models such as Llama, Mistral, Qwe
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -64,6 +65,7 @@ __all__ = ["CACHE_ATTENTION_NAME", "HANDLE_ATTR", "SlidingWindowCacheLayer", "Sp
 
 CACHE_ATTENTION_NAME = "sparseattn-cache"
 HANDLE_ATTR = "sparseattn_layer"  # attribute of the tensors update() returns: the layer they stand for
+SLIDING_ATTR = "sparseattn_sliding_window"  # attribute of a sliding-window layer's keys: its window
 _PREFILL = ("dense", "sparse")
 _MODEL_KEYS = ("num_heads", "head_dim", "num_kv_heads", "value_dim")  # set from the model, not by the caller
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -118,6 +120,16 @@ class SparseCacheLayer(CacheLayerMixin):
         self.decode_seconds = 0.0
         self.decode_keys_read = 0.0  # sum over decode steps of the mean keys read per query row
         self.decode_keys_cached = 0  # sum over decode steps of the keys attendable
+        self.lock: Any = threading.RLock()  # SparseCache shares one lock among its layers
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("lock", None)  # a lock does not pickle or deep-copy (SparseCache links a new one on load)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Create the layer's KVCache for keys (B, H_kv, T, E) and values (B, H_kv, T, Ev)."""
@@ -173,6 +185,15 @@ class SparseCacheLayer(CacheLayerMixin):
     def attend(self, module: torch.nn.Module, query: torch.Tensor, attention_mask: torch.Tensor | None,
                scaling: float | None) -> torch.Tensor:
         """Attention of the new tokens' queries (1, H, T, E) over the cache; returns (1, T, H, Ev)."""
+        if query.requires_grad and torch.is_grad_enabled():
+            raise ValueError("query requires grad while autograd is enabled, but SparseCache attention has no "
+                             "backward pass: generate under torch.no_grad() or torch.inference_mode() (generate() "
+                             "does), or use DynamicCache with attn_implementation='sdpa' for training.")
+        with self.lock:
+            return self._attend(module, query, attention_mask, scaling)
+
+    def _attend(self, module: torch.nn.Module, query: torch.Tensor, attention_mask: torch.Tensor | None,
+                scaling: float | None) -> torch.Tensor:
         if self._new is None:
             raise ValueError("SparseCache: attention called without a preceding update of this layer "
                              "(or twice for one update).")
@@ -260,6 +281,14 @@ class SlidingWindowCacheLayer(DynamicSlidingWindowLayer):
     (keys and values as plain tensors, the last ``sliding_window - 1`` tokens kept; :func:`cache_attention_forward`
     gives them transformers' SDPA under the model's sliding-window mask), plus :meth:`append_attended`."""
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``DynamicSlidingWindowLayer.update``; the keys returned carry the layer's window
+        (``SLIDING_ATTR``), so that a full-attention call receiving them is refused."""
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        setattr(keys, SLIDING_ATTR, self.sliding_window)
+        return keys, values
+
     def append_attended(self, key_states: torch.Tensor, value_states: torch.Tensor, n_tokens: int) -> None:
         """Append ``n_tokens`` tokens of which only the last ones are given (keys (1, H_kv, t, E), values
         (1, H_kv, t, Ev), ``t >= min(n_tokens, sliding_window - 1)``: what a ``DynamicSlidingWindowLayer`` holds
@@ -292,6 +321,14 @@ def cache_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     (torch.Tensor (1, T, H, Ev), None)
     """
     layer = getattr(key, HANDLE_ATTR, None)
+    window = getattr(key, SLIDING_ATTR, None)
+    # the model's window of this call: passed by most models, an attribute of the module in others (its mask)
+    wanted = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    if window is not None and wanted != window:
+        raise ValueError(f"layer {getattr(module, 'layer_idx', '?')} of the model attends with sliding window "
+                         f"{wanted} but its SparseCache layer is a sliding-window layer "
+                         f"(window {window}): the cache was built for another model. Build SparseCache(model) "
+                         f"from the model that generates.")
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -348,6 +385,11 @@ class SparseCache(Cache):
     Layers whose type is ``"sliding_attention"`` (Gemma 3: 5 of every 6) are :class:`SlidingWindowCacheLayer`
     (transformers' own, exact); the KVCache keywords, ``prefill`` and ``k`` apply to the full-attention layers.
 
+    The cache serves the model it was built from: a model with other layer types, kv heads, head_dim or
+    more layers is refused at its first update or attention call.  One sequence, one forward pass at a time:
+    a call from another thread while a pass is under way raises RuntimeError and changes nothing.  No
+    backward pass: attention under autograd (a query that requires grad) raises ValueError.
+
     Raises
     ------
     TypeError
@@ -397,21 +439,79 @@ class SparseCache(Cache):
         kv_kwargs = group_options(kv_kwargs)  # deprecated flat keywords: warned once above, not once per layer
         self.config = config
         self.prefill = prefill
+        self._shape = (n_heads, n_kv, head_dim)
         super().__init__(layers=[
             SparseCacheLayer(n_heads, kv_kwargs, prefill, k) if lt == "full_attention"
             else SlidingWindowCacheLayer(sliding_window=int(kw["sliding_window"]))
             for lt, kw in zip(layer_types, layer_kwargs, strict=True)])
+        self._share_lock()
+
+    def _share_lock(self) -> None:
+        # one lock for every layer's update and attention: a forward pass of one thread is never interleaved
+        # with another's (see update)
+        self._lock = threading.RLock()
+        self._owner: int | None = None  # the thread of the last update
+        for layer in self.layers:
+            if isinstance(layer, SparseCacheLayer):
+                layer.lock = self._lock
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_lock", None)  # a lock does not pickle or deep-copy; a new one is made on load
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._share_lock()
+
+    def _mid_forward(self) -> bool:
+        """True while a forward pass is under way: a layer's new keys not yet attended, or layers holding
+        different numbers of tokens (some updated by this pass, some not yet)."""
+        lengths = set()
+        for layer in self.layers:
+            if isinstance(layer, SparseCacheLayer):
+                if layer._new is not None:
+                    return True
+                lengths.add(layer.n_tokens)
+            else:
+                lengths.add(int(getattr(layer, "cumulative_length", 0)))
+        return len(lengths) > 1
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the new tokens' keys/values of layer ``layer_idx``; returns handles (see the module docs)."""
+        """Append the new tokens' keys/values of layer ``layer_idx``; returns handles (see the module docs).
+
+        One thread at a time: a call from another thread while a forward pass is under way (see
+        :meth:`_mid_forward`) raises RuntimeError and changes nothing; between passes any thread may go on."""
+        n_heads, n_kv, head_dim = self._shape
+        name = type(self.config).__name__
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"SparseCache.update: layer_idx {layer_idx!r} is not a layer of the cache, which was "
+                             f"built for a {len(self.layers)}-layer model ({name}). Build SparseCache(model) from "
+                             f"the model that generates.")
+        for what, t in (("key_states", key_states), ("value_states", value_states)):
+            if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[1] != n_kv:
+                raise ValueError(f"SparseCache.update: layer {layer_idx}'s {what} have {t.shape[1]} kv heads; the "
+                                 f"cache was built for a model ({name}) with {n_kv}. Build SparseCache(model) "
+                                 f"from the model that generates.")
+        if isinstance(key_states, torch.Tensor) and key_states.dim() == 4 and key_states.shape[-1] != head_dim:
+            raise ValueError(f"SparseCache.update: layer {layer_idx}'s keys have head_dim {key_states.shape[-1]}; "
+                             f"the cache was built for a model ({name}) with head_dim {head_dim}. Build "
+                             f"SparseCache(model) from the model that generates.")
         impl = getattr(self.config, "_attn_implementation", None)
         fn = ALL_ATTENTION_FUNCTIONS[impl] if impl in ALL_ATTENTION_FUNCTIONS else None
         if not getattr(fn, "sparseattn_cache_aware", False):
-            raise ValueError(f"SparseCache needs the model's attention to read from it; the model's "
-                             f"attn_implementation is {impl!r}. Call "
-                             f"model.set_attn_implementation(sparseattn.hf.register_cache()) first.")
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            raise ValueError(f"SparseCache needs the model's attention to read from it; the attn_implementation "
+                             f"of the model it was built for ({name}) is {impl!r}. Call "
+                             f"model.set_attn_implementation(sparseattn.hf.register_cache()) first (on the model "
+                             f"that generates, and build the cache from that model).")
+        me = threading.get_ident()
+        with self._lock:
+            if self._owner not in (None, me) and self._mid_forward():
+                raise RuntimeError("SparseCache is in use by another thread (a forward pass through it is under "
+                                   "way); a cache holds one sequence: use one SparseCache per thread.")
+            self._owner = me
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def fill(self, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], n_tokens: int | None = None) -> None:
         """Append prompt keys and values computed elsewhere, e.g. the layers of a ``DynamicCache`` after the

@@ -142,6 +142,19 @@ def test_handle_in_a_sliding_attention_call_refused(model):
                                 sliding_window=WINDOW)
 
 
+def test_cache_of_a_sliding_window_model_refused_by_a_full_attention_model(model):
+    # a Gemma-3 cache (layers 0 and 2 keep the last 8 tokens) under a Llama of the same shapes, whose every
+    # layer attends to every token: its layers 0 and 2 would silently read 7 keys; refused instead
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16)).eval()
+    cache = SparseCache(model, selector="dense")
+    model.set_attn_implementation(register_cache())
+    with pytest.raises(ValueError, match=r"layer 0 of the model attends with sliding window None but its "
+                                         r"SparseCache layer is a sliding-window layer \(window 8\)"):
+        _generate(llama, _ids(12, 3), cache, impl=register_cache())
+
+
 def test_all_sliding_model_refused():
     cfg = transformers.MistralConfig(num_hidden_layers=2, sliding_window=64)
     with pytest.raises(ValueError, match=r"every layer of MistralConfig is sliding_attention.*DynamicCache"):

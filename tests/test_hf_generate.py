@@ -147,8 +147,87 @@ def test_beam_search_refused(model, ids):
 
 
 def test_wrong_attention_implementation_refused(model, ids):
-    with pytest.raises(ValueError, match=r"attn_implementation is 'sdpa'.*register_cache"):
+    with pytest.raises(ValueError, match=r"attn_implementation of the model it was built for \(LlamaConfig\) is "
+                                         r"'sdpa'.*register_cache"):
         _generate(model, ids, SparseCache(model, selector="dense"), impl="sdpa")
+
+
+def _llama(n_layers, n_heads, n_kv, head_dim):
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=n_layers,
+                      num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=head_dim)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("other, match", [((2, 8, 4, 16), r"4 kv heads; the cache was built for a model"),
+                                          ((2, 4, 2, 8), r"head_dim 8; the cache was built for a model"),
+                                          ((3, 4, 2, 16), r"layer_idx 2 is not a layer of the cache, which was "
+                                                          r"built for a 2-layer model")])
+def test_cache_of_another_model_refused_naming_the_mismatch(model, ids, other, match):
+    # the cache is built from `model` (2 layers, 2 kv heads, head_dim 16) and handed to another model's
+    # generate: refused at the first update that does not fit, before anything is attended
+    cache = SparseCache(model, selector="dense")
+    model.set_attn_implementation(register_cache())
+    with pytest.raises(ValueError, match=match):
+        _generate(_llama(*other), ids, cache, impl=register_cache())
+
+
+def test_autograd_through_the_cache_refused(model, ids):
+    # no backward pass: a forward under autograd (weights requiring grad) is refused, not silently detached
+    model.set_attn_implementation(register_cache())
+    cache = SparseCache(model, selector="dense")
+    with pytest.raises(ValueError, match=r"query requires grad while autograd is enabled.*no_grad"):
+        model(ids, past_key_values=cache, use_cache=True)
+    with torch.no_grad():  # the same call without autograd runs
+        assert torch.isfinite(model(ids, past_key_values=SparseCache(model, selector="dense")).logits).all()
+
+
+def test_one_cache_from_several_threads_refused_and_left_in_step(model, ids):
+    import threading
+
+    model.set_attn_implementation(register_cache())
+    cache = SparseCache(model, selector="dense")
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    errors, done = [], []
+    start = threading.Barrier(4)
+
+    def run(seed):
+        g = torch.Generator().manual_seed(seed)
+        start.wait()
+        for _ in range(20):
+            try:
+                with torch.no_grad():
+                    model(torch.randint(1, VOCAB, (1, 1), generator=g), past_key_values=cache, use_cache=True)
+                done.append(seed)
+            except Exception as exc:  # noqa: BLE001 - every failure is checked below
+                errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(isinstance(e, RuntimeError) and "in use by another thread" in str(e) for e in errors), errors
+    # every step that ran went through both layers: the layers hold the same tokens, prompt + steps
+    assert [kv.positions_appended for kv in cache.kv_caches()] == [ids.shape[1] + len(done)] * 2
+    with torch.no_grad():  # and the cache goes on (one thread) with the next token
+        out = model(ids[:, :1], past_key_values=cache, use_cache=True)
+    assert torch.isfinite(out.logits).all() and cache.get_seq_length() == ids.shape[1] + len(done) + 1
+
+
+def test_cache_deep_copies_and_keeps_one_lock_for_its_layers(model, ids):
+    import copy
+
+    model.set_attn_implementation(register_cache())
+    cache = SparseCache(model, selector="dense")
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    twin = copy.deepcopy(cache)
+    assert twin._lock is not cache._lock and all(la.lock is twin._lock for la in twin.layers)
+    with torch.no_grad():
+        a = model(ids[:, :1], past_key_values=cache, use_cache=True).logits
+        b = model(ids[:, :1], past_key_values=twin, use_cache=True).logits
+    assert torch.equal(a, b)
 
 
 def test_padding_mask_refused(model):
