@@ -504,8 +504,9 @@ def _check_user_arrays(arrs: dict[str, np.ndarray], where: str) -> None:
     s = arrs.get("scale")
     if s is not None and (s.size != 1 or s.dtype.kind not in "fiu" or not np.isfinite(s).all()
                           or float(s.reshape(-1)[0]) <= 0):
+        shown = f", value {float(s.reshape(-1)[0])!r}" if s.size == 1 and s.dtype.kind in "fiu" else ""
         raise ValueError(f"{where}: array 'scale' must hold one finite number > 0; got shape {s.shape}, "
-                         f"dtype {s.dtype}.")
+                         f"dtype {s.dtype}{shown}.")
 
 
 def load_user(spec: str, *, dtype: object = None, base_dir: str | os.PathLike[str] | None = None) -> Trace:

@@ -34,7 +34,8 @@ def as_float_array(x: object, name: str, *, min_ndim: int = 2, check_finite: boo
     if check_finite and arr.size and not np.isfinite(arr).all():
         bad = np.argwhere(~np.isfinite(arr))[0]
         raise ValueError(f"{name} contains NaN or Inf (first at index {tuple(int(i) for i in bad)}). "
-                         f"Clean the input, or pass check_finite=False to skip this check.")
+                         f"Clean the input (a function that takes check_finite skips this check with "
+                         f"check_finite=False).")
     return arr
 
 
@@ -75,9 +76,13 @@ def check_bool(value: object, name: str) -> bool:
     return bool(value)
 
 
-def overflow_message(dtype: np.dtype, scale: float, fix: str = "pass float64 inputs or a smaller scale") -> str:
+def overflow_message(dtype: np.dtype, scale: float, fix: str | None = None) -> str:
     """Error text for attention scores that overflow the computation dtype (finite inputs, an infinite or NaN
-    score); ``fix`` says what the caller can change."""
+    score); ``fix`` says what the caller can change (default: float64 inputs or a smaller scale for float32,
+    smaller inputs or scale for float64)."""
+    if fix is None:
+        fix = ("pass float64 inputs or a smaller scale" if np.dtype(dtype) != np.float64 else
+               "scale the queries or keys down, or pass a smaller scale (float64 is the widest dtype)")
     return (f"attention scores overflow {np.dtype(dtype).name} (some q.k * scale is beyond its range with scale={scale:g}); "
             f"{fix}.")
 

@@ -193,7 +193,11 @@ def test_check_lse_policy():
     check_lse(np.zeros(0), np.float64, 1.0)
     with pytest.raises(ValueError, match=r"attention scores overflow float32 .*scale=0\.5"):
         check_lse(np.array([1.0, np.inf], np.float32), np.float32, 0.5)
-    with pytest.raises(ValueError, match=r"overflow float64"):
+    with pytest.raises(ValueError, match=r"overflow float32 .*; pass float64 inputs or a smaller scale\.$"):
+        check_lse(np.array([np.inf]), np.float32, 1.0)
+    # float64 callers are not told to pass float64
+    with pytest.raises(ValueError, match=r"overflow float64 .*; scale the queries or keys down, or pass a smaller "
+                                         r"scale \(float64 is the widest dtype\)\.$"):
         check_lse(np.array([np.nan]), np.float64, 1.0)
     check_lse(np.array([np.nan]), np.float64, 1.0, nan_is_overflow=False)
 

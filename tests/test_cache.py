@@ -282,6 +282,14 @@ def test_bad_parameters(kwargs: dict, match: str) -> None:
         KVCache(H, E, **group_options(kwargs))
 
 
+@pytest.mark.parametrize("spec", ["cluster:n_probe=8", "window:width=8", "pages:n_probe=3", "topk:k=4"])
+def test_own_selector_with_spec_options_points_at_the_keywords(spec: str) -> None:
+    name = spec.split(":")[0]
+    with pytest.raises(ValueError, match=rf"the cache's '{name}' selector takes no options in its spec string "
+                                         r"\(only 'sketch' does.*budget=Budget\(n_probe="):
+        KVCache(H, E, selector=spec)
+
+
 def test_integer_inputs_rejected() -> None:
     cache = KVCache(H, E, num_kv_heads=HKV, value_dim=EV)
     with pytest.raises(TypeError, match="keys must have dtype"):

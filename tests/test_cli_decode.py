@@ -180,3 +180,28 @@ def test_own_arrays_with_positions_are_appended_in_position_order(tmp_path):
     wl = decode_report.open_source(str(tmp_path / "cross.npz")).workload(1, 47, 3)
     assert wl.queries == "3 evenly spaced of the data's 7 queries"
     np.testing.assert_array_equal(wl.q[0], q[0, [0, 3, 6]])
+
+
+def test_data_whose_scores_overflow_names_the_data_and_what_to_change(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "big.npz"
+    np.savez(path, q=(rng.standard_normal((2, 300, 16)) * 1e20).astype(np.float32),
+             k=(rng.standard_normal((2, 300, 16)) * 1e20).astype(np.float32),
+             v=rng.standard_normal((2, 300, 16)).astype(np.float32))
+    assert main(["decode", "--data", str(path), "--steps", "4", "--format", "table", "--quiet", "--no-sdpa",
+                 "--selectors", "window"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"sparseattn decode: error: --data {path}: attention scores "
+                                                   f"overflow float32")
+    assert "a smaller 'scale' array in its .npz" in err
+
+
+def test_bad_scale_array_shows_its_value(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "s.npz"
+    np.savez(path, q=rng.standard_normal((2, 300, 16)).astype(np.float32),
+             k=rng.standard_normal((2, 300, 16)).astype(np.float32),
+             v=rng.standard_normal((2, 300, 16)).astype(np.float32), scale=np.array(-1.0))
+    assert main(["decode", "--data", str(path), "--steps", "4", "--format", "table", "--quiet", "--no-sdpa"]) == 2
+    assert "array 'scale' must hold one finite number > 0; got shape (), dtype float64, value -1.0." in \
+        capsys.readouterr().err

@@ -458,8 +458,15 @@ def _cmd_decode(args: argparse.Namespace) -> int:
                                      f"float16's range (65504); use --dtype float32 or --dtype bfloat16.")
         with kernel_note(args.quiet), \
                 progress_steps(args.steps + 1 + int(sdpa), "decode", quiet=args.quiet) as say:
-            result = decode_report.run_decode(wl, selectors, k=args.k, dtype=args.dtype, sdpa=not args.no_sdpa,
-                                              progress=say)
+            try:
+                result = decode_report.run_decode(wl, selectors, k=args.k, dtype=args.dtype, sdpa=not args.no_sdpa,
+                                                  progress=say)
+            except ValueError as exc:
+                if "overflow" not in str(exc):
+                    raise
+                # the data's magnitudes, not an option: say which input and what can change
+                raise ValueError(f"--data {args.data}: {str(exc).rstrip('.')} (for this command: smaller keys and "
+                                 f"queries in the data, or a smaller 'scale' array in its .npz).") from None
     _show(result, formats, files, args, decode_report.render_text, decode_report.write_decode)
     return 0
 

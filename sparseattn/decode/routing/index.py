@@ -47,6 +47,13 @@ def parse_index_selector(selector: object) -> Any:
     from ...selectors import get_selector, selector_classes
     from ...selectors.registry import parse_spec
 
+    head = selector.split(":", 1)[0].strip()
+    if ":" in selector and head in own:  # the cache's own routing with spec options it does not take
+        raise ValueError(f"selector {selector!r}: the cache's {head!r} selector takes no options in its spec "
+                         f"string (only 'sketch' does, e.g. 'sketch:candidates=2048'); set its parameters with "
+                         f"KVCache keywords (the decode command line uses their defaults): budget=Budget(n_probe=..., estimate=..., top_p=...), "
+                         f"retention=Retention(sinks=..., window=...), layout=Layout(segment=..., "
+                         f"cluster_size=..., page_size=...).")
     parts = parse_spec(selector)
     names = [n for n, _ in parts]
     if len(parts) != 1 or names[0] not in accepted:
