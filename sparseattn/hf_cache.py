@@ -251,8 +251,8 @@ class SparseCacheLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Refused: a KVCache cannot drop tokens (assisted / speculative decoding need that)."""
-        raise ValueError("SparseCache cannot crop tokens (assisted or speculative decoding, or generate(...) "
-                         "continuing with a shorter prompt); use DynamicCache for those.")
+        raise ValueError("SparseCache cannot crop tokens (assisted or speculative decoding need that); "
+                         "use DynamicCache for those.")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Refused: one sequence per cache, no beam search."""
@@ -546,8 +546,8 @@ class SparseCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Refused before any layer changes (a sliding-window layer could crop, the KVCache layers cannot)."""
-        raise ValueError("SparseCache cannot crop tokens (assisted or speculative decoding, or generate(...) "
-                         "continuing with a shorter prompt); use DynamicCache for those.")
+        raise ValueError("SparseCache cannot crop tokens (assisted or speculative decoding need that); "
+                         "use DynamicCache for those.")
 
     def kv_caches(self) -> list[KVCache | None]:
         """The KVCache of each layer (None before its first update, and for sliding-window layers)."""
