@@ -505,13 +505,18 @@ class SparseCache(Cache):
                              f"of the model it was built for ({name}) is {impl!r}. Call "
                              f"model.set_attn_implementation(sparseattn.hf.register_cache()) first (on the model "
                              f"that generates, and build the cache from that model).")
-        me = threading.get_ident()
         with self._lock:
-            if self._owner not in (None, me) and self._mid_forward():
-                raise RuntimeError("SparseCache is in use by another thread (a forward pass through it is under "
-                                   "way); a cache holds one sequence: use one SparseCache per thread.")
-            self._owner = me
+            self._claim()
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _claim(self) -> None:
+        """Make the calling thread the cache's user (the lock held); RuntimeError, nothing changed, when
+        another thread's forward pass is under way."""
+        me = threading.get_ident()
+        if self._owner not in (None, me) and self._mid_forward():
+            raise RuntimeError("SparseCache is in use by another thread (a forward pass through it is under way); "
+                               "a cache holds one sequence: use one SparseCache per thread.")
+        self._owner = me
 
     def fill(self, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], n_tokens: int | None = None) -> None:
         """Append prompt keys and values computed elsewhere, e.g. the layers of a ``DynamicCache`` after the
@@ -538,11 +543,13 @@ class SparseCache(Cache):
             raise ValueError(f"layer_kv: every full-attention layer must hold the same tokens (n_tokens, when "
                              f"given, too); got lengths {sorted(lengths)}.")
         (n,) = lengths
-        for layer, (k, v) in zip(self.layers, layer_kv, strict=True):
-            if isinstance(layer, SparseCacheLayer):
-                layer.append_attended(k, v)
-            else:
-                layer.append_attended(k, v, n)
+        with self._lock:
+            self._claim()
+            for layer, (k, v) in zip(self.layers, layer_kv, strict=True):
+                if isinstance(layer, SparseCacheLayer):
+                    layer.append_attended(k, v)
+                else:
+                    layer.append_attended(k, v, n)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Refused before any layer changes (a sliding-window layer could crop, the KVCache layers cannot)."""
