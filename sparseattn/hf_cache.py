@@ -339,9 +339,10 @@ def cache_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         if kwargs.get(name) is not None:
             raise ValueError(f"SparseCache attention does not support {name!r}; use DynamicCache with "
                              f"attn_implementation='sdpa' for this model.")
-    if kwargs.get("sliding_window") is not None:  # SparseCache gives sliding layers plain tensors, never handles
-        raise ValueError(f"a sliding-window attention call (window {kwargs['sliding_window']}) received a "
-                         f"SparseCache full-attention layer's keys; the cache's layer types do not match the model.")
+    if wanted is not None:  # SparseCache gives sliding layers plain tensors, never handles
+        raise ValueError(f"a sliding-window attention call (window {wanted}) received a "
+                         f"SparseCache full-attention layer's keys; the cache's layer types do not match the model. "
+                         f"Build SparseCache(model) from the model that generates.")
     return layer.attend(module, query, attention_mask, scaling), None
 
 
@@ -450,54 +451,56 @@ class SparseCache(Cache):
         # one lock for every layer's update and attention: a forward pass of one thread is never interleaved
         # with another's (see update)
         self._lock = threading.RLock()
-        self._owner: int | None = None  # the thread of the last update
+        self._owner: threading.Thread | None = None  # the thread of the last update
         for layer in self.layers:
             if isinstance(layer, SparseCacheLayer):
                 layer.lock = self._lock
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.pop("_lock", None)  # a lock does not pickle or deep-copy; a new one is made on load
+        state.pop("_lock", None)  # a lock (or a thread) does not pickle or deep-copy; made anew on load
+        state.pop("_owner", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._share_lock()
 
+    def __copy__(self) -> SparseCache:
+        raise TypeError("SparseCache cannot be shallow-copied (the copy would share its layers); use "
+                        "copy.deepcopy(cache) for an independent copy.")
+
+    def _lengths(self) -> list[int]:
+        """Tokens each layer holds (a sliding-window layer: tokens appended)."""
+        return [layer.n_tokens if isinstance(layer, SparseCacheLayer) else int(getattr(layer, "cumulative_length", 0))
+                for layer in self.layers]
+
     def _mid_forward(self) -> bool:
-        """True while a forward pass is under way: a layer's new keys not yet attended, or layers holding
-        different numbers of tokens (some updated by this pass, some not yet)."""
-        lengths = set()
-        for layer in self.layers:
-            if isinstance(layer, SparseCacheLayer):
-                if layer._new is not None:
-                    return True
-                lengths.add(layer.n_tokens)
-            else:
-                lengths.add(int(getattr(layer, "cumulative_length", 0)))
-        return len(lengths) > 1
+        """True while a forward pass is under way (or was left unfinished): a layer's new keys not yet
+        attended, or layers holding different numbers of tokens (some updated by the pass, some not)."""
+        if any(isinstance(la, SparseCacheLayer) and la._new is not None for la in self.layers):
+            return True
+        return len(set(self._lengths())) > 1
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the new tokens' keys/values of layer ``layer_idx``; returns handles (see the module docs).
-
-        One thread at a time: a call from another thread while a forward pass is under way (see
-        :meth:`_mid_forward`) raises RuntimeError and changes nothing; between passes any thread may go on."""
-        n_heads, n_kv, head_dim = self._shape
+    def _check_fits(self, key_states: Any, value_states: Any, layer_idx: Any) -> None:
+        """ValueError when the calling layer is not one of the model the cache was built for (layer index,
+        kv heads, head_dim) or its attention is not the cache's (TypeError for a non-int ``layer_idx``).
+        Shapes are read from 4-D tensors only; the layer's own update checks the rest."""
+        _, n_kv, head_dim = self._shape
         name = type(self.config).__name__
-        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
-            raise ValueError(f"SparseCache.update: layer_idx {layer_idx!r} is not a layer of the cache, which was "
-                             f"built for a {len(self.layers)}-layer model ({name}). Build SparseCache(model) from "
-                             f"the model that generates.")
+        fix = "Build SparseCache(model) from the model that generates."
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
+            raise TypeError(f"SparseCache.update: layer_idx must be an int; got {layer_idx!r}.")
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"SparseCache.update: layer_idx {layer_idx} is not a layer of the cache, which was "
+                             f"built for a {len(self.layers)}-layer model ({name}). {fix}")
         for what, t in (("key_states", key_states), ("value_states", value_states)):
             if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[1] != n_kv:
                 raise ValueError(f"SparseCache.update: layer {layer_idx}'s {what} have {t.shape[1]} kv heads; the "
-                                 f"cache was built for a model ({name}) with {n_kv}. Build SparseCache(model) "
-                                 f"from the model that generates.")
+                                 f"cache was built for a model ({name}) with {n_kv}. {fix}")
         if isinstance(key_states, torch.Tensor) and key_states.dim() == 4 and key_states.shape[-1] != head_dim:
             raise ValueError(f"SparseCache.update: layer {layer_idx}'s keys have head_dim {key_states.shape[-1]}; "
-                             f"the cache was built for a model ({name}) with head_dim {head_dim}. Build "
-                             f"SparseCache(model) from the model that generates.")
+                             f"the cache was built for a model ({name}) with head_dim {head_dim}. {fix}")
         impl = getattr(self.config, "_attn_implementation", None)
         fn = ALL_ATTENTION_FUNCTIONS[impl] if impl in ALL_ATTENTION_FUNCTIONS else None
         if not getattr(fn, "sparseattn_cache_aware", False):
@@ -505,17 +508,42 @@ class SparseCache(Cache):
                              f"of the model it was built for ({name}) is {impl!r}. Call "
                              f"model.set_attn_implementation(sparseattn.hf.register_cache()) first (on the model "
                              f"that generates, and build the cache from that model).")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tokens' keys/values of layer ``layer_idx``; returns handles (see the module docs).
+
+        Refused before anything changes: a layer of another model (:meth:`_check_fits`), keys that require
+        grad under autograd (no backward pass), a call from another thread while a forward pass is under way
+        (RuntimeError), and a new pass while the previous one was left unfinished (ValueError: call
+        :meth:`reset`).  Passes from two threads that alternate between passes are not detected: one cache
+        holds one sequence, so give each thread its own."""
+        self._check_fits(key_states, value_states, layer_idx)
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in (key_states, value_states)):
+            raise ValueError("keys require grad while autograd is enabled, but SparseCache attention has no "
+                             "backward pass: generate under torch.no_grad() or torch.inference_mode() (generate() "
+                             "does), or use DynamicCache with attn_implementation='sdpa' for training.")
         with self._lock:
-            self._claim()
+            self._claim(layer_idx)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def _claim(self) -> None:
-        """Make the calling thread the cache's user (the lock held); RuntimeError, nothing changed, when
-        another thread's forward pass is under way."""
-        me = threading.get_ident()
-        if self._owner not in (None, me) and self._mid_forward():
-            raise RuntimeError("SparseCache is in use by another thread (a forward pass through it is under way); "
-                               "a cache holds one sequence: use one SparseCache per thread.")
+    def _claim(self, layer_idx: int) -> None:
+        """Make the calling thread the cache's user (the lock held), or raise with nothing changed: another
+        thread's pass under way (RuntimeError); a pass started (layer 0) while the last one was left
+        unfinished, by an error in it, an interruption, or a model with fewer layers (ValueError)."""
+        me = threading.current_thread()
+        owner = self._owner
+        busy = self._mid_forward()
+        if busy and owner is not None and owner is not me and owner.is_alive():
+            raise RuntimeError(f"SparseCache is in use by another thread ({owner.name}: a forward pass through it "
+                               f"is under way, or was left unfinished there); a cache holds one sequence: use one "
+                               f"SparseCache per thread (cache.reset() drops its tokens).")
+        if busy and (layer_idx == 0 or owner is not me):
+            raise ValueError(f"SparseCache: the previous forward pass through the cache did not finish (an error or "
+                             f"interruption in it, or a model with fewer layers than the cache's "
+                             f"{len(self.layers)}); its layers hold {self._lengths()} tokens. Call cache.reset() "
+                             f"(drops every token) or build a new SparseCache from the model that generates.")
         self._owner = me
 
     def fill(self, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], n_tokens: int | None = None) -> None:
@@ -544,7 +572,7 @@ class SparseCache(Cache):
                              f"given, too); got lengths {sorted(lengths)}.")
         (n,) = lengths
         with self._lock:
-            self._claim()
+            self._claim(0)
             for layer, (k, v) in zip(self.layers, layer_kv, strict=True):
                 if isinstance(layer, SparseCacheLayer):
                     layer.append_attended(k, v)

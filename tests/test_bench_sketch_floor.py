@@ -94,5 +94,6 @@ def test_gaussian_workload_reports_no_planted_recall(tmp_path) -> None:
     case = res["cases"][0]
     assert case["planted"] == 0 and case["scale"] == 0.125
     r = case["settings"]["default"]
-    assert np.isnan(r["planted_recall"]) and 0.0 <= r["recall64"] <= 1.0 and r["rel_err"] >= 0.0
+    assert r["planted_recall"] is None and 0.0 <= r["recall64"] <= 1.0 and r["rel_err"] >= 0.0
+    assert "NaN" not in out.with_suffix(".json").read_text()
     assert "| gaussian | 16,384 (1) | default | - |" in out.with_suffix(".md").read_text()

@@ -282,11 +282,15 @@ def test_bad_parameters(kwargs: dict, match: str) -> None:
         KVCache(H, E, **group_options(kwargs))
 
 
-@pytest.mark.parametrize("spec", ["cluster:n_probe=8", "window:width=8", "pages:n_probe=3", "topk:k=4"])
-def test_own_selector_with_spec_options_points_at_the_keywords(spec: str) -> None:
+@pytest.mark.parametrize("spec, where", [("cluster:n_probe=8", r"budget=Budget\(n_probe="),
+                                         ("window:width=8", r"retention=Retention\(sinks=\.\.\., window="),
+                                         ("pages:n_probe=3", r"layout=Layout\(page_size="),
+                                         ("topk:k=4", r"its k is attend\(k=\.\.\.\)"),
+                                         ("dense:x=1", "it has no parameters")])
+def test_own_selector_with_spec_options_points_at_where_its_parameters_go(spec: str, where: str) -> None:
     name = spec.split(":")[0]
     with pytest.raises(ValueError, match=rf"the cache's '{name}' selector takes no options in its spec string "
-                                         r"\(only 'sketch' does.*budget=Budget\(n_probe="):
+                                         rf"\(only 'sketch' does.*{where}"):
         KVCache(H, E, selector=spec)
 
 

@@ -130,7 +130,7 @@ def test_update_returns_handles_not_copies(model):
     assert keys.untyped_storage().nbytes() == 4 and torch.isnan(keys).all()  # one NaN, stride 0
     assert cache.get_seq_length(0) == 50 and cache.get_mask_sizes(1, 0) == (51, 0)
     assert cache.kv_nbytes == 50 * 2 * 32 * 4  # stored once, in the KVCache
-    with pytest.raises(ValueError, match="never attended"):
+    with pytest.raises(ValueError, match="previous forward pass through the cache did not finish"):
         cache.update(k[:, :, :1], k[:, :, :1], 0)
 
 
@@ -164,21 +164,81 @@ def _llama(n_layers, n_heads, n_kv, head_dim):
                                                           r"built for a 2-layer model")])
 def test_cache_of_another_model_refused_naming_the_mismatch(model, ids, other, match):
     # the cache is built from `model` (2 layers, 2 kv heads, head_dim 16) and handed to another model's
-    # generate: refused at the first update that does not fit, before anything is attended
+    # generate: refused at the first update that does not fit (for the 3-layer model, its third layer's)
     cache = SparseCache(model, selector="dense")
     model.set_attn_implementation(register_cache())
     with pytest.raises(ValueError, match=match):
         _generate(_llama(*other), ids, cache, impl=register_cache())
 
 
-def test_autograd_through_the_cache_refused(model, ids):
-    # no backward pass: a forward under autograd (weights requiring grad) is refused, not silently detached
+def test_autograd_through_the_cache_refused_before_anything_changes(model, ids):
+    # no backward pass: a forward under autograd (weights requiring grad) is refused, not silently detached,
+    # and refused before the first layer appends: the same cache then serves the call under no_grad
     model.set_attn_implementation(register_cache())
     cache = SparseCache(model, selector="dense")
-    with pytest.raises(ValueError, match=r"query requires grad while autograd is enabled.*no_grad"):
-        model(ids, past_key_values=cache, use_cache=True)
-    with torch.no_grad():  # the same call without autograd runs
-        assert torch.isfinite(model(ids, past_key_values=SparseCache(model, selector="dense")).logits).all()
+    with pytest.raises(ValueError, match=r"keys require grad while autograd is enabled.*no_grad"):
+        model(ids, cache=cache, use_cache=True)
+    assert cache.get_seq_length() == 0
+    with torch.no_grad():
+        ref = model(ids, cache=SparseCache(model, selector="dense")).logits
+        assert torch.equal(model(ids, cache=cache).logits, ref)
+
+
+def _kv(t=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 2, t, 16, generator=g), torch.randn(1, 2, t, 16, generator=g)
+
+
+def test_another_thread_during_a_pass_is_refused_and_changes_nothing(model):
+    import threading
+
+    model.set_attn_implementation(register_cache())
+    cache = SparseCache(model, selector="dense")
+    cache.update(*_kv(3), 0)  # this thread's pass: layer 0 updated, not yet attended
+    seen = []
+    other = threading.Thread(target=lambda: seen.append(pytest.raises(RuntimeError, cache.update, *_kv(), 0)))
+    other.start()
+    other.join()
+    assert "in use by another thread" in str(seen[0].value)
+    assert cache._lengths() == [3, 0]  # the refused call appended nothing
+    attn = model.model.layers[0].self_attn
+    handles = cache.layers[0]._handle(16)
+    from sparseattn.hf_cache import cache_attention_forward
+    cache_attention_forward(attn, torch.randn(1, 4, 3, 16), handles, handles, None)
+    cache.update(*_kv(3, 1), 1)
+    cache_attention_forward(model.model.layers[1].self_attn, torch.randn(1, 4, 3, 16), cache.layers[1]._handle(16),
+                            cache.layers[1]._handle(16), None)
+    # the pass is over: another thread may go on (sequential hand-over)
+    done = []
+    nxt = threading.Thread(target=lambda: done.append(cache.update(*_kv(), 0)))
+    nxt.start()
+    nxt.join()
+    assert len(done) == 1 and cache._lengths() == [4, 3]
+
+
+def test_unfinished_pass_is_reported_and_reset_recovers(model, ids):
+    model.set_attn_implementation(register_cache())
+    cache = SparseCache(model, selector="dense")
+    cache.update(*_kv(3), 0)  # a pass that stops after layer 0 (an error in the model, say)
+    with pytest.raises(ValueError, match=r"previous forward pass through the cache did not finish.*hold \[3, 0\] "
+                                         r"tokens.*cache.reset\(\)"):
+        cache.update(*_kv(3), 0)
+    cache.reset()
+    with torch.no_grad():
+        assert torch.equal(model(ids, cache=cache).logits, model(ids, cache=SparseCache(model, selector="dense")).logits)
+
+
+def test_model_with_fewer_layers_is_refused_at_its_second_pass(model, ids):
+    # a 1-layer model through the 2-layer cache: its first pass cannot be told from an unfinished one until
+    # the next pass starts; that one is refused
+    model.set_attn_implementation(register_cache())
+    cache = SparseCache(model, selector="dense")
+    small = _llama(1, 4, 2, 16)
+    small.set_attn_implementation(register_cache())
+    with torch.no_grad():
+        small(ids, cache=cache)
+        with pytest.raises(ValueError, match=r"did not finish .*fewer layers than the cache's 2"):
+            small(ids[:, :1], cache=cache)
 
 
 def test_one_cache_from_several_threads_refused_and_left_in_step(model, ids):
@@ -187,7 +247,7 @@ def test_one_cache_from_several_threads_refused_and_left_in_step(model, ids):
     model.set_attn_implementation(register_cache())
     cache = SparseCache(model, selector="dense")
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, cache=cache, use_cache=True)
     errors, done = [], []
     start = threading.Barrier(4)
 
@@ -197,7 +257,7 @@ def test_one_cache_from_several_threads_refused_and_left_in_step(model, ids):
         for _ in range(20):
             try:
                 with torch.no_grad():
-                    model(torch.randint(1, VOCAB, (1, 1), generator=g), past_key_values=cache, use_cache=True)
+                    model(torch.randint(1, VOCAB, (1, 1), generator=g), cache=cache, use_cache=True)
                 done.append(seed)
             except Exception as exc:  # noqa: BLE001 - every failure is checked below
                 errors.append(exc)
@@ -207,27 +267,32 @@ def test_one_cache_from_several_threads_refused_and_left_in_step(model, ids):
         t.start()
     for t in threads:
         t.join()
+    # overlapping passes are refused (the deterministic case is the test above); whatever interleaving
+    # happened, every failure is that refusal and every step that ran went through both layers
     assert all(isinstance(e, RuntimeError) and "in use by another thread" in str(e) for e in errors), errors
-    # every step that ran went through both layers: the layers hold the same tokens, prompt + steps
     assert [kv.positions_appended for kv in cache.kv_caches()] == [ids.shape[1] + len(done)] * 2
     with torch.no_grad():  # and the cache goes on (one thread) with the next token
-        out = model(ids[:, :1], past_key_values=cache, use_cache=True)
+        out = model(ids[:, :1], cache=cache, use_cache=True)
     assert torch.isfinite(out.logits).all() and cache.get_seq_length() == ids.shape[1] + len(done) + 1
 
 
-def test_cache_deep_copies_and_keeps_one_lock_for_its_layers(model, ids):
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_cache_copies_keep_one_lock_for_their_layers(model, ids, how):
     import copy
+    import pickle
 
     model.set_attn_implementation(register_cache())
     cache = SparseCache(model, selector="dense")
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
-    twin = copy.deepcopy(cache)
+        model(ids, cache=cache, use_cache=True)
+    twin = copy.deepcopy(cache) if how == "deepcopy" else pickle.loads(pickle.dumps(cache))
     assert twin._lock is not cache._lock and all(la.lock is twin._lock for la in twin.layers)
     with torch.no_grad():
-        a = model(ids[:, :1], past_key_values=cache, use_cache=True).logits
-        b = model(ids[:, :1], past_key_values=twin, use_cache=True).logits
+        a = model(ids[:, :1], cache=cache, use_cache=True).logits
+        b = model(ids[:, :1], cache=twin, use_cache=True).logits
     assert torch.equal(a, b)
+    with pytest.raises(TypeError, match=r"cannot be shallow-copied.*copy.deepcopy"):
+        copy.copy(cache)
 
 
 def test_padding_mask_refused(model):

@@ -36,6 +36,17 @@ def index_selector_names() -> list[str]:
     return sorted(n for n, c in selector_classes().items() if c.supports_add and n not in own)
 
 
+# where the parameters of the cache's own selectors are set (named by the spec-option refusal)
+_BUDGET = "budget=Budget(n_probe=..., estimate=..., top_p=...)"
+_OWN_PARAMS = {
+    "topk": "its k is attend(k=...) (SparseCache(k=...), the command line's --k).",
+    "window": "set the window with KVCache(retention=Retention(sinks=..., window=...)).",
+    "cluster": f"set its parameters with KVCache({_BUDGET}, layout=Layout(segment=..., cluster_size=...)).",
+    "pages": "set its parameters with KVCache(budget=Budget(n_probe=...), layout=Layout(page_size=...)).",
+    "dense": "it has no parameters.",
+}
+
+
 def parse_index_selector(selector: object) -> Any:
     """An unbuilt template of the index selector ``selector`` names (ValueError naming the accepted ones)."""
     own = tuple(routing_classes())
@@ -50,10 +61,7 @@ def parse_index_selector(selector: object) -> Any:
     head = selector.split(":", 1)[0].strip()
     if ":" in selector and head in own:  # the cache's own routing with spec options it does not take
         raise ValueError(f"selector {selector!r}: the cache's {head!r} selector takes no options in its spec "
-                         f"string (only 'sketch' does, e.g. 'sketch:candidates=2048'); set its parameters with "
-                         f"KVCache keywords (the decode command line uses their defaults): budget=Budget(n_probe=..., estimate=..., top_p=...), "
-                         f"retention=Retention(sinks=..., window=...), layout=Layout(segment=..., "
-                         f"cluster_size=..., page_size=...).")
+                         f"string (only 'sketch' does, e.g. 'sketch:candidates=2048'); {_OWN_PARAMS.get(head, '')}")
     parts = parse_spec(selector)
     names = [n for n, _ in parts]
     if len(parts) != 1 or names[0] not in accepted:
