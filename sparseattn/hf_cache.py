@@ -386,10 +386,12 @@ class SparseCache(Cache):
     Layers whose type is ``"sliding_attention"`` (Gemma 3: 5 of every 6) are :class:`SlidingWindowCacheLayer`
     (transformers' own, exact); the KVCache keywords, ``prefill`` and ``k`` apply to the full-attention layers.
 
-    The cache serves the model it was built from: a model with other layer types, kv heads, head_dim or
-    more layers is refused at its first update or attention call.  One sequence, one forward pass at a time:
-    a call from another thread while a pass is under way raises RuntimeError and changes nothing.  No
-    backward pass: attention under autograd (a query that requires grad) raises ValueError.
+    The cache serves the model it was built from: other kv heads or head_dim are refused at the first
+    update, other layer types at the first attention call of such a layer, more layers at the first extra
+    one, fewer at the second pass.  One sequence, one forward pass at a time: a call from another thread
+    while a pass is under way raises RuntimeError and changes nothing (passes of two threads that alternate
+    are not detected: give each thread its own cache); a pass left unfinished by an error is reported at the
+    next one (call :meth:`reset`).  No backward pass: keys that require grad under autograd raise ValueError.
 
     Raises
     ------
