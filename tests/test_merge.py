@@ -258,3 +258,19 @@ def test_merge_pair_with_overlapping_out_views(rng):
     merge_pair(*acc, o2, l2, out=acc)
     np.testing.assert_allclose(o1, want[0], atol=1e-14)
     np.testing.assert_allclose(acc[1], want[1], atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype, big", [(np.float32, 3.0e38), (np.float64, 1.5e308)])
+def test_parts_near_the_dtype_max_merge_to_a_finite_output(dtype, big):
+    # each part is a finite attention output near the largest finite value; the merge is their convex
+    # combination (equal lse: 1/2, 1/2; unequal: a weighted mean), so it must stay finite and exact to rounding
+    import sparseattn as sa
+
+    o = np.stack([np.full((2, 3), big, dtype), np.full((2, 3), big * 0.9, dtype)])
+    lse = np.array([[0.0, 0.0], [0.0, np.log(3.0)]], dtype)
+    out, l = sa.merge_attention(o, lse)
+    want = np.array([0.5 * big + 0.5 * 0.9 * big, 0.25 * big + 0.75 * 0.9 * big])
+    np.testing.assert_allclose(out.astype(np.float64), np.repeat(want[:, None], 3, axis=1), rtol=1e-6)
+    out2, _ = sa.merge_pair(o[0], lse[0], o[1], lse[1])
+    assert np.isfinite(out2).all()
+    np.testing.assert_allclose(out2.astype(np.float64), out.astype(np.float64), rtol=1e-6)

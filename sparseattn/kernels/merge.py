@@ -54,7 +54,9 @@ def _merge_partials(partials, sums, shifts, slot, p, lse_shift, out, lse):
     lse : (L,) float, written
         ``M + log(Σ_t w_t s_t) + lse_shift``; ``-inf`` for a row without a live partial.
 
-    The weights and the total are float64; the accumulation is in ``out``'s dtype (it vectorises).
+    The weights and the total are float64; each partial enters the sum scaled by ``w_t / Σ w s`` (so the
+    terms stay within the partials' normalised outputs: no overflow to inf from finite parts); the
+    accumulation is in ``out``'s dtype (it vectorises).
     Rows are independent and each is summed in a fixed order: the serial and parallel variants
     (``merge_partials_serial`` / ``merge_partials``, compiled from this one function) give identical
     results whatever the thread count.
@@ -79,23 +81,29 @@ def _merge_partials(partials, sums, shifts, slot, p, lse_shift, out, lse):
                     o[e] = 0.0
                 lse[i] = -np.inf
                 continue
-            for e in range(Ev):
-                acc[e] = 0.0
             tot = 0.0
             for t in range(p):
                 s = slot[i * p + t]
                 if sums[s] > 0 and shifts[s] > -np.inf:
                     w64 = np.exp(np.float64(shifts[s]) - M)
-                    w = out.dtype.type(w64)
-                    if w == zero:
+                    if out.dtype.type(w64) != zero:
+                        tot += w64 * np.float64(sums[s])
+            # each partial weighted by w / tot before the sum: the terms are bounded by the partials'
+            # normalised outputs, so finite parts never sum to inf (w o / tot would not be: o can be near max)
+            for e in range(Ev):
+                acc[e] = 0.0
+            for t in range(p):
+                s = slot[i * p + t]
+                if sums[s] > 0 and shifts[s] > -np.inf:
+                    w64 = np.exp(np.float64(shifts[s]) - M)
+                    if out.dtype.type(w64) == zero:
                         continue
-                    tot += w64 * np.float64(sums[s])
+                    c = out.dtype.type(w64 / tot)
                     ps = partials[s // n_per][s % n_per]
                     for e in range(Ev):
-                        acc[e] += w * ps[e]
-            inv = out.dtype.type(1.0 / tot)
+                        acc[e] += c * ps[e]
             for e in range(Ev):
-                o[e] = acc[e] * inv
+                o[e] = acc[e]
             lse[i] = M + np.log(tot) + lse_shift[i]
 
 
