@@ -287,6 +287,9 @@ def test_scheduler_address_string(cluster, data) -> None:
     (dict(selector=3), TypeError, "selector"),
     (dict(key_positions=np.arange(100)[::-1].copy()), ValueError, "key_positions"),
     (dict(key_positions=np.arange(99)), ValueError, "key_positions"),
+    # uint64 beyond int64 would wrap negative (a late key read as the earliest): refused
+    (dict(key_positions=np.arange(2**63 - 50, 2**63 + 50, dtype=np.uint64)), ValueError,
+     r"key_positions must fit in int64"),
     (dict(keys=np.zeros((100, 4), np.int32)), TypeError, "keys"),
     (dict(values=np.zeros((99, 4), np.float32)), ValueError, "values"),
     (dict(keys=iter([]), values=None), ValueError, "n_keys"),
@@ -298,6 +301,17 @@ def test_bad_construction_arguments(client, kwargs, exc, word) -> None:
     args.update(kwargs)
     with pytest.raises(exc, match=word):
         ShardedKeyStore(args.pop("client"), args.pop("keys"), args.pop("values"), **args)
+
+
+def test_positions_spanning_int64_are_ordered_without_overflow(client) -> None:
+    # np.diff of [-2**63, 2**63 - 1] overflows int64: the order check compares neighbours instead
+    K = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    pos = np.array([-2**63, 2**63 - 1], np.int64)
+    with ShardedKeyStore(client, K, K, key_positions=pos, selector="topk") as store:
+        out, _ = store.attend(K[:1], k=2)
+        assert np.isfinite(out).all()
+    with pytest.raises(ValueError, match="non-decreasing"):
+        ShardedKeyStore(client, K, K, key_positions=pos[::-1].copy())
 
 
 def test_bad_stream_length(client) -> None:
@@ -315,6 +329,8 @@ def test_bad_query_arguments(client, data) -> None:
             (lambda: store.attend(Q, k=0), ValueError, "k"),
             (lambda: store.attend(Q, is_causal=1), TypeError, "is_causal"),
             (lambda: store.attend(Q, query_positions=np.arange(3)), ValueError, "query_positions"),
+            (lambda: store.attend(Q, query_positions=np.full(Q.shape[0], 2**63 + 5, np.uint64), is_causal=True),
+             ValueError, r"query_positions must fit in int64"),
             (lambda: store.attend(Q, scale=float("nan")), ValueError, "scale"),
             (lambda: store.attend(Q, batch_size=0), ValueError, "batch_size"),
             (lambda: store.attend(Q, k_scope="global"), ValueError, "k_scope"),

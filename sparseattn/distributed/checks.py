@@ -62,6 +62,9 @@ def int1d(x: Any, name: str, length: int) -> np.ndarray:
         raise TypeError(f"{name} must be an integer array; got dtype {arr.dtype}.")
     if arr.shape != (length,):
         raise ValueError(f"{name} must have shape ({length},); got {arr.shape}.")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        # casting would wrap them negative: a late position would silently become the earliest
+        raise ValueError(f"{name} must fit in int64 (at most {np.iinfo(np.int64).max}); got {int(arr.max())}.")
     return arr.astype(np.int64, copy=False)
 
 

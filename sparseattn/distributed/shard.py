@@ -117,7 +117,7 @@ class Shard:
         if not (np.isfinite(self.keys).all() and np.isfinite(self.values).all()):
             raise ValueError("keys and values must be finite (no NaN or inf).")
         pos = self._positions()
-        if pos.size > 1 and bool(np.any(np.diff(pos) < 0)):
+        if pos.size > 1 and bool(np.any(pos[1:] < pos[:-1])):  # not np.diff: it can overflow int64
             raise ValueError("key_positions must be non-decreasing within the store; sort keys, values and "
                              "key_positions by position first.")
         with threads(self.n_threads):

@@ -450,7 +450,7 @@ def keys_source(keys: Any, values: Any, key_positions: Any, n_keys: Any
         total = karr.shape[0]
         if key_positions is not None:
             pos = int1d(key_positions, "key_positions", total)
-            if total > 1 and bool(np.any(np.diff(pos) < 0)):
+            if total > 1 and bool(np.any(pos[1:] < pos[:-1])):  # not np.diff: it can overflow int64
                 raise ValueError("key_positions must be non-decreasing (shards are position ranges); sort "
                                  "keys, values and key_positions by position first.")
     else:
