@@ -157,3 +157,25 @@ def test_layer_errors_name_the_argument(rng):
         MultiHeadAttention(np.ones((2, 4, 3)), np.ones((3, 4, 3)), np.ones((2, 4, 3)))
     with pytest.raises(TypeError, match="inputs must have dtype float16, float32 or float64"):
         attention_steps(np.ones((2, 4), dtype=int), *_example()[1:])
+
+
+@pytest.mark.parametrize("scale", [1e308, -1e308])
+def test_steps_refuse_overflowing_scores_instead_of_nan(scale):
+    # scores of +-1e308 * q.k leave float64: refused as the dense reference refuses them (they gave NaN /
+    # all-zero weights)
+    x = np.array([[1.0, 2.0], [3.0, 4.0]])
+    eye = np.eye(2)
+    with pytest.raises(ValueError, match=r"step 4: attention scores overflow float64"):
+        attention_steps(x, eye, eye, eye, scale=scale)
+
+
+def test_steps_refuse_overflowing_projections():
+    x = np.full((2, 2), 3e38, np.float32)
+    with pytest.raises(ValueError, match=r"step 3: the queries \(inputs @ W_query\) overflow float32"):
+        attention_steps(x, np.full((2, 2), 2.0, np.float32), np.eye(2, dtype=np.float32), np.eye(2, dtype=np.float32))
+
+
+@pytest.mark.parametrize("shape", [(0, 6), (2, 0, 6)])
+def test_multi_head_attention_on_an_empty_sequence(shape):
+    mha = MultiHeadAttention.random(6, 3)
+    assert mha(np.zeros(shape, np.float32)).shape == shape

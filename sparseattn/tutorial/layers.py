@@ -183,5 +183,5 @@ class MultiHeadAttention:
         heads = _attend(q, kk, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, sparse=sparse,
                         top_k=k, bias=bias)
         concat = np.moveaxis(heads, -3, -2)  # (..., L, H, dv)
-        concat = concat.reshape(concat.shape[:-2] + (-1,))
+        concat = concat.reshape(concat.shape[:-2] + (concat.shape[-2] * concat.shape[-1],))  # (-1 fails at L = 0)
         return concat @ self.W_out if self.W_out is not None else concat

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..inputs import as_float_array, check_scale, result_dtype
+from ..inputs import as_float_array, check_scale, overflow_message, result_dtype
 from ..kernels import steps as step_kernels
 from ..pattern import SparsePattern
 from ._weights import weight
@@ -129,6 +129,9 @@ def attention_steps(inputs: Any, W_query: Any, W_key: Any, W_value: Any, *, cont
     Q = np.ascontiguousarray(X.astype(cdt, copy=False) @ Wq.astype(cdt, copy=False))
     K = np.ascontiguousarray(C.astype(cdt, copy=False) @ Wk.astype(cdt, copy=False))
     V = C.astype(cdt, copy=False) @ Wv.astype(cdt, copy=False)
+    for name, M in (("queries (inputs @ W_query)", Q), ("keys (context @ W_key)", K), ("values (context @ W_value)", V)):
+        if not np.isfinite(M).all():  # finite inputs (checked above): the product overflowed
+            raise ValueError(f"step 3: the {name} overflow {cdt.name}; pass float64 or smaller inputs / weights.")
     sc = check_scale(scale, Q.shape[1])
     L, S = Q.shape[0], K.shape[0]
     if pattern is None:  # dense query: every query scores every (allowed) key
@@ -142,6 +145,8 @@ def attention_steps(inputs: Any, W_query: Any, W_key: Any, W_value: Any, *, cont
             pattern = pattern.causal()
     # Step 4: scores of each query against its keys; step 5: softmax over them (the step kernels).
     pair_scores = step_kernels.sparse_scores(Q, K, pattern.indptr, pattern.indices, sc)
+    if not np.isfinite(pair_scores).all():  # an infinite or NaN q.k * scale from finite inputs
+        raise ValueError("step 4: " + overflow_message(cdt, sc))
     pair_weights, _ = step_kernels.csr_softmax(pattern.indptr, pair_scores)
     rows = np.repeat(np.arange(L), pattern.nnz_per_row)
     scores = np.full((L, S), -np.inf, dtype=cdt)
@@ -151,4 +156,6 @@ def attention_steps(inputs: Any, W_query: Any, W_key: Any, W_value: Any, *, cont
     # Step 6: each value times its weight; step 7: the sum; step 8: for every query at once.
     weighted = weights[:, :, None] * V[None, :, :]
     outputs = weighted.sum(axis=1)
+    if not np.isfinite(outputs).all():  # weights <= 1: the sum of weighted values overflowed
+        raise ValueError(f"step 7: the weighted sum of the values overflows {cdt.name}; pass float64 inputs.")
     return AttentionSteps(X, C, Q, K, V, scores, weights, weighted, outputs, sc)
