@@ -295,12 +295,24 @@ def test_scheduler_address_string(cluster, data) -> None:
     (dict(keys=iter([]), values=None), ValueError, "n_keys"),
     (dict(workers=["tcp://nowhere:1"]), ValueError, "workers"),
     (dict(timeout=-1), ValueError, "timeout"),
+    # g sinks per shard would be g x n_shards sinks: refused, positions named instead
+    (dict(selector="window:width=8+sinks:g=4", n_shards=2), ValueError, r"sinks:positions=0;1;2;3"),
+    (dict(selector="sinks", n_shards=3), ValueError, r"each shard"),
 ])
 def test_bad_construction_arguments(client, kwargs, exc, word) -> None:
     args = dict(client=client, keys=np.zeros((100, 4), np.float32), values=np.zeros((100, 4), np.float32))
     args.update(kwargs)
     with pytest.raises(exc, match=word):
         ShardedKeyStore(args.pop("client"), args.pop("keys"), args.pop("values"), **args)
+
+
+def test_sinks_by_position_across_shards_equal_single_process(client, data) -> None:
+    Q, K, V = data
+    spec = "window:width=8+sinks:positions=0;1;2;3"
+    with ShardedKeyStore(client, K[:2000], V[:2000], n_shards=4, selector=spec) as store:
+        out, _ = store.attend(Q[:5], is_causal=True, query_positions=np.full(5, 1999))
+    ref = sa.sparse_attention(Q[:5], K[:2000], V[:2000], spec, is_causal=True, query_positions=np.full(5, 1999))
+    np.testing.assert_allclose(out, ref[0] if isinstance(ref, tuple) else ref, rtol=1e-5, atol=1e-6)
 
 
 def test_positions_spanning_int64_are_ordered_without_overflow(client) -> None:

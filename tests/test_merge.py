@@ -268,7 +268,7 @@ def test_parts_near_the_dtype_max_merge_to_a_finite_output(dtype, big):
 
     o = np.stack([np.full((2, 3), big, dtype), np.full((2, 3), big * 0.9, dtype)])
     lse = np.array([[0.0, 0.0], [0.0, np.log(3.0)]], dtype)
-    out, l = sa.merge_attention(o, lse)
+    out, _ = sa.merge_attention(o, lse)
     want = np.array([0.5 * big + 0.5 * 0.9 * big, 0.25 * big + 0.75 * 0.9 * big])
     np.testing.assert_allclose(out.astype(np.float64), np.repeat(want[:, None], 3, axis=1), rtol=1e-6)
     out2, _ = sa.merge_pair(o[0], lse[0], o[1], lse[1])

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..attention.merge import merge_attention
 from ..selectors import get_selector
+from ..selectors.registry import parse_spec
 from .checks import BATCH_SIZE, SEND_ROWS, check_int, float2d, int1d, max_row_norm, split_block
 from .replicas import Replicas, ShardError
 from .shard import ShardInfo
@@ -131,6 +132,11 @@ class ShardedKeyStore:
         n_shards = check_int(n_shards, "n_shards")
         if n_shards > total:
             raise ValueError(f"n_shards={n_shards} exceeds the {total} keys; pass n_shards <= {total}.")
+        if n_shards > 1 and any(name == "sinks" and "positions" not in prm for name, prm in parse_spec(selector)):
+            # each shard would pick the g lowest positions of its own keys: g sinks per shard, silently
+            raise ValueError(f"selector {selector!r}: 'sinks' with g picks the g lowest positions of each shard, "
+                             f"not of the store; with n_shards={n_shards} give the sink positions, e.g. "
+                             f"'sinks:positions=0;1;2;3', or pass n_shards=1.")
         self._n = total
         self._bounds = [(i * total) // n_shards for i in range(n_shards + 1)]
         self._rep.spawn(self._bounds, addrs, self.replicas, selector, nthreads)
