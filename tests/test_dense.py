@@ -581,3 +581,19 @@ def test_dropout_is_refused(rng):
     np.testing.assert_array_equal(sdpa(q, k, v, None, 0), sdpa(q, k, v))
     with pytest.raises(TypeError):
         sdpa(q, k, v, None, 0.0, False, None, False, True)  # extras are keyword-only
+
+
+def test_scale_that_overflows_the_queries_alone_is_not_an_overflow():
+    # q ~ 1e200 times scale 1e200 leaves float64, but q.k * scale does not (k ~ 1e-300): every score is
+    # finite (largest ~1e100), so the answer is torch's / the numpy formula's, not an overflow error
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((3, 4)) * 1e200
+    k = rng.standard_normal((5, 4)) * 1e-300
+    v = rng.standard_normal((5, 2))
+    s = (q @ k.T) * 1e200
+    w = np.exp(s - s.max(axis=1, keepdims=True))
+    want = (w / w.sum(axis=1, keepdims=True)) @ v
+    np.testing.assert_allclose(sa.scaled_dot_product_attention(q, k, v, scale=1e200), want, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(sa.scaled_dot_product_attention(q, k, v, scale=-1e200),
+                               (lambda z: (z / z.sum(axis=1, keepdims=True)) @ v)(np.exp(-s - (-s).max(axis=1, keepdims=True))),
+                               rtol=1e-12, atol=1e-14)

@@ -220,7 +220,16 @@ def _attend_block(qg, kg, vg, mask_g, g, lead, r0, r1, is_causal, scale, cdt, k_
     """
     S = kg.shape[0]
     b = r1 - r0
-    qb = np.asarray(qg[r0:r1], dtype=cdt) * cdt.type(scale)
+    q_raw = np.asarray(qg[r0:r1], dtype=cdt)
+    with np.errstate(over="ignore"):
+        qb = q_raw * cdt.type(scale)
+    k_mult = None
+    if not np.isfinite(qb).all() and np.isfinite(q_raw).all():
+        # q * scale alone left the dtype (q ~ 1e200, scale ~ 1e200) though q.k * scale may not (k ~ 1e-300):
+        # the scale's square root on each side instead
+        root = cdt.type(np.sqrt(abs(float(scale))))
+        qb = q_raw * (root if scale > 0 else -root)
+        k_mult = root
     if probe:
         qb *= cdt.type(2.0**-140)
     # Top-left causal: rows < r1 never see keys >= r1, so those tiles are skipped outright.
@@ -233,6 +242,8 @@ def _attend_block(qg, kg, vg, mask_g, g, lead, r0, r1, is_causal, scale, cdt, k_
     for c0 in range(0, k_end, k_block):
         c1 = min(c0 + k_block, k_end)
         kt = np.asarray(kg[c0:c1], dtype=cdt)
+        if k_mult is not None:
+            kt = kt * k_mult
         s = qb @ kt.T
         if is_causal and c1 - 1 > r0:  # some key in the tile lies after some row
             s[np.arange(c0, c1)[None, :] > rows[:, None]] = -np.inf
