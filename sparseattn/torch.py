@@ -251,8 +251,8 @@ def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def _mask_parts(attn_mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
     """(allowed bool array, additive float array or None) from a bool or float SDPA mask."""
     m = to_numpy(attn_mask, "attn_mask", allow_bool=True)
-    if m.ndim < 2:
-        raise ValueError(f"attn_mask must have shape broadcastable to (..., L, S); got {tuple(attn_mask.shape)}.")
+    if m.ndim < 2:  # (S,) or a scalar broadcasts to (L, S), as in torch
+        m = m.reshape((1,) * (2 - m.ndim) + m.shape)
     if m.dtype == np.bool_:
         return m, None
     if np.isnan(m).any():

@@ -496,7 +496,7 @@ def test_selectors_with_no_queries(rng, spec):
     (np.ones((6, 7), bool), ValueError, r"attn_mask shape \(6, 7\) does not broadcast to \(\.\.\., L, S\) = "
                                         r"\(2, 5, 7\)"),
     (np.ones((3, 5, 7), bool), ValueError, r"attn_mask shape \(3, 5, 7\) does not broadcast"),
-    (np.ones(7, bool), ValueError, r"attn_mask must have shape broadcastable to \(\.\.\., L=5, S=7\); got \(7,\)"),
+    (np.ones(6, bool), ValueError, r"attn_mask shape \(6,\) does not broadcast to \(\.\.\., L, S\) = \(2, 5, 7\)"),
     (np.ones((5, 7), np.int64), TypeError, r"attn_mask must be boolean \(True = may attend\) or float \(added "
                                            r"to the scores\); got dtype int64"),
     (np.ones((5, 7), np.complex64), TypeError, r"attn_mask must be boolean .*; got dtype complex64"),

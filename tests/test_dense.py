@@ -449,8 +449,10 @@ def test_mask_errors(rng):
         sdpa(q, k, v, attn_mask=np.ones((4, 5), dtype=np.int64))
     with pytest.raises(ValueError, match=r"attn_mask shape \(4, 4\) does not broadcast to \(\.\.\., L, S\) = \(4, 5\)"):
         sdpa(q, k, v, attn_mask=np.ones((4, 4), dtype=bool))
-    with pytest.raises(ValueError, match=r"attn_mask must have shape broadcastable to \(\.\.\., L=4, S=5\); got \(5,\)"):
-        sdpa(q, k, v, attn_mask=np.ones(5, dtype=bool))
+    # a key mask (S,) or a scalar broadcasts to (L, S), as in torch
+    keep = np.array([True, False, True, True, False])
+    np.testing.assert_array_equal(sdpa(q, k, v, attn_mask=keep), sdpa(q, k, v, attn_mask=np.tile(keep, (4, 1))))
+    np.testing.assert_array_equal(sdpa(q, k, v, attn_mask=np.array(True)), sdpa(q, k, v))
     with pytest.raises(ValueError, match=r"attn_mask contains NaN; use -inf"):
         sdpa(q, k, v, attn_mask=np.full((4, 5), np.nan))
 

@@ -289,3 +289,14 @@ def test_import_sparseattn_does_not_import_torch():
     code = "import sys, sparseattn; print('torch' in sys.modules, 'transformers' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.split() == ["False", "False"]
+
+
+def test_key_mask_of_one_dimension_broadcasts_as_in_torch():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 5, 4, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 7, 4, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 7, 3, generator=g, dtype=torch.float64)
+    keep = torch.tensor([True, False, True, True, False, True, True])
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    out = sat.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12)

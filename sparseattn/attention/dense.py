@@ -52,12 +52,13 @@ def _check_mask(attn_mask: Any, lead: tuple[int, ...], L: int, S: int) -> np.nda
     if m.dtype.kind not in "bf":
         raise TypeError(f"attn_mask must be boolean (True = may attend) or float (added to the scores); "
                         f"got dtype {m.dtype}.")
-    if m.ndim < 2:
-        raise ValueError(f"attn_mask must have shape broadcastable to (..., L={L}, S={S}); got {m.shape}.")
+    shape = m.shape
+    if m.ndim < 2:  # (S,) or a scalar broadcasts to (L, S), as in torch
+        m = m.reshape((1,) * (2 - m.ndim) + m.shape)
     try:
         full = np.broadcast_to(m, lead + (L, S))
     except ValueError:
-        raise ValueError(f"attn_mask shape {m.shape} does not broadcast to (..., L, S) = {lead + (L, S)}.") from None
+        raise ValueError(f"attn_mask shape {shape} does not broadcast to (..., L, S) = {lead + (L, S)}.") from None
     if m.dtype.kind == "f" and np.isnan(m).any():
         raise ValueError("attn_mask contains NaN; use -inf for masked-out positions.")
     if m.dtype.kind == "f" and np.isposinf(m).any():
