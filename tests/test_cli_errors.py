@@ -324,3 +324,11 @@ def test_decode_data_beyond_float32_and_float16_name_the_flag(capsys, tmp_path, 
                       "use --dtype float32 or --dtype bfloat16")
     assert_user_error(capsys, ["decode", "--data", "synthetic:n=4096,d=16,seed=-1", "--format", "table"],
                       "--data synthetic:n=4096,d=16,seed=-1:", "seed must be >= 0")
+
+
+def test_out_name_longer_than_the_file_system_allows_names_out(capsys):
+    from sparseattn.tools.cli import main as cli_main
+
+    assert cli_main(["bench", "--out", "x" * 300, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("sparseattn bench: error: --out xxx") and "File name too long" in err

@@ -184,6 +184,14 @@ def check_out_dir(path: str, option: str = "--out") -> None:
     """Raise ``ValueError`` unless ``path`` is a folder, or can be created as one, and is writable."""
     if not path.strip():
         raise ValueError(f"{option}: empty path; give a folder path (created if missing).")
+    try:
+        _check_out_dir(path, option)
+    except OSError as exc:  # e.g. a name longer than the file system allows
+        shown = path if len(path) <= 80 else path[:77] + "..."
+        raise ValueError(f"{option} {shown}: {exc.strerror or exc}; choose another folder path.") from None
+
+
+def _check_out_dir(path: str, option: str) -> None:
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise ValueError(f"{option} {path}: exists and is not a folder; give a folder path (created if missing).")
