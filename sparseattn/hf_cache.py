@@ -390,8 +390,9 @@ class SparseCache(Cache):
     update, other layer types at the first attention call of such a layer, more layers at the first extra
     one, fewer at the second pass.  One sequence, one forward pass at a time: a call from another thread
     while a pass is under way raises RuntimeError and changes nothing (passes of two threads that alternate
-    are not detected: give each thread its own cache); a pass left unfinished by an error is reported at the
-    next one (call :meth:`reset`).  No backward pass: keys that require grad under autograd raise ValueError.
+    are not detected: give each thread its own cache); a pass left unfinished by an error inside the
+    attention layers is reported at the next one (call :meth:`reset`; an error after the last layer's
+    attention, in the final norm or head, leaves the layers in step and is not detected).  No backward pass: keys that require grad under autograd raise ValueError.
 
     Raises
     ------
@@ -542,10 +543,14 @@ class SparseCache(Cache):
                                f"is under way, or was left unfinished there); a cache holds one sequence: use one "
                                f"SparseCache per thread (cache.reset() drops its tokens).")
         if busy and (layer_idx == 0 or owner is not me):
-            raise ValueError(f"SparseCache: the previous forward pass through the cache did not finish (an error or "
-                             f"interruption in it, or a model with fewer layers than the cache's "
-                             f"{len(self.layers)}); its layers hold {self._lengths()} tokens. Call cache.reset() "
-                             f"(drops every token) or build a new SparseCache from the model that generates.")
+            pending = [i for i, la in enumerate(self.layers) if isinstance(la, SparseCacheLayer) and la._new is not None]
+            why = (f"layer {pending[0]}'s new keys were never attended: an error in the pass, or a model whose "
+                   f"attention does not read the cache (model.set_attn_implementation(sparseattn.hf."
+                   f"register_cache()))" if pending else
+                   f"an error or interruption in it, or a model with fewer layers than the cache's {len(self.layers)}")
+            raise ValueError(f"SparseCache: the previous forward pass through the cache did not finish ({why}); its "
+                             f"layers hold {self._lengths()} tokens. Call cache.reset() (drops every token) or build "
+                             f"a new SparseCache from the model that generates.")
         self._owner = me
 
     def fill(self, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], n_tokens: int | None = None) -> None:

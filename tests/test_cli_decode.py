@@ -193,7 +193,7 @@ def test_data_whose_scores_overflow_names_the_data_and_what_to_change(tmp_path, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"sparseattn decode: error: --data {path}: attention scores "
                                                    f"overflow float32")
-    assert "a smaller 'scale' array beside them" in err
+    assert "a smaller 'scale' array in it" in err
 
 
 def test_bad_scale_array_shows_its_value(tmp_path, capsys):

@@ -599,3 +599,15 @@ def test_scale_that_overflows_the_queries_alone_is_not_an_overflow():
     np.testing.assert_allclose(sa.scaled_dot_product_attention(q, k, v, scale=-1e200),
                                (lambda z: (z / z.sum(axis=1, keepdims=True)) @ v)(np.exp(-s - (-s).max(axis=1, keepdims=True))),
                                rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("qmag, kmag, scale", [(1e300, 1e-300, 1e20), (1e200, 1e-300, 1e200)])
+def test_scale_applied_to_the_scores_when_the_queries_cannot_take_it(qmag, kmag, scale):
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((3, 4)) * qmag
+    k = rng.standard_normal((5, 4)) * kmag
+    v = rng.standard_normal((5, 2))
+    s = (q @ k.T) * scale
+    w = np.exp(s - s.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(sa.scaled_dot_product_attention(q, k, v, scale=scale),
+                               (w / w.sum(axis=1, keepdims=True)) @ v, rtol=1e-12, atol=1e-14)

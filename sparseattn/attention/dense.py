@@ -224,13 +224,11 @@ def _attend_block(qg, kg, vg, mask_g, g, lead, r0, r1, is_causal, scale, cdt, k_
     q_raw = np.asarray(qg[r0:r1], dtype=cdt)
     with np.errstate(over="ignore"):
         qb = q_raw * cdt.type(scale)
-    k_mult = None
-    if not np.isfinite(qb).all() and np.isfinite(q_raw).all():
+    post = not np.isfinite(qb).all() and np.isfinite(q_raw).all()
+    if post:
         # q * scale alone left the dtype (q ~ 1e200, scale ~ 1e200) though q.k * scale may not (k ~ 1e-300):
-        # the scale's square root on each side instead
-        root = cdt.type(np.sqrt(abs(float(scale))))
-        qb = q_raw * (root if scale > 0 else -root)
-        k_mult = root
+        # the scale goes onto q.k instead (then |scale| > 1, so a q.k that overflows is a true overflow)
+        qb = q_raw
     if probe:
         qb *= cdt.type(2.0**-140)
     # Top-left causal: rows < r1 never see keys >= r1, so those tiles are skipped outright.
@@ -243,9 +241,10 @@ def _attend_block(qg, kg, vg, mask_g, g, lead, r0, r1, is_causal, scale, cdt, k_
     for c0 in range(0, k_end, k_block):
         c1 = min(c0 + k_block, k_end)
         kt = np.asarray(kg[c0:c1], dtype=cdt)
-        if k_mult is not None:
-            kt = kt * k_mult
         s = qb @ kt.T
+        if post:
+            with np.errstate(over="ignore", invalid="ignore"):
+                s *= cdt.type(scale)
         if is_causal and c1 - 1 > r0:  # some key in the tile lies after some row
             s[np.arange(c0, c1)[None, :] > rows[:, None]] = -np.inf
         if mask_g is not None:

@@ -69,6 +69,7 @@ def _merge_partials(partials, sums, shifts, slot, p, lse_shift, out, lse):
     for blk in prange(n_blocks):
         # one accumulator per block of rows (one per row cost ~0.4 ms of allocations at L = 4,096)
         acc = np.empty(Ev, dtype=out.dtype)  # local: the update loop vectorises
+        wt = np.empty(p, dtype=np.float64)  # the row's partial weights
         for i in range(blk * _ROWS, min(L, blk * _ROWS + _ROWS)):
             M = -np.inf
             for t in range(p):
@@ -82,26 +83,27 @@ def _merge_partials(partials, sums, shifts, slot, p, lse_shift, out, lse):
                 lse[i] = -np.inf
                 continue
             tot = 0.0
-            for t in range(p):
+            for t in range(p):  # the weights once (wt: 0 for a partial not read), then their total
                 s = slot[i * p + t]
+                wt[t] = 0.0
                 if sums[s] > 0 and shifts[s] > -np.inf:
                     w64 = np.exp(np.float64(shifts[s]) - M)
                     if out.dtype.type(w64) != zero:
+                        wt[t] = w64
                         tot += w64 * np.float64(sums[s])
             # each partial weighted by w / tot before the sum: the terms are bounded by the partials'
             # normalised outputs, so finite parts never sum to inf (w o / tot would not be: o can be near max)
             for e in range(Ev):
                 acc[e] = 0.0
+            inv = 1.0 / tot
             for t in range(p):
+                if wt[t] == 0.0:
+                    continue
                 s = slot[i * p + t]
-                if sums[s] > 0 and shifts[s] > -np.inf:
-                    w64 = np.exp(np.float64(shifts[s]) - M)
-                    if out.dtype.type(w64) == zero:
-                        continue
-                    c = out.dtype.type(w64 / tot)
-                    ps = partials[s // n_per][s % n_per]
-                    for e in range(Ev):
-                        acc[e] += c * ps[e]
+                c = out.dtype.type(wt[t] * inv)
+                ps = partials[s // n_per][s % n_per]
+                for e in range(Ev):
+                    acc[e] += c * ps[e]
             for e in range(Ev):
                 o[e] = acc[e]
             lse[i] = M + np.log(tot) + lse_shift[i]

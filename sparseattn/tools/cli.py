@@ -474,7 +474,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
                     raise
                 # the data's magnitudes, not an option: say which input and what can change
                 raise ValueError(f"--data {args.data}: {str(exc).rstrip('.')} (for this command: smaller keys and "
-                                 f"queries in the data, or a smaller 'scale' array beside them).") from None
+                                 f"queries in the data file, or a smaller 'scale' array in it).") from None
     _show(result, formats, files, args, decode_report.render_text, decode_report.write_decode)
     return 0
 

@@ -126,12 +126,14 @@ def attention_steps(inputs: Any, W_query: Any, W_key: Any, W_value: Any, *, cont
         raise TypeError(f"is_causal must be a bool; got {is_causal!r}.")
     # Step 3: queries, keys and values.
     cdt = result_dtype(X, C, Wq, Wk, Wv)
-    Q = np.ascontiguousarray(X.astype(cdt, copy=False) @ Wq.astype(cdt, copy=False))
-    K = np.ascontiguousarray(C.astype(cdt, copy=False) @ Wk.astype(cdt, copy=False))
-    V = C.astype(cdt, copy=False) @ Wv.astype(cdt, copy=False)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported below
+        Q = np.ascontiguousarray(X.astype(cdt, copy=False) @ Wq.astype(cdt, copy=False))
+        K = np.ascontiguousarray(C.astype(cdt, copy=False) @ Wk.astype(cdt, copy=False))
+        V = C.astype(cdt, copy=False) @ Wv.astype(cdt, copy=False)
+    fix = "pass float64 or smaller inputs / weights" if cdt != np.float64 else "pass smaller inputs / weights"
     for name, M in (("queries (inputs @ W_query)", Q), ("keys (context @ W_key)", K), ("values (context @ W_value)", V)):
         if not np.isfinite(M).all():  # finite inputs (checked above): the product overflowed
-            raise ValueError(f"step 3: the {name} overflow {cdt.name}; pass float64 or smaller inputs / weights.")
+            raise ValueError(f"step 3: the {name} overflow {cdt.name}; {fix}.")
     sc = check_scale(scale, Q.shape[1])
     L, S = Q.shape[0], K.shape[0]
     if pattern is None:  # dense query: every query scores every (allowed) key
@@ -155,7 +157,8 @@ def attention_steps(inputs: Any, W_query: Any, W_key: Any, W_value: Any, *, cont
     weights[rows, pattern.indices] = pair_weights
     # Step 6: each value times its weight; step 7: the sum; step 8: for every query at once.
     weighted = weights[:, :, None] * V[None, :, :]
-    outputs = weighted.sum(axis=1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        outputs = weighted.sum(axis=1)
     if not np.isfinite(outputs).all():  # weights <= 1: the sum of weighted values overflowed
-        raise ValueError(f"step 7: the weighted sum of the values overflows {cdt.name}; pass float64 inputs.")
+        raise ValueError(f"step 7: the weighted sum of the values overflows {cdt.name}; {fix}.")
     return AttentionSteps(X, C, Q, K, V, scores, weights, weighted, outputs, sc)
