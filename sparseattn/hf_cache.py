@@ -66,6 +66,11 @@ __all__ = ["CACHE_ATTENTION_NAME", "HANDLE_ATTR", "SlidingWindowCacheLayer", "Sp
 CACHE_ATTENTION_NAME = "sparseattn-cache"
 HANDLE_ATTR = "sparseattn_layer"  # attribute of the tensors update() returns: the layer they stand for
 SLIDING_ATTR = "sparseattn_sliding_window"  # attribute of a sliding-window layer's keys: its window
+_REBUILD = "Build SparseCache(model) from the model that generates."
+_NO_BACKWARD = ("{what} grad while autograd is enabled, but SparseCache attention has no backward pass: "
+                "generate under torch.no_grad() or torch.inference_mode() (generate() does), or use DynamicCache "
+                "with attn_implementation='sdpa' for training.")
+_NO_CROP = "SparseCache cannot crop tokens (assisted or speculative decoding need that); use DynamicCache for those."
 _PREFILL = ("dense", "sparse")
 _MODEL_KEYS = ("num_heads", "head_dim", "num_kv_heads", "value_dim")  # set from the model, not by the caller
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -186,9 +191,7 @@ class SparseCacheLayer(CacheLayerMixin):
                scaling: float | None) -> torch.Tensor:
         """Attention of the new tokens' queries (1, H, T, E) over the cache; returns (1, T, H, Ev)."""
         if query.requires_grad and torch.is_grad_enabled():
-            raise ValueError("query requires grad while autograd is enabled, but SparseCache attention has no "
-                             "backward pass: generate under torch.no_grad() or torch.inference_mode() (generate() "
-                             "does), or use DynamicCache with attn_implementation='sdpa' for training.")
+            raise ValueError(_NO_BACKWARD.format(what="query requires"))
         with self.lock:
             return self._attend(module, query, attention_mask, scaling)
 
@@ -251,8 +254,7 @@ class SparseCacheLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Refused: a KVCache cannot drop tokens (assisted / speculative decoding need that)."""
-        raise ValueError("SparseCache cannot crop tokens (assisted or speculative decoding need that); "
-                         "use DynamicCache for those.")
+        raise ValueError(_NO_CROP)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Refused: one sequence per cache, no beam search."""
@@ -327,8 +329,7 @@ def cache_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if window is not None and wanted != window:
         raise ValueError(f"layer {getattr(module, 'layer_idx', '?')} of the model attends with sliding window "
                          f"{wanted} but its SparseCache layer is a sliding-window layer "
-                         f"(window {window}): the cache was built for another model. Build SparseCache(model) "
-                         f"from the model that generates.")
+                         f"(window {window}): the cache was built for another model. {_REBUILD}")
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -342,7 +343,7 @@ def cache_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if wanted is not None:  # SparseCache gives sliding layers plain tensors, never handles
         raise ValueError(f"a sliding-window attention call (window {wanted}) received a "
                          f"SparseCache full-attention layer's keys; the cache's layer types do not match the model. "
-                         f"Build SparseCache(model) from the model that generates.")
+                         f"{_REBUILD}")
     return layer.attend(module, query, attention_mask, scaling), None
 
 
@@ -392,7 +393,8 @@ class SparseCache(Cache):
     while a pass is under way raises RuntimeError and changes nothing (passes of two threads that alternate
     are not detected: give each thread its own cache); a pass left unfinished by an error inside the
     attention layers is reported at the next one (call :meth:`reset`; an error after the last layer's
-    attention, in the final norm or head, leaves the layers in step and is not detected).  No backward pass: keys that require grad under autograd raise ValueError.
+    attention, in the final norm or head, leaves the layers in step and is not detected).  No backward
+    pass: keys that require grad under autograd raise ValueError.
 
     Raises
     ------
@@ -491,7 +493,7 @@ class SparseCache(Cache):
         Shapes are read from 4-D tensors only; the layer's own update checks the rest."""
         _, n_kv, head_dim = self._shape
         name = type(self.config).__name__
-        fix = "Build SparseCache(model) from the model that generates."
+        fix = _REBUILD
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
             raise TypeError(f"SparseCache.update: layer_idx must be an int; got {layer_idx!r}.")
         if not 0 <= layer_idx < len(self.layers):
@@ -524,9 +526,7 @@ class SparseCache(Cache):
         self._check_fits(key_states, value_states, layer_idx)
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                            for t in (key_states, value_states)):
-            raise ValueError("keys require grad while autograd is enabled, but SparseCache attention has no "
-                             "backward pass: generate under torch.no_grad() or torch.inference_mode() (generate() "
-                             "does), or use DynamicCache with attn_implementation='sdpa' for training.")
+            raise ValueError(_NO_BACKWARD.format(what="keys require"))
         with self._lock:
             self._claim(layer_idx)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -537,6 +537,8 @@ class SparseCache(Cache):
         unfinished, by an error in it, an interruption, or a model with fewer layers (ValueError)."""
         me = threading.current_thread()
         owner = self._owner
+        if owner is me and layer_idx > 0:  # the owner's pass going on: nothing to check (per-layer hot path)
+            return
         busy = self._mid_forward()
         if busy and owner is not None and owner is not me and owner.is_alive():
             raise RuntimeError(f"SparseCache is in use by another thread ({owner.name}: a forward pass through it "
@@ -588,8 +590,7 @@ class SparseCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Refused before any layer changes (a sliding-window layer could crop, the KVCache layers cannot)."""
-        raise ValueError("SparseCache cannot crop tokens (assisted or speculative decoding need that); "
-                         "use DynamicCache for those.")
+        raise ValueError(_NO_CROP)
 
     def kv_caches(self) -> list[KVCache | None]:
         """The KVCache of each layer (None before its first update, and for sliding-window layers)."""
