@@ -194,26 +194,23 @@ def test_another_thread_during_a_pass_is_refused_and_changes_nothing(model):
 
     model.set_attn_implementation(register_cache())
     cache = SparseCache(model, selector="dense")
-    cache.update(*_kv(3), 0)  # this thread's pass: layer 0 updated, not yet attended
+    keys, values = cache.update(*_kv(3), 0)  # this thread's pass: layer 0 updated, not yet attended
     seen = []
     other = threading.Thread(target=lambda: seen.append(pytest.raises(RuntimeError, cache.update, *_kv(), 0)))
     other.start()
     other.join()
     assert "in use by another thread" in str(seen[0].value)
-    assert cache._lengths() == [3, 0]  # the refused call appended nothing
-    attn = model.model.layers[0].self_attn
-    handles = cache.layers[0]._handle(16)
+    assert [la.get_seq_length() for la in cache.layers] == [3, 0]  # the refused call appended nothing
     from sparseattn.hf_cache import cache_attention_forward
-    cache_attention_forward(attn, torch.randn(1, 4, 3, 16), handles, handles, None)
-    cache.update(*_kv(3, 1), 1)
-    cache_attention_forward(model.model.layers[1].self_attn, torch.randn(1, 4, 3, 16), cache.layers[1]._handle(16),
-                            cache.layers[1]._handle(16), None)
+    cache_attention_forward(model.model.layers[0].self_attn, torch.randn(1, 4, 3, 16), keys, values, None)
+    keys, values = cache.update(*_kv(3, 1), 1)
+    cache_attention_forward(model.model.layers[1].self_attn, torch.randn(1, 4, 3, 16), keys, values, None)
     # the pass is over: another thread may go on (sequential hand-over)
     done = []
     nxt = threading.Thread(target=lambda: done.append(cache.update(*_kv(), 0)))
     nxt.start()
     nxt.join()
-    assert len(done) == 1 and cache._lengths() == [4, 3]
+    assert len(done) == 1 and [la.get_seq_length() for la in cache.layers] == [4, 3]
 
 
 def test_unfinished_pass_is_reported_and_reset_recovers(model, ids):
