@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from ..inputs import positions
+
 __all__ = ["BATCH_SIZE", "SEND_ROWS", "check_int", "describe", "float2d", "int1d", "max_row_norm", "split_block"]
 
 #: Rows per message when keys are sent from the client to a shard (bounds each message to ~32 MiB at
@@ -56,16 +58,11 @@ def float2d(x: Any, name: str) -> np.ndarray:
 
 
 def int1d(x: Any, name: str, length: int) -> np.ndarray:
-    """``x`` as an int64 array of shape (length,) (TypeError / ValueError naming ``name``)."""
-    arr = np.asarray(x)
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be an integer array; got dtype {arr.dtype}.")
-    if arr.shape != (length,):
-        raise ValueError(f"{name} must have shape ({length},); got {arr.shape}.")
-    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-        # casting would wrap them negative: a late position would silently become the earliest
-        raise ValueError(f"{name} must fit in int64 (at most {np.iinfo(np.int64).max}); got {int(arr.max())}.")
-    return arr.astype(np.int64, copy=False)
+    """``x`` as an int64 array of shape (length,) (TypeError / ValueError naming ``name``; uint64 values
+    beyond int64 refused): :func:`sparseattn.inputs.positions`, with None refused too."""
+    if x is None:
+        raise TypeError(f"{name} must be an integer array; got None.")
+    return positions(x, length, name)
 
 
 def check_int(x: Any, name: str, minimum: int = 1) -> int:
