@@ -170,6 +170,11 @@ def unscale_output(out: np.ndarray, factors: np.ndarray) -> np.ndarray:
     return (res / factors.astype(out.dtype)).astype(out.dtype, copy=False)
 
 
+def mask_2d(m: np.ndarray) -> np.ndarray:
+    """A mask of shape (S,) or () as (1, S) / (1, 1): it broadcasts to (L, S) as in torch; others unchanged."""
+    return m.reshape((1,) * (2 - m.ndim) + m.shape) if m.ndim < 2 else m
+
+
 def positions(arr: object, length: int, name: str) -> np.ndarray:
     """Validate a 1-D integer position vector of the given length (None -> ``arange(length)``); int64."""
     if arr is None:

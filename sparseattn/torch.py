@@ -51,7 +51,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from .attention.dense import scaled_dot_product_attention as _dense_attention
 from .attention.sparse import sparse_attention as _sparse_attention
-from .inputs import check_bool, group_maps
+from .inputs import check_bool, group_maps, mask_2d
 
 __all__ = ["from_numpy", "scaled_dot_product_attention", "sparse_attention", "to_numpy"]
 
@@ -251,8 +251,7 @@ def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def _mask_parts(attn_mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
     """(allowed bool array, additive float array or None) from a bool or float SDPA mask."""
     m = to_numpy(attn_mask, "attn_mask", allow_bool=True)
-    if m.ndim < 2:  # (S,) or a scalar broadcasts to (L, S), as in torch
-        m = m.reshape((1,) * (2 - m.ndim) + m.shape)
+    m = mask_2d(m)
     if m.dtype == np.bool_:
         return m, None
     if np.isnan(m).any():

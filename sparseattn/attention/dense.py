@@ -36,6 +36,7 @@ from ..inputs import (
     attention_inputs,
     check_lse,
     check_positive_int,
+    mask_2d,
     overflow_message,
     positions,
 )
@@ -53,8 +54,7 @@ def _check_mask(attn_mask: Any, lead: tuple[int, ...], L: int, S: int) -> np.nda
         raise TypeError(f"attn_mask must be boolean (True = may attend) or float (added to the scores); "
                         f"got dtype {m.dtype}.")
     shape = m.shape
-    if m.ndim < 2:  # (S,) or a scalar broadcasts to (L, S), as in torch
-        m = m.reshape((1,) * (2 - m.ndim) + m.shape)
+    m = mask_2d(m)
     try:
         full = np.broadcast_to(m, lead + (L, S))
     except ValueError:
