@@ -189,6 +189,40 @@ def positions(arr: object, length: int, name: str) -> np.ndarray:
         raise ValueError(f"{name} must fit in int64 (at most {np.iinfo(np.int64).max}); got {int(pos.max())}.")
     return np.ascontiguousarray(pos, dtype=np.int64)
 
+
+def check_additive_range(arr: np.ndarray, cdt: np.dtype, name: str) -> None:
+    """ValueError when a float array added to the scores (a mask or bias, any shape) holds a finite value
+    beyond the range of the computation dtype ``cdt``: cast to it, the value would become inf and be
+    reported as an overflow of the scores."""
+    if arr.dtype.kind != "f" or np.dtype(cdt).itemsize >= arr.dtype.itemsize:
+        return
+    top = np.finfo(cdt).max
+    beyond = np.isfinite(arr) & (np.abs(arr) > top)
+    if beyond.any():
+        first = tuple(int(i) for i in np.argwhere(beyond)[0])
+        raise ValueError(f"{name} holds {float(arr[first]):g} (first at index {first}), beyond the range of "
+                         f"{np.dtype(cdt).name} (largest {float(top):.4g}), the dtype the inputs compute in; "
+                         f"pass float64 inputs, or -inf for masked-out positions.")
+
+
+def check_position_span(query_positions: np.ndarray, key_positions: np.ndarray) -> None:
+    """ValueError when some ``key - query`` position difference leaves the int64 range: a relative-position
+    bias (ALiBi's ``|key - query|``, T5's buckets) computes it in int64, where it would wrap to a
+    difference of the other sign and a silently wrong bias.  Both int64, 1-D (either may be empty)."""
+    if not query_positions.size or not key_positions.size:
+        return
+    qlo, qhi = int(query_positions.min()), int(query_positions.max())
+    klo, khi = int(key_positions.min()), int(key_positions.max())
+    span = max(khi - qlo, qhi - klo)  # Python ints: exact
+    top = int(np.iinfo(np.int64).max)
+    if span > top:
+        raise ValueError(f"query_positions and key_positions are too far apart for a relative-position bias: "
+                         f"a key and a query position differ by {span}, beyond int64's {top}; shift both by "
+                         f"the same offset (only differences matter to the bias) so that they differ by less "
+                         f"than 2**63.")
+
+
+
 # ---------------------------------------------------------------------------- leading-dim broadcasting
 # Attention inputs share leading (batch, head) dimensions that broadcast like numpy's.  Rather than
 # materialising broadcast copies (K shared by 12 heads would be copied 12 times), we compute, for every

@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .inputs import as_float_array, check_positive_int, result_dtype
+from .inputs import as_float_array, check_position_span, check_positive_int, result_dtype
 from .kernels.bias import BIAS_ALIBI, BIAS_T5
 
 __all__ = [
@@ -239,6 +239,16 @@ class LearnedPositionalEncoding:
         return f"LearnedPositionalEncoding(max_len={self.max_len}, dim={self.dim})"
 
 
+def _finite_result(out: np.ndarray, what: str) -> np.ndarray:
+    """``out`` computed from finite inputs, or a ValueError when it overflowed its dtype to inf (a silent
+    inf would turn every later score into NaN)."""
+    if not np.isfinite(out).all():
+        top = float(np.finfo(out.dtype).max)
+        raise ValueError(f"{what} overflows {out.dtype.name} (a result beyond its largest value {top:.4g}); "
+                         f"pass float64 inputs, or rescale them.")
+    return out
+
+
 def _check_pe(x: object, pe: object) -> tuple[np.ndarray, np.ndarray]:
     xa = as_float_array(x, "x", min_ndim=2)
     pa = as_float_array(pe, "pe", min_ndim=2)
@@ -272,7 +282,9 @@ def add_positional(x: np.ndarray, pe: np.ndarray) -> np.ndarray:
     if pa.shape[-1] != xa.shape[-1]:
         raise ValueError(f"pe must have the embedding width of x ({xa.shape[-1]}) to be added; got "
                          f"pe.shape = {pa.shape}. Use concat_positional to append encodings of another width.")
-    return xa + pa
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = xa + pa
+    return _finite_result(out, "x + pe")
 
 
 def concat_positional(x: np.ndarray, pe: np.ndarray) -> np.ndarray:
@@ -380,16 +392,17 @@ def _apply_rope(xa: np.ndarray, positions: object, b: float, layout: str, x_name
     sin = np.sin(angle).astype(cdt, copy=False)
     xc = xa.astype(cdt, copy=False)
     out = np.empty(np.broadcast_shapes(xa.shape, pos.shape + (D,)), dtype=cdt)
-    if layout == "interleaved":
-        a, c = xc[..., 0::2], xc[..., 1::2]
-        out[..., 0::2] = a * cos - c * sin
-        out[..., 1::2] = a * sin + c * cos
-    else:
-        h = D // 2
-        a, c = xc[..., :h], xc[..., h:]
-        out[..., :h] = a * cos - c * sin
-        out[..., h:] = a * sin + c * cos
-    return out
+    with np.errstate(over="ignore", invalid="ignore"):  # a pair whose norm exceeds the dtype: checked below
+        if layout == "interleaved":
+            a, c = xc[..., 0::2], xc[..., 1::2]
+            out[..., 0::2] = a * cos - c * sin
+            out[..., 1::2] = a * sin + c * cos
+        else:
+            h = D // 2
+            a, c = xc[..., :h], xc[..., h:]
+            out[..., :h] = a * cos - c * sin
+            out[..., h:] = a * sin + c * cos
+    return _finite_result(out, f"RoPE of {x_name} (a rotated feature pair)")
 
 
 def rope(q: np.ndarray, k: np.ndarray, query_positions: object = None, key_positions: object = None, *,
@@ -451,6 +464,7 @@ class RelativeBias:
         """
         qpos = _positions_1d(query_positions, "query_positions")
         kpos = _positions_1d(key_positions, "key_positions")
+        check_position_span(qpos, kpos)
         return self._dense(qpos, kpos, None)
 
     def block(self, query_positions_block: object, key_positions: object, *,
@@ -471,6 +485,7 @@ class RelativeBias:
         """
         qpos = _positions_1d(query_positions_block, "query_positions_block")
         kpos = _positions_1d(key_positions, "key_positions")
+        check_position_span(qpos, kpos)
         if head is None:
             return self._dense(qpos, kpos, None)
         if isinstance(head, bool) or not isinstance(head, numbers.Integral) or not 0 <= head < self.num_heads:

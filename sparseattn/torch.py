@@ -51,7 +51,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from .attention.dense import scaled_dot_product_attention as _dense_attention
 from .attention.sparse import sparse_attention as _sparse_attention
-from .inputs import check_bool, group_maps, mask_2d
+from .inputs import check_additive_range, check_bool, group_maps, mask_2d, result_dtype
 
 __all__ = ["from_numpy", "scaled_dot_product_attention", "sparse_attention", "to_numpy"]
 
@@ -242,7 +242,7 @@ def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     else:
         allowed, additive = _mask_parts(attn_mask)
         out, lse = _masked_sparse(q, kk, v, selector, k, allowed, additive, check_bool(is_causal, "is_causal"),
-                                  scale, enable_gqa)
+                                  scale, enable_gqa, mask_shape=tuple(attn_mask.shape))
     result = from_numpy(out, out_dtype)
     return (result, from_numpy(lse)) if return_lse else result
 
@@ -269,10 +269,11 @@ def _mask_parts(attn_mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]
 
 def _masked_sparse(q: np.ndarray, k: np.ndarray, v: np.ndarray, selector: Any, n_keys: int,
                    allowed: np.ndarray, additive: np.ndarray | None, is_causal: bool, scale: float | None,
-                   enable_gqa: bool) -> tuple[np.ndarray, np.ndarray]:
+                   enable_gqa: bool, *, mask_shape: tuple[int, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Sparse attention under a mask, one call per distinct mask slice (see the module docstring).
 
-    q (..., L, E), k (..., S, E), v (..., S, Ev); allowed (..., L, S) bool; additive like allowed or None.
+    q (..., L, E), k (..., S, E), v (..., S, Ev); allowed (..., L, S) bool; additive like allowed or None;
+    ``mask_shape``: the shape the caller gave (errors quote it; ``allowed`` of a 1-D mask is (1, S)).
     Returns the output (lead..., L, Ev) in the promoted dtype and the lse (lead..., L) in the computation dtype.
     """
     from .pattern import SparsePattern
@@ -286,12 +287,15 @@ def _masked_sparse(q: np.ndarray, k: np.ndarray, v: np.ndarray, selector: Any, n
     L, S = q.shape[-2], k.shape[-2]
     lead, _, _ = group_maps(q.shape[:-2], k.shape[:-2], enable_gqa=enable_gqa)
     try:
-        mask_shape = np.broadcast_shapes(allowed.shape, lead + (L, S))
+        full_shape = np.broadcast_shapes(allowed.shape, lead + (L, S))
     except ValueError:
-        mask_shape = None
-    if mask_shape != lead + (L, S):
-        raise ValueError(f"attn_mask shape {allowed.shape} must broadcast to (..., L, S) = {lead + (L, S)} "
+        full_shape = None
+    if full_shape != lead + (L, S):
+        shown = allowed.shape if mask_shape is None else mask_shape
+        raise ValueError(f"attn_mask shape {shown} must broadcast to (..., L, S) = {lead + (L, S)} "
                          f"without widening the leading dims of query/key/value.")
+    if additive is not None:
+        check_additive_range(additive, result_dtype(q, k, v), "attn_mask")
     nd = len(lead)
     ml = (1,) * (nd - (allowed.ndim - 2)) + allowed.shape[:-2]  # the mask's own leading dims, rank nd
     allowed = np.broadcast_to(allowed.reshape(ml + allowed.shape[-2:]), ml + (L, S))

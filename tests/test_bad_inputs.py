@@ -527,6 +527,23 @@ def test_bad_bias_and_pattern_masks(qkv):
         sparse(q, k, v, pattern=np.ones((5, 7), bool))
 
 
+def test_additive_values_beyond_the_computation_dtype_are_named(qkv):
+    """A float64 mask or bias holding 1e39 over float32 inputs: cast to float32 it would be inf, reported as
+    an overflow of the scores; the error names the argument and its value.  Over float64 inputs it is a
+    legal (huge) additive value: the row's weight goes to that key, as a float64 oracle says."""
+    q, k, v = qkv
+    m = np.zeros((5, 7))
+    m[2, 3] = 1e39
+    msg = r"holds 1e\+39 \(first at index \(2, 3\)\), beyond the range of float32 .* pass float64 inputs"
+    with pytest.raises(ValueError, match="attn_mask " + msg):
+        dense(q, k, v, attn_mask=m)
+    with pytest.raises(ValueError, match="bias " + msg):
+        sparse(q, k, v, bias=m)
+    q64, k64, v64 = (x.astype(np.float64) for x in qkv)
+    for out in (dense(q64, k64, v64, attn_mask=m), sparse(q64, k64, v64, bias=m)):
+        np.testing.assert_allclose(out[:, 2], v64[:, 3], rtol=1e-12)
+
+
 # -------------------------------------------------------------------------------- selector names / params
 def test_unknown_selector_lists_the_valid_ones(qkv):
     names = ", ".join(selector_classes())

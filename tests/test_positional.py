@@ -648,3 +648,62 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(sparseattn.positional)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("bias", [ALiBi(1), T5RelativeBias(1, seed=2)])
+def test_relative_bias_positions_too_far_apart_are_refused(bias):
+    """A key - query difference beyond int64 would wrap to the other sign (ALiBi's |k - q| negative: a
+    bias of +9e18 instead of -9e18); every path refuses it, and the widest legal span is exact."""
+    import sparseattn as sa
+
+    q = np.ones((1, 2, 4))
+    k = np.ones((1, 3, 4))
+    v = np.arange(12.0).reshape(1, 3, 4)
+    qpos = np.array([-2**62, 0])
+    too_far = np.array([2**62, 1, 2])  # 2**62 - (-2**62) = 2**63
+    msg = "query_positions and key_positions are too far apart for a relative-position bias: .* 9223372036854775808"
+    with pytest.raises(ValueError, match=msg):
+        bias.dense(qpos, too_far)
+    with pytest.raises(ValueError, match=msg):
+        bias.block(qpos[:1], too_far, head=0)
+    with pytest.raises(ValueError, match=msg):
+        sa.scaled_dot_product_attention(q, k, v, bias=bias, query_positions=qpos, key_positions=too_far)
+    with pytest.raises(ValueError, match=msg):
+        sa.sparse_attention(q, k, v, sa.SparsePattern.full(2, 3), bias=bias, query_positions=qpos,
+                            key_positions=too_far)
+    # 2**63 - 1 apart: legal; the oracle takes the distances as Python ints
+    kpos = np.array([2**62 - 1, 1, 2])
+    if isinstance(bias, ALiBi):
+        b = np.array([[-float(bias.slopes[0]) * abs(int(kk) - int(qq)) for kk in kpos] for qq in qpos])
+    else:
+        b = np.array([[bias.table[0, t5_relative_position_bucket(np.array([int(kk) - int(qq)]))[0]]
+                       for kk in kpos] for qq in qpos])
+    expected = _softmax_oracle(q, k, v, b[None], 0.5)
+    for got in (sa.scaled_dot_product_attention(q, k, v, bias=bias, query_positions=qpos, key_positions=kpos),
+                sa.sparse_attention(q, k, v, sa.SparsePattern.full(2, 3), bias=bias, query_positions=qpos,
+                                    key_positions=kpos)):
+        np.testing.assert_allclose(got, expected, atol=1e-12)
+
+
+def test_positional_results_beyond_the_dtype_are_refused_not_inf():
+    """x + pe, or a RoPE rotation of a feature pair whose norm exceeds float32's range, would be inf (and every
+    later score NaN): a ValueError naming the fix, no numpy warning; the same inputs in float64 are exact."""
+    import warnings
+
+    big = np.float32(3e38)
+    x = np.full((2, 2), big, np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="x \\+ pe overflows float32 .* pass float64 inputs"):
+            add_positional(x, np.full((2, 2), np.float32(1e38)))
+        with pytest.raises(ValueError, match="RoPE of x \\(a rotated feature pair\\) overflows float32"):
+            apply_rope(x)  # row 1 turns (3e38, 3e38) by 1 radian: (-9.0e37, 4.1e38)
+        with pytest.raises(ValueError, match="RoPE of q .* overflows float32"):
+            rope(x[None], x[None])
+        # position 0 does not turn: exact, finite
+        np.testing.assert_array_equal(apply_rope(x[:1]), x[:1])
+        out = apply_rope(x.astype(np.float64))
+    c, s = math.cos(1.0), math.sin(1.0)
+    b = float(big)  # 3e38 as float32 holds it
+    np.testing.assert_allclose(out[1], [b * (c - s), b * (s + c)], rtol=1e-12)
+    np.testing.assert_allclose(add_positional(x.astype(np.float64), np.full((2, 2), 1e38)), b + 1e38, rtol=1e-15)

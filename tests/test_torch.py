@@ -280,6 +280,15 @@ def test_bad_masks_are_refused():
         sat.sparse_attention(q, k, v, "topk", k=4, attn_mask=torch.ones(4, 5, dtype=torch.int64))
     with pytest.raises(TypeError, match="explicit patterns"):
         sat.sparse_attention(q, k, v, sa.SparsePattern.full(4, 5), attn_mask=torch.ones(4, 5, dtype=torch.bool))
+    # a 1-D key mask of the wrong length: the error quotes the shape given, not its (1, S) broadcast form
+    with pytest.raises(ValueError, match=r"attn_mask shape \(6,\) must broadcast to \(\.\.\., L, S\)"):
+        sat.sparse_attention(q, k, v, "topk", k=4, attn_mask=torch.ones(6, dtype=torch.bool))
+    # a float64 additive value beyond float32 over float32 inputs: named, not reported as a score overflow
+    big = torch.zeros(4, 5, dtype=torch.float64)
+    big[1, 2] = 1e39
+    with pytest.raises(ValueError, match=r"attn_mask holds 1e\+39 \(first at index \(1, 2\)\), beyond the "
+                                         r"range of float32"):
+        sat.sparse_attention(q.float(), k.float(), v.float(), "topk", k=4, attn_mask=big)
 
 
 def test_import_sparseattn_does_not_import_torch():

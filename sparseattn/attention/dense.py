@@ -34,6 +34,7 @@ import numpy as np
 from ..inputs import (
     AttentionInputs,
     attention_inputs,
+    check_additive_range,
     check_lse,
     check_positive_int,
     mask_2d,
@@ -46,7 +47,11 @@ DEFAULT_Q_BLOCK = 256
 DEFAULT_K_BLOCK = 1024
 
 
-def _check_mask(attn_mask: Any, lead: tuple[int, ...], L: int, S: int) -> np.ndarray | None:
+def _check_mask(attn_mask: Any, lead: tuple[int, ...], L: int, S: int, cdt: np.dtype | None = None
+                ) -> np.ndarray | None:
+    """The mask broadcast to ``lead + (L, S)`` (a view), or None; errors name the argument.  With ``cdt``
+    (the computation dtype) a finite additive value beyond its range is refused: it would become inf
+    there and be reported as an overflow of the scores."""
     if attn_mask is None:
         return None
     m = np.asarray(attn_mask)
@@ -64,6 +69,8 @@ def _check_mask(attn_mask: Any, lead: tuple[int, ...], L: int, S: int) -> np.nda
     if m.dtype.kind == "f" and np.isposinf(m).any():
         raise ValueError(f"attn_mask contains +inf (first at index {_first(np.isposinf(m))}), which no softmax "
                          f"can weigh; an additive mask holds finite values, or -inf for masked-out positions.")
+    if cdt is not None:
+        check_additive_range(m, cdt, "attn_mask")
     return full
 
 
@@ -149,7 +156,7 @@ def scaled_dot_product_attention(
     q_block = check_positive_int(q_block, "q_block")
     k_block = check_positive_int(k_block, "k_block")
     L, S, lead, sc, cdt = inp.L, inp.S, inp.lead, inp.scale, inp.cdt
-    mask = _check_mask(attn_mask, lead, L, S)
+    mask = _check_mask(attn_mask, lead, L, S, cdt)
     qpos = kpos = None
     if bias is not None:
         n_heads = lead[-1] if lead else 1

@@ -27,7 +27,9 @@ from ..inputs import (
     AttentionInputs,
     as_float_array,
     attention_inputs,
+    check_additive_range,
     check_lse,
+    check_position_span,
     check_positive_int,
     flat3,
     group_maps,
@@ -352,6 +354,7 @@ def _bias_args(bias: Any, inp: AttentionInputs, query_positions: Any, key_positi
     qpos = positions(query_positions, L, "query_positions")
     kpos = positions(key_positions, S, "key_positions")
     if hasattr(bias, "kernel_args"):
+        check_position_span(qpos, kpos)
         kind, params, ints = bias.kernel_args()
         n_heads = lead[-1] if lead else 1
         if bias.num_heads != n_heads:
@@ -367,6 +370,7 @@ def _bias_args(bias: Any, inp: AttentionInputs, query_positions: Any, key_positi
         first = tuple(int(i) for i in np.argwhere(np.isposinf(arr))[0])
         raise ValueError(f"bias contains +inf (first at index {first}), which no softmax can weigh; a bias "
                          f"holds finite values, or -inf to forbid a pair.")
+    check_additive_range(arr, cdt, "bias")
     blead, _, bmap = group_maps(lead, arr.shape[:-2], kv_name="bias")
     if tuple(blead) != tuple(lead):
         raise ValueError(f"bias leading dims {arr.shape[:-2]} must broadcast to the inputs' {lead} without "
