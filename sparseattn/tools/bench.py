@@ -179,14 +179,23 @@ def machine_info() -> dict[str, Any]:
 
 
 def _cpu_name() -> str:
+    """The CPU's model name and, in brackets, LLVM's name of its microarchitecture (the code Numba emits
+    for it: a virtual machine's model name is often generic, e.g. "Intel(R) Xeon(R) Processor")."""
+    name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                    name = line.split(":", 1)[1].strip()
+                    break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    try:
+        import llvmlite.binding as llvm
+
+        return f"{name} ({llvm.get_host_cpu_name()})"
+    except Exception:  # noqa: BLE001 - the name is informative only
+        return name
 
 
 def _rss_peak_mb() -> float:
