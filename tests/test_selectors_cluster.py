@@ -1422,3 +1422,28 @@ def test_spec_strings_refuse_a_repeated_parameter_and_name_nan() -> None:
         get_selector("cluster:mode=block,spread=nan")
     with pytest.raises(ValueError, match="name=value"):
         get_selector("cluster:topk")
+
+
+@pytest.mark.parametrize("spec", ["cluster", "cluster:mode=block", "cluster:n_probe=3,n_clusters=12"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_clusters_left_empty_by_duplicate_keys_are_never_the_only_probes(rng, spec, is_causal):
+    """100 identical keys: k-means leaves every cluster but one empty.  Routing by the empty clusters'
+    centroids had sent about half the queries to empty clusters only: zeros and lse -inf, silently.
+    Oracle: every key ties, so any k keys' attention is the mean of their values, and all keys' (block
+    mode reads the one full cluster) the mean of every visible value."""
+    K = np.tile(np.array([0.3, -1.2, 0.7, 2.0]), (100, 1))[None]
+    V = np.arange(200.0).reshape(1, 100, 2)
+    q = rng.standard_normal((1, 50 if not is_causal else 100, 4))
+    if is_causal:
+        K, V = K[:, :100], V[:, :100]
+    out, lse = sparse_attention(q, K, V, spec, k=8, is_causal=is_causal, return_lse=True)
+    assert np.isfinite(lse).all()
+    s = (q @ K[0, 0]) / 2.0  # each row's one scaled score (scale 1 / sqrt(4))
+    if "block" in spec:
+        n_vis = np.arange(1, q.shape[1] + 1) if is_causal else np.full(q.shape[1], 100)
+        expected = np.stack([V[0, :n].mean(axis=0) for n in n_vis])
+        np.testing.assert_allclose(out[0], expected, rtol=1e-12)
+        np.testing.assert_allclose(lse[0], s[0] + np.log(n_vis), rtol=1e-12)
+    else:  # top-8 of tied keys: 8 of them (fewer for early causal rows)
+        n_read = np.minimum(8, np.arange(1, q.shape[1] + 1)) if is_causal else np.full(q.shape[1], 8)
+        np.testing.assert_allclose(lse[0], s[0] + np.log(n_read), rtol=1e-12)
