@@ -332,3 +332,47 @@ def test_out_name_longer_than_the_file_system_allows_names_out(capsys):
     assert cli_main(["bench", "--out", "x" * 300, "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("sparseattn bench: error: --out xxx") and "File name too long" in err
+
+
+def test_compare_overflow_names_data_and_says_compare_computes_in_float32(capsys, tmp_path):
+    """float64 data whose scores fit float64 but not float32: the error names --data and the float32
+    computation, not "pass float64 inputs" (they already are)."""
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "huge64.npz", q=rng.standard_normal((64, 16)) * 1e30, k=rng.standard_normal((128, 16)) * 1e30,
+             v=rng.standard_normal((128, 16)))
+    line = assert_user_error(capsys, ["compare", "--data", str(tmp_path / "huge64.npz"), "--selectors", "topk",
+                                      "--quiet"], f"--data {tmp_path / 'huge64.npz'}: attention scores overflow float32",
+                             "compare computes in float32 whatever the file's dtype",
+                             "smaller keys and queries in the data file, or a smaller 'scale' array in it")
+    assert "pass float64 inputs" not in line
+
+
+def test_decode_data_with_one_key_per_head_says_so(capsys, tmp_path, no_decode_work):
+    q = np.ones((2, 1, 8), np.float32)
+    np.savez(tmp_path / "k1.npz", q=q, k=q, v=q)
+    for steps in ("1", "2"):  # no --steps fits: the message says what the data lacks, not "--steps <= 0"
+        line = assert_user_error(capsys, ["decode", "--data", str(tmp_path / "k1.npz"), "--steps", steps],
+                                 "has 1 key(s) per head; decode needs at least 2", "pass data with more keys")
+        assert "--steps <=" not in line
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--name", "../../etc/x"], ["--name must be a file stem", "got '../../etc/x'"]),
+    (["--name", "a/b"], ["--name must be a file stem", "got 'a/b'"]),
+    (["--name", ".hidden"], ["--name must be a file stem", "not starting with '.'"]),
+    (["--name", ""], ["--name must be a file stem", "got ''"]),
+])
+def test_trace_name_is_a_stem_refused_before_any_work(capsys, tmp_path, monkeypatch, argv, needles):
+    from sparseattn.tools import traces
+
+    monkeypatch.setattr(traces, "generate_traces", lambda *a, **k: pytest.fail("trace generation ran"))
+    assert_user_error(capsys, ["trace", "window", "--out", str(tmp_path), *argv], *needles)
+    assert not any(tmp_path.iterdir())
+
+
+def test_trace_store_layer_checked_before_the_model_loads(capsys, tmp_path, monkeypatch):
+    from sparseattn.tools import traces
+
+    monkeypatch.setattr(traces, "generate_traces", lambda *a, **k: pytest.fail("trace generation ran"))
+    assert_user_error(capsys, ["trace", "store", "--out", str(tmp_path), "--layer", "6"],
+                      "trace store: --layer 6 is not a layer of all-MiniLM-L6-v2; use 0 to 5")

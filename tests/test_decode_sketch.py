@@ -291,6 +291,7 @@ def test_full_candidates_match_dense_any_shape(n: int, t: int, mag: float, seed:
 
 @pytest.mark.parametrize("spec, word", [("sketch:candidates=0", "candidates"), ("sketch:fraction=2", "fraction"),
                                         ("sketch:candidates=1.5", "candidates must be an integer"),
+                                        ("sketch:candidates=-1", "candidates must be an integer >= 1; got '-1'"),
                                         ("sketch:candidates=99999999999", "candidates must be an int in"),
                                         ("sketch:fraction=nan", "fraction must be in"),
                                         ("sketch:fraction=abc", "fraction"), ("sketch:probes=3", "unknown option"),

@@ -117,6 +117,15 @@ def int_list_arg(minimum: int = 1, example: str = "64,128") -> Callable[[str], l
     return parse
 
 
+def stem_arg(text: str) -> str:
+    """argparse type: a file stem (letters, digits, ``-``, ``_``, ``.``; not starting with ``.``): the name
+    of a file written inside the output folder, never a path out of it."""
+    if not text or text.startswith(".") or not all(c.isalnum() or c in "-_." for c in text):
+        raise argparse.ArgumentTypeError(f"must be a file stem of letters, digits, '-', '_' or '.' (not starting "
+                                         f"with '.'; the folder is --out); got {text!r}")
+    return text
+
+
 def choice_arg(choices: Sequence[str]) -> Callable[[str], str]:
     """argparse type: one of ``choices``, with a message listing them."""
 

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .args import OneLineParser, choice_arg, int_arg, positive_int
+from .args import OneLineParser, choice_arg, int_arg, positive_int, stem_arg
 
 _INT_MAX = 2**31 - 1  # FAISS and BLAS take C ints: a larger selector parameter overflows there
 
@@ -353,8 +353,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                              f"--causal yet (compare measures query i seeing keys j <= i); drop them or --causal.")
     with threads(get_num_threads() if args.threads is None else args.threads), kernel_note(args.quiet), \
             progress_steps(len(specs) + 1, "compare", quiet=args.quiet) as say:
-        result = bench.compare(data_spec, specs, k=args.k, is_causal=args.causal, repeats=args.repeats,
-                               max_groups=args.max_groups, progress=say, quality_rows=args.quality_rows)
+        try:
+            result = bench.compare(data_spec, specs, k=args.k, is_causal=args.causal, repeats=args.repeats,
+                                   max_groups=args.max_groups, progress=say, quality_rows=args.quality_rows)
+        except ValueError as exc:
+            if "overflow" not in str(exc):
+                raise
+            # the data's magnitudes, not an option (compare computes in float32, whatever the file holds)
+            raise ValueError(f"--data {args.data}: {str(exc).split(';')[0].rstrip('.')}; compare computes in "
+                             f"float32 whatever the file's dtype: smaller keys and queries in the data file, or a "
+                             f"smaller 'scale' array in it.") from None
     result["data"] = args.data
     if trace is not None:
         result["workload"]["description"] = trace.meta["description"]
@@ -436,6 +444,9 @@ def _cmd_decode(args: argparse.Namespace) -> int:
     if src.groups is not None and heads > src.groups:
         raise ValueError(f"--heads {heads} exceeds the {src.groups} heads (groups) of --data {args.data}; use "
                          f"--heads <= {src.groups}.")
+    if src.n_keys < 2:  # one prompt key and one step at least: no --steps fits
+        raise ValueError(f"--data {args.data} has {src.n_keys:,} key(s) per head; decode needs at least 2 (a "
+                         f"prompt of one key and one decode step): pass data with more keys.")
     if args.steps >= src.n_keys:
         raise ValueError(f"--steps {args.steps} leaves no prompt: --data {args.data} has {src.n_keys:,} keys per "
                          f"head; use --steps <= {src.n_keys - 1:,}.")
@@ -582,6 +593,8 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     if args.kind == "window":
         kwargs["n_windows"] = 2 if args.n_windows is None else args.n_windows
     else:
+        if args.layer is not None and args.layer >= 6:  # before loading the model: all-MiniLM-L6-v2 has 6 layers
+            raise ValueError(f"trace store: --layer {args.layer} is not a layer of all-MiniLM-L6-v2; use 0 to 5.")
         kwargs.update(n_keys=args.n_keys, n_queries=args.n_queries, layer=3 if args.layer is None else args.layer)
         heads = _heads_arg(args.heads, 12)
         if heads is not None:
@@ -686,7 +699,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="store: MiniLM layer (default 3); llm: a full-attention layer (default 3 for smollm2, "
                         "5 for gemma3)")
     p.add_argument("--heads", default=None, help="store / llm: comma list of heads (default all: 12 for store)")
-    p.add_argument("--name", default=None, help="file stem and manifest name (default: the kind); load it "
+    p.add_argument("--name", type=stem_arg, default=None, help="file stem and manifest name (default: the kind); load it "
                    "with `sparseattn compare --data NAME@OUT`")
     p.add_argument("--seed", type=int_arg(0), default=0)
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")

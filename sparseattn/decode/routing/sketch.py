@@ -74,7 +74,7 @@ def parse_sketch(selector: object) -> dict[str, float] | None:
                 raise ValueError(val)
             x = int(val) if name == "candidates" else float(val)
         except ValueError:
-            what = "an integer" if name == "candidates" else "a number"
+            what = "an integer >= 1" if name == "candidates" else "a number"
             raise ValueError(f"selector {selector!r}: {name} must be {what}; got {val!r}.") from None
         if name == "candidates" and not 1 <= x <= 2**31 - 2:
             raise ValueError(f"selector {selector!r}: candidates must be an int in [1, {2**31 - 2}]; got {val!r}.")
