@@ -267,7 +267,8 @@ def _resolve_selector(pattern: Any, inp: AttentionInputs, is_causal: bool, bias:
                         f"string; got {type(pattern).__name__}.")
     template = get_selector(pattern)
     spec = spec_string(template)
-    reasons = template.not_supported_reasons(n_keys=inp.S, dim=inp.E, is_causal=is_causal,
+    # no key at all: nothing is built (see _run_selector), so no selector needs a number of keys
+    reasons = template.not_supported_reasons(n_keys=inp.S or None, dim=inp.E, is_causal=is_causal,
                                              bias=bias is not None)
     if not inp.scale > 0:
         reasons.append(f"scale={inp.scale:g}: a selector keeps keys of large q.k (or near the query), which carry "
@@ -292,6 +293,11 @@ def _run_selector(pattern: Any, inp: AttentionInputs, k: int, is_causal: bool, b
     qpos = positions(query_positions, inp.L, "query_positions")
     kpos = positions(key_positions, inp.S, "key_positions")
     G = inp.G
+    if inp.S == 0:  # every row is empty whatever the selector: the empty-row policy (zeros, lse -inf)
+        if attends:
+            return spec, [], (np.zeros((G, inp.L, inp.Ev), inp.cdt), np.full((G, inp.L), -np.inf, inp.cdt),
+                              np.zeros((G, inp.L), np.int64))
+        return spec, [SparsePattern.full(inp.L, 0) for _ in range(G)], None
     patterns: list[SparsePattern] = []
     out = np.empty((G, inp.L, inp.Ev), dtype=inp.cdt) if attends else None
     lse = np.empty((G, inp.L), dtype=inp.cdt) if attends else None
