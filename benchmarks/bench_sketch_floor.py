@@ -52,7 +52,7 @@ import sparseattn  # noqa: F401  (before torch: idle OpenMP threads sleep instea
 from sparseattn.cache import KVCache
 from sparseattn.data import gaussian, passkey
 from sparseattn.tools.args import OneLineParser, int_arg
-from sparseattn.tools.bench import machine_info
+from sparseattn.tools.bench import cpu_name
 
 HERE = Path(__file__).resolve().parent
 SETTINGS = {"default": {}, "sketch-lean": {"selector": "sketch:candidates=1024,shortlist=0.01"}}
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad or not settings:
         ap.error(f"--settings: unknown {bad}; choose from {','.join(SETTINGS)}")
     res = {"command": "python benchmarks/bench_sketch_floor.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": f"{platform.machine()}, {machine_info()['cpu']}, {os.cpu_count()} cores", "load": os.getloadavg()[0], "cases": []}
+           "machine": f"{platform.machine()}, {cpu_name()}, {os.cpu_count()} cores", "load": os.getloadavg()[0], "cases": []}
     for n in lengths:
         res["cases"].append(run_length(a.workload, n, a.heads, a.steps, settings, a.flush_mb))
     out = Path(a.out)

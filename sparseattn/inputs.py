@@ -191,18 +191,18 @@ def positions(arr: object, length: int, name: str) -> np.ndarray:
 
 
 def check_additive_range(arr: np.ndarray, cdt: np.dtype, name: str) -> None:
-    """ValueError when a float array added to the scores (a mask or bias, any shape) holds a finite value
-    beyond the range of the computation dtype ``cdt``: cast to it, the value would become inf and be
-    reported as an overflow of the scores."""
+    """ValueError when a float array added to the scores (a mask or bias, any shape) holds a finite positive
+    value beyond the range of the computation dtype ``cdt``: cast to it, the value would become +inf and be
+    reported as an overflow of the scores.  A negative one becomes -inf there: a masked-out pair, as meant."""
     if arr.dtype.kind != "f" or np.dtype(cdt).itemsize >= arr.dtype.itemsize:
         return
     top = np.finfo(cdt).max
-    beyond = np.isfinite(arr) & (np.abs(arr) > top)
+    beyond = np.isfinite(arr) & (arr > top)
     if beyond.any():
         first = tuple(int(i) for i in np.argwhere(beyond)[0])
         raise ValueError(f"{name} holds {float(arr[first]):g} (first at index {first}), beyond the range of "
                          f"{np.dtype(cdt).name} (largest {float(top):.4g}), the dtype the inputs compute in; "
-                         f"pass float64 inputs, or -inf for masked-out positions.")
+                         f"pass float64 inputs, or a smaller additive value.")
 
 
 def check_position_span(query_positions: np.ndarray, key_positions: np.ndarray) -> None:
@@ -220,7 +220,6 @@ def check_position_span(query_positions: np.ndarray, key_positions: np.ndarray) 
                          f"a key and a query position differ by {span}, beyond int64's {top}; shift both by "
                          f"the same offset (only differences matter to the bias) so that they differ by less "
                          f"than 2**63.")
-
 
 
 # ---------------------------------------------------------------------------- leading-dim broadcasting

@@ -530,7 +530,7 @@ def test_bad_bias_and_pattern_masks(qkv):
 
 
 def test_additive_values_beyond_the_computation_dtype_are_named(qkv):
-    """A float64 mask or bias holding 1e39 over float32 inputs: cast to float32 it would be inf, reported as
+    """A float64 mask or bias holding 1e39 over float32 inputs: cast to float32 it would be +inf, reported as
     an overflow of the scores; the error names the argument and its value.  Over float64 inputs it is a
     legal (huge) additive value: the row's weight goes to that key, as a float64 oracle says."""
     q, k, v = qkv
@@ -544,6 +544,17 @@ def test_additive_values_beyond_the_computation_dtype_are_named(qkv):
     q64, k64, v64 = (x.astype(np.float64) for x in qkv)
     for out in (dense(q64, k64, v64, attn_mask=m), sparse(q64, k64, v64, bias=m)):
         np.testing.assert_allclose(out[:, 2], v64[:, 3], rtol=1e-12)
+    # a negative value beyond float32 becomes -inf there: that pair masked out, as meant (oracle: float64
+    # softmax over the other keys)
+    for low in (-1e300, np.finfo(np.float64).min, -1e39):
+        m = np.zeros((5, 7))
+        m[:, 0] = low
+        s = np.einsum("gld,gsd->gls", q64, k64) / np.sqrt(8.0)
+        s[:, :, 0] = -np.inf
+        w = np.exp(s - s.max(axis=-1, keepdims=True))
+        expected = (w / w.sum(axis=-1, keepdims=True)) @ v64
+        for out in (dense(q, k, v, attn_mask=m), sparse(q, k, v, bias=m)):
+            np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("scale", [-1.0, 0.0])
@@ -553,8 +564,8 @@ def test_selectors_refuse_a_scale_that_is_not_positive(rng, spec, scale):
     output was 0.99 off dense attention while its recall@k read 1.0.  Refused with the fix; an explicit
     pattern attends with any finite scale, exactly (float64 oracle: the dense reference)."""
     q, k, v = rng.standard_normal((1, 4, 8)), rng.standard_normal((1, 100, 8)), rng.standard_normal((1, 100, 4))
-    with pytest.raises(ValueError, match=f"scale={scale:g}: a selector keeps keys of large q.k .* pass a positive "
-                                         f"scale, or an explicit SparsePattern"):
+    with pytest.raises(ValueError, match=f"scale={scale:g}: a selector keeps the keys it expects to carry the "
+                                         f"softmax mass .* pass a positive scale, or an explicit SparsePattern"):
         sa.sparse_attention(q, k, v, spec, k=10, scale=scale)
     got = sa.sparse_attention(q, k, v, SparsePattern.full(4, 100), scale=scale)
     np.testing.assert_allclose(got, dense(q, k, v, scale=scale), rtol=1e-12, atol=1e-14)

@@ -361,6 +361,7 @@ def test_decode_data_with_one_key_per_head_says_so(capsys, tmp_path, no_decode_w
     (["--name", "a/b"], ["--name must be a file stem", "got 'a/b'"]),
     (["--name", ".hidden"], ["--name must be a file stem", "not starting with '.'"]),
     (["--name", ""], ["--name must be a file stem", "got ''"]),
+    (["--name", "x.npz"], ["--name must be a file stem", "nor ending in .npz / .npy", "got 'x.npz'"]),
 ])
 def test_trace_name_is_a_stem_refused_before_any_work(capsys, tmp_path, monkeypatch, argv, needles):
     from sparseattn.tools import traces

@@ -1424,7 +1424,8 @@ def test_spec_strings_refuse_a_repeated_parameter_and_name_nan() -> None:
         get_selector("cluster:topk")
 
 
-@pytest.mark.parametrize("spec", ["cluster", "cluster:mode=block", "cluster:n_probe=3,n_clusters=12"])
+@pytest.mark.parametrize("spec", ["cluster", "cluster:mode=block", "cluster:n_probe=3,n_clusters=12",
+                                  "cluster:mode=block,estimate=1", "cluster:mode=block,estimate=-1"])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_clusters_left_empty_by_duplicate_keys_are_never_the_only_probes(rng, spec, is_causal):
     """100 identical keys: k-means leaves every cluster but one empty.  Routing by the empty clusters'
@@ -1433,11 +1434,10 @@ def test_clusters_left_empty_by_duplicate_keys_are_never_the_only_probes(rng, sp
     mode reads the one full cluster) the mean of every visible value."""
     K = np.tile(np.array([0.3, -1.2, 0.7, 2.0]), (100, 1))[None]
     V = np.arange(200.0).reshape(1, 100, 2)
-    q = rng.standard_normal((1, 50 if not is_causal else 100, 4))
-    if is_causal:
-        K, V = K[:, :100], V[:, :100]
-    out, lse = sparse_attention(q, K, V, spec, k=8, is_causal=is_causal, return_lse=True)
-    assert np.isfinite(lse).all()
+    q = rng.standard_normal((1, 50 if not is_causal else 100, 4))  # causal: L = S, row i sees i + 1 keys
+    res = sparse_attention_result(q, K, V, spec, k=8, is_causal=is_causal)
+    out, lse = res.output, res.lse
+    assert np.isfinite(lse).all() and res.keys_read.min() >= 1  # keys read exactly, not only estimated
     s = (q @ K[0, 0]) / 2.0  # each row's one scaled score (scale 1 / sqrt(4))
     if "block" in spec:
         n_vis = np.arange(1, q.shape[1] + 1) if is_causal else np.full(q.shape[1], 100)

@@ -309,3 +309,16 @@ def test_key_mask_of_one_dimension_broadcasts_as_in_torch():
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
     out = sat.scaled_dot_product_attention(q, k, v, attn_mask=keep)
     assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_float64_mask_far_below_float32_masks_the_pair_out():
+    """A float64 additive mask of -1e300 over float32 inputs becomes -inf in float32: the pair is masked
+    out, as with a bool mask (oracle: torch's SDPA with the bool mask, in float64)."""
+    q, k, v = make((2,), (2,), L=4, S=6, seed=3)
+    m = torch.zeros(4, 6, dtype=torch.float64)
+    m[:, 2] = -1e300
+    keep = torch.ones(4, 6, dtype=torch.bool)
+    keep[:, 2] = False
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    out = sat.sparse_attention(q.float(), k.float(), v.float(), "topk", k=6, attn_mask=m)
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-6)

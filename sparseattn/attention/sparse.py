@@ -271,9 +271,9 @@ def _resolve_selector(pattern: Any, inp: AttentionInputs, is_causal: bool, bias:
     reasons = template.not_supported_reasons(n_keys=inp.S or None, dim=inp.E, is_causal=is_causal,
                                              bias=bias is not None)
     if not inp.scale > 0:
-        reasons.append(f"scale={inp.scale:g}: a selector keeps keys of large q.k (or near the query), which carry "
-                       f"the softmax mass only when scale > 0; pass a positive scale, or an explicit "
-                       f"SparsePattern to attend with this one")
+        reasons.append(f"scale={inp.scale:g}: a selector keeps the keys it expects to carry the softmax mass "
+                       f"(large q.k, or keys near the query), which they do only when scale > 0; pass a "
+                       f"positive scale, or an explicit SparsePattern to attend with this one")
     if reasons:
         raise ValueError(f"selector {spec!r} cannot run here: {'; '.join(reasons)}.")
     return template, spec

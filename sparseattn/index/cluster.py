@@ -523,11 +523,7 @@ class ClusterIndex:
         key rank last either way.  Call inside :func:`~sparseattn.threads.worker_threads`."""
         L, p = q.shape[0], self.n_probe_
         if not kmin.size:
-            empty = np.diff(self.cluster_ptr_) == 0
-            if empty.any():  # (duplicate keys): clusters holding no key rank last, as causal routing ranks
-                # the clusters after a row; else a query whose best probes are all empty reads no key
-                kmin = np.where(empty, np.iinfo(np.int64).max, 0)
-                qpos = np.zeros(L, dtype=np.int64)
+            kmin, qpos = ck.empty_last(self.cluster_ptr_, L)
         route, scores = np.empty((L, p), dtype=np.int32), np.empty((L, p), dtype=q.dtype)
         cent = self.centroids_.astype(q.dtype, copy=False)
         width = self.spread_widths()

@@ -167,9 +167,10 @@ class RoutePlanner:
         elif not is_causal and not self.fused:
             ek.log_mass_rows(qmu, q2, self.logn, self.sig2, self.rmu, sc, self.spread, A)
         if top_p is None:
-            # causal: a cluster whose every key is after the row ranks last, as in the plain path
+            # causal: a cluster whose every key is after the row ranks last, as in the plain path; not
+            # causal: one holding no key
             ids, scs = ck.row_top_p_serial(sc_c, self.n_cand, *((self.kmin, np.ascontiguousarray(qpc, np.int64))
-                                                                if is_causal else (ck.NO_POS, ck.NO_POS)))
+                                                                if is_causal else ck.empty_last(self.kptr, R)))
             p = self.p
             route[:] = ids[:, :p]
             rscore[:] = scs[:, :p]

@@ -289,6 +289,17 @@ def spread_rank(s, qn, width, out):
 
 NO_POS = np.zeros(0, dtype=np.int64)  # the kmin / qpos of row_top_p when routing is not causal
 
+
+def empty_last(kptr: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(kmin, qpos)`` for :func:`row_top_p` in routing that is not causal: clusters holding no key
+    (``kptr`` (C + 1,) int64 offsets; k-means leaves some empty on duplicate keys) rank last, as causal
+    routing ranks the clusters after a row; else a query whose best probes are all empty reads no key.
+    ``(NO_POS, NO_POS)`` (no masking, no cost) when no cluster is empty."""
+    empty = kptr[1:] == kptr[:-1]
+    if not empty.any():
+        return NO_POS, NO_POS
+    return np.where(empty, np.iinfo(np.int64).max, 0), np.zeros(n_rows, dtype=np.int64)
+
 # Serial ``nogil`` variants run inside the worker threads (one row chunk each, right after
 # that chunk's BLAS product); the parallel ones serve single calls from Python.
 row_argmax_serial, row_argmax = serial_and_parallel(_row_argmax, fastmath=FASTMATH, nogil=True)

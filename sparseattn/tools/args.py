@@ -118,11 +118,13 @@ def int_list_arg(minimum: int = 1, example: str = "64,128") -> Callable[[str], l
 
 
 def stem_arg(text: str) -> str:
-    """argparse type: a file stem (letters, digits, ``-``, ``_``, ``.``; not starting with ``.``): the name
-    of a file written inside the output folder, never a path out of it."""
-    if not text or text.startswith(".") or not all(c.isalnum() or c in "-_." for c in text):
+    """argparse type: a file stem (letters, digits, ``-``, ``_``, ``.``; not starting with ``.``, not ending
+    in ``.npz`` / ``.npy``, which would read back as a file path): the name of a file written inside the
+    output folder, never a path out of it."""
+    if (not text or text.startswith(".") or not all(c.isalnum() or c in "-_." for c in text)
+            or text.lower().endswith((".npz", ".npy"))):
         raise argparse.ArgumentTypeError(f"must be a file stem of letters, digits, '-', '_' or '.' (not starting "
-                                         f"with '.'; the folder is --out); got {text!r}")
+                                         f"with '.' nor ending in .npz / .npy; the folder is --out); got {text!r}")
     return text
 
 

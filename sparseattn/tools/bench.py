@@ -167,7 +167,7 @@ def machine_info() -> dict[str, Any]:
     """CPU, threads and library versions, stored with every result."""
     import numba
 
-    info: dict[str, Any] = {"platform": platform.platform(), "cpu": _cpu_name(), "cores": os.cpu_count(),
+    info: dict[str, Any] = {"platform": platform.platform(), "cpu": cpu_name(), "cores": os.cpu_count(),
                             "threads": get_num_threads(), "python": platform.python_version(),
                             "numpy": np.__version__, "numba": numba.__version__}
     for mod in ("faiss", "datasketch", "scipy", "torch"):
@@ -178,7 +178,7 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     """The CPU's model name and, in brackets, LLVM's name of its microarchitecture (the code Numba emits
     for it: a virtual machine's model name is often generic, e.g. "Intel(R) Xeon(R) Processor")."""
     name = platform.processor() or platform.machine()
