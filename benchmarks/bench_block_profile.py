@@ -172,8 +172,10 @@ def main() -> None:
                              "keys_per_query": kq, "gemm_floor_s": floor, "floor_x_sdpa": sdpa / floor,
                              "stages": profile_case(data, c, spec), "fairness": res["fairness"]})
                 bench.log(f"{n} causal={c} {spec}: {row['total_s']:.3f} s, {sdpa / row['total_s']:.1f}x SDPA")
+    default_out = os.path.join(os.path.dirname(__file__), "results", "block-profile")
     result = {"command": "python benchmarks/bench_block_profile.py " + " ".join(
-                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                  if k != "out" or os.path.abspath(v) != os.path.abspath(default_out)),
               "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": round(load, 2),
               "gemm_gflops": peak / 1e9, "threads": get_num_threads(), "machine": bench.machine_info(),
               "rows": rows}
