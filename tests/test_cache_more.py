@@ -462,6 +462,9 @@ def test_top_p_walk_is_calibrated_by_the_spread_term() -> None:
     (dict(top_p=0.9, selector="faiss-flat"), "top_p applies"),
     (dict(top_p=0.9, top_p_min_keys=50, top_p_max_keys=10), "top_p_min_keys"),
     (dict(top_p_max_keys=-1), "top_p_max_keys"),
+    (dict(top_p_max_keys=10), r"top_p_min_keys / top_p_max_keys bound the top_p walk and do nothing without it; "
+                              r"got top_p=None with top_p_min_keys=0, top_p_max_keys=10"),
+    (dict(top_p_min_keys=5), r"do nothing without it; got top_p=None with top_p_min_keys=5"),
 ])
 def test_bad_arguments_are_named(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

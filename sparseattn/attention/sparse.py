@@ -97,7 +97,8 @@ def sparse_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, patt
     query : float array, shape (..., L, E)
     key : float array, shape (..., S, E)
     value : float array, shape (..., S, Ev)
-        float16, float32 or float64; leading (batch, head) dims broadcast like numpy's.
+        float16, float32 or float64; leading (batch, head) dims of query against key/value broadcast like
+        numpy's (key and value share theirs).
     pattern : SparsePattern, sequence of SparsePattern, Selector, or selector spec string
         A single (L, S) pattern is shared by every (batch, head) group; a sequence gives one pattern
         per group (flattened leading dims, C order).  A selector (object or string such as

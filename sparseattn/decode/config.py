@@ -78,6 +78,10 @@ class CacheConfig:
         self.top_p_min_keys = check_positive_int(top_p_min_keys, "top_p_min_keys", minimum=0, maximum=big)
         self.top_p_max_keys = (big if top_p_max_keys is None
                                else check_positive_int(top_p_max_keys, "top_p_max_keys", minimum=0, maximum=big))
+        if self.top_p is None and (self.top_p_min_keys or top_p_max_keys is not None):
+            raise ValueError(f"top_p_min_keys / top_p_max_keys bound the top_p walk and do nothing without it; got "
+                             f"top_p=None with top_p_min_keys={self.top_p_min_keys}, top_p_max_keys={top_p_max_keys}. "
+                             f"Pass Budget(top_p=...) with them, or drop them.")
         if self.top_p_min_keys > self.top_p_max_keys:
             raise ValueError(f"top_p_min_keys ({self.top_p_min_keys}) must be <= top_p_max_keys "
                              f"({self.top_p_max_keys}) (the floor and the cap of routed keys per query).")
