@@ -50,8 +50,8 @@ DEFAULT_K_BLOCK = 1024
 def _check_mask(attn_mask: Any, lead: tuple[int, ...], L: int, S: int, cdt: np.dtype | None = None
                 ) -> np.ndarray | None:
     """The mask broadcast to ``lead + (L, S)`` (a view), or None; errors name the argument.  With ``cdt``
-    (the computation dtype) a finite additive value beyond its range is refused: it would become inf
-    there and be reported as an overflow of the scores."""
+    (the computation dtype) a finite positive additive value beyond its range is refused
+    (:func:`~sparseattn.inputs.check_additive_range`)."""
     if attn_mask is None:
         return None
     m = np.asarray(attn_mask)
