@@ -190,6 +190,22 @@ def positions(arr: object, length: int, name: str) -> np.ndarray:
     return np.ascontiguousarray(pos, dtype=np.int64)
 
 
+def check_additive(arr: np.ndarray, name: str, holder: str, masked: str, cdt: np.dtype | None = None) -> None:
+    """The rules for a float array added to the scores (a mask or bias ``name``, any shape): no NaN, no +inf
+    (``holder`` and ``masked`` word the fix, e.g. "an additive mask" / "-inf for masked-out positions"),
+    and with ``cdt`` no positive value beyond that dtype (:func:`check_additive_range`).  ValueError."""
+    if arr.dtype.kind != "f":
+        return
+    if np.isnan(arr).any():
+        raise ValueError(f"{name} contains NaN; use {masked}.")
+    if np.isposinf(arr).any():
+        first = tuple(int(i) for i in np.argwhere(np.isposinf(arr))[0])
+        raise ValueError(f"{name} contains +inf (first at index {first}), which no softmax can weigh; {holder} "
+                         f"holds finite values, or {masked}.")
+    if cdt is not None:
+        check_additive_range(arr, cdt, name)
+
+
 def check_additive_range(arr: np.ndarray, cdt: np.dtype, name: str) -> None:
     """ValueError when a float array added to the scores (a mask or bias, any shape) holds a finite positive
     value beyond the range of the computation dtype ``cdt``: cast to it, the value would become +inf and be

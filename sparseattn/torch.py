@@ -51,7 +51,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from .attention.dense import scaled_dot_product_attention as _dense_attention
 from .attention.sparse import sparse_attention as _sparse_attention
-from .inputs import check_additive_range, check_bool, group_maps, mask_2d, result_dtype
+from .inputs import check_additive, check_additive_range, check_bool, group_maps, mask_2d, result_dtype
 
 __all__ = ["from_numpy", "scaled_dot_product_attention", "sparse_attention", "to_numpy"]
 
@@ -254,13 +254,7 @@ def _mask_parts(attn_mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]
     m = mask_2d(m)
     if m.dtype == np.bool_:
         return m, None
-    if np.isnan(m).any():
-        raise ValueError("attn_mask contains NaN; use -inf (or False in a bool mask) for masked-out pairs.")
-    if np.isposinf(m).any():
-        first = tuple(int(i) for i in np.argwhere(np.isposinf(m))[0])
-        raise ValueError(f"attn_mask contains +inf (first at index {first}), which no softmax can weigh; an "
-                         f"additive mask holds finite values, or -inf (or False in a bool mask) for masked-out "
-                         f"pairs.")
+    check_additive(m, "attn_mask", "an additive mask", "-inf (or False in a bool mask) for masked-out pairs")
     floor = float(torch.finfo(attn_mask.dtype).min) / 2  # transformers' eager masks use finfo.min
     allowed = m > floor
     additive = np.where(allowed, m, 0.0)

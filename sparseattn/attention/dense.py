@@ -34,7 +34,7 @@ import numpy as np
 from ..inputs import (
     AttentionInputs,
     attention_inputs,
-    check_additive_range,
+    check_additive,
     check_lse,
     check_positive_int,
     mask_2d,
@@ -51,7 +51,7 @@ def _check_mask(attn_mask: Any, lead: tuple[int, ...], L: int, S: int, cdt: np.d
                 ) -> np.ndarray | None:
     """The mask broadcast to ``lead + (L, S)`` (a view), or None; errors name the argument.  With ``cdt``
     (the computation dtype) a finite positive additive value beyond its range is refused
-    (:func:`~sparseattn.inputs.check_additive_range`)."""
+    (:func:`~sparseattn.inputs.check_additive`)."""
     if attn_mask is None:
         return None
     m = np.asarray(attn_mask)
@@ -64,19 +64,8 @@ def _check_mask(attn_mask: Any, lead: tuple[int, ...], L: int, S: int, cdt: np.d
         full = np.broadcast_to(m, lead + (L, S))
     except ValueError:
         raise ValueError(f"attn_mask shape {shape} does not broadcast to (..., L, S) = {lead + (L, S)}.") from None
-    if m.dtype.kind == "f" and np.isnan(m).any():
-        raise ValueError("attn_mask contains NaN; use -inf for masked-out positions.")
-    if m.dtype.kind == "f" and np.isposinf(m).any():
-        raise ValueError(f"attn_mask contains +inf (first at index {_first(np.isposinf(m))}), which no softmax "
-                         f"can weigh; an additive mask holds finite values, or -inf for masked-out positions.")
-    if cdt is not None:
-        check_additive_range(m, cdt, "attn_mask")
+    check_additive(m, "attn_mask", "an additive mask", "-inf for masked-out positions", cdt)
     return full
-
-
-def _first(flags: np.ndarray) -> tuple[int, ...]:
-    """Index of the first True of a bool array."""
-    return tuple(int(i) for i in np.argwhere(flags)[0])
 
 
 def scaled_dot_product_attention(

@@ -27,7 +27,7 @@ from ..inputs import (
     AttentionInputs,
     as_float_array,
     attention_inputs,
-    check_additive_range,
+    check_additive,
     check_lse,
     check_position_span,
     check_positive_int,
@@ -375,13 +375,7 @@ def _bias_args(bias: Any, inp: AttentionInputs, query_positions: Any, key_positi
     arr = as_float_array(bias, "bias", min_ndim=2, check_finite=False)  # -inf forbids a pair: legal
     if arr.shape[-2:] != (L, S):
         raise ValueError(f"bias array must end in (L, S) = {(L, S)}; got {arr.shape}.")
-    if np.isnan(arr).any():
-        raise ValueError("bias contains NaN; use -inf to forbid a pair.")
-    if np.isposinf(arr).any():
-        first = tuple(int(i) for i in np.argwhere(np.isposinf(arr))[0])
-        raise ValueError(f"bias contains +inf (first at index {first}), which no softmax can weigh; a bias "
-                         f"holds finite values, or -inf to forbid a pair.")
-    check_additive_range(arr, cdt, "bias")
+    check_additive(arr, "bias", "a bias", "-inf to forbid a pair", cdt)
     blead, _, bmap = group_maps(lead, arr.shape[:-2], kv_name="bias")
     if tuple(blead) != tuple(lead):
         raise ValueError(f"bias leading dims {arr.shape[:-2]} must broadcast to the inputs' {lead} without "
