@@ -365,6 +365,57 @@ def register_cache(name: str = CACHE_ATTENTION_NAME) -> str:
     return name
 
 
+class _PassGuard:
+    """One forward pass at a time through a :class:`SparseCache`'s layers: the lock they share (update,
+    fill and attention take it) and the thread of the last update.  :meth:`claim` lets the calling thread
+    update a layer, or raises with nothing changed."""
+
+    def __init__(self, layers: Sequence[Any]) -> None:
+        self.lock = threading.RLock()
+        self.owner: threading.Thread | None = None  # the thread of the last update
+        for layer in layers:
+            if isinstance(layer, SparseCacheLayer):
+                layer.lock = self.lock
+
+    @staticmethod
+    def lengths(layers: Sequence[Any]) -> list[int]:
+        """Tokens each layer holds (a sliding-window layer: tokens appended)."""
+        return [layer.n_tokens if isinstance(layer, SparseCacheLayer) else int(getattr(layer, "cumulative_length", 0))
+                for layer in layers]
+
+    @classmethod
+    def mid_forward(cls, layers: Sequence[Any]) -> bool:
+        """True while a forward pass is under way (or was left unfinished): a layer's new keys not yet
+        attended, or layers holding different numbers of tokens (some updated by the pass, some not)."""
+        if any(isinstance(la, SparseCacheLayer) and la._new is not None for la in layers):
+            return True
+        return len(set(cls.lengths(layers))) > 1
+
+    def claim(self, layers: Sequence[Any], layer_idx: int) -> None:
+        """Make the calling thread the cache's user (the lock held), or raise with nothing changed: another
+        thread's pass under way (RuntimeError); a pass started (layer 0) while the last one was left
+        unfinished, by an error in it, an interruption, or a model with fewer layers (ValueError)."""
+        me = threading.current_thread()
+        owner = self.owner
+        if owner is me and layer_idx > 0:  # the owner's pass going on: nothing to check (per-layer hot path)
+            return
+        busy = self.mid_forward(layers)
+        if busy and owner is not None and owner is not me and owner.is_alive():
+            raise RuntimeError(f"SparseCache is in use by another thread ({owner.name}: a forward pass through it "
+                               f"is under way, or was left unfinished there); a cache holds one sequence: use one "
+                               f"SparseCache per thread (cache.reset() drops its tokens).")
+        if busy and (layer_idx == 0 or owner is not me):
+            pending = [i for i, la in enumerate(layers) if isinstance(la, SparseCacheLayer) and la._new is not None]
+            why = (f"layer {pending[0]}'s new keys were never attended: an error in the pass, or a model whose "
+                   f"attention does not read the cache (model.set_attn_implementation(sparseattn.hf."
+                   f"register_cache()))" if pending else
+                   f"an error or interruption in it, or a model with fewer layers than the cache's {len(layers)}")
+            raise ValueError(f"SparseCache: the previous forward pass through the cache did not finish ({why}); its "
+                             f"layers hold {self.lengths(layers)} tokens. Call cache.reset() (drops every token) or "
+                             f"build a new SparseCache from the model that generates.")
+        self.owner = me
+
+
 class SparseCache(Cache):
     """transformers ``Cache`` for decoder-only models whose layers keep keys and values in ``KVCache``.
 
@@ -450,42 +501,22 @@ class SparseCache(Cache):
             SparseCacheLayer(n_heads, kv_kwargs, prefill, k) if lt == "full_attention"
             else SlidingWindowCacheLayer(sliding_window=int(kw["sliding_window"]))
             for lt, kw in zip(layer_types, layer_kwargs, strict=True)])
-        self._share_lock()
+        self._guard = _PassGuard(self.layers)
 
-    def _share_lock(self) -> None:
-        # one lock for every layer's update and attention: a forward pass of one thread is never interleaved
-        # with another's (see update)
-        self._lock = threading.RLock()
-        self._owner: threading.Thread | None = None  # the thread of the last update
-        for layer in self.layers:
-            if isinstance(layer, SparseCacheLayer):
-                layer.lock = self._lock
+    _lock = property(lambda self: self._guard.lock, doc="The lock every layer's update and attention take.")
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.pop("_lock", None)  # a lock (or a thread) does not pickle or deep-copy; made anew on load
-        state.pop("_owner", None)
+        state.pop("_guard", None)  # a lock (or a thread) does not pickle or deep-copy; made anew on load
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._share_lock()
+        self._guard = _PassGuard(self.layers)
 
     def __copy__(self) -> SparseCache:
         raise TypeError("SparseCache cannot be shallow-copied (the copy would share its layers); use "
                         "copy.deepcopy(cache) for an independent copy.")
-
-    def _lengths(self) -> list[int]:
-        """Tokens each layer holds (a sliding-window layer: tokens appended)."""
-        return [layer.n_tokens if isinstance(layer, SparseCacheLayer) else int(getattr(layer, "cumulative_length", 0))
-                for layer in self.layers]
-
-    def _mid_forward(self) -> bool:
-        """True while a forward pass is under way (or was left unfinished): a layer's new keys not yet
-        attended, or layers holding different numbers of tokens (some updated by the pass, some not)."""
-        if any(isinstance(la, SparseCacheLayer) and la._new is not None for la in self.layers):
-            return True
-        return len(set(self._lengths())) > 1
 
     def _check_fits(self, key_states: Any, value_states: Any, layer_idx: Any) -> None:
         """ValueError when the calling layer is not one of the model the cache was built for (layer index,
@@ -527,33 +558,9 @@ class SparseCache(Cache):
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                            for t in (key_states, value_states)):
             raise ValueError(_NO_BACKWARD.format(what="keys require"))
-        with self._lock:
-            self._claim(layer_idx)
+        with self._guard.lock:
+            self._guard.claim(self.layers, layer_idx)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    def _claim(self, layer_idx: int) -> None:
-        """Make the calling thread the cache's user (the lock held), or raise with nothing changed: another
-        thread's pass under way (RuntimeError); a pass started (layer 0) while the last one was left
-        unfinished, by an error in it, an interruption, or a model with fewer layers (ValueError)."""
-        me = threading.current_thread()
-        owner = self._owner
-        if owner is me and layer_idx > 0:  # the owner's pass going on: nothing to check (per-layer hot path)
-            return
-        busy = self._mid_forward()
-        if busy and owner is not None and owner is not me and owner.is_alive():
-            raise RuntimeError(f"SparseCache is in use by another thread ({owner.name}: a forward pass through it "
-                               f"is under way, or was left unfinished there); a cache holds one sequence: use one "
-                               f"SparseCache per thread (cache.reset() drops its tokens).")
-        if busy and (layer_idx == 0 or owner is not me):
-            pending = [i for i, la in enumerate(self.layers) if isinstance(la, SparseCacheLayer) and la._new is not None]
-            why = (f"layer {pending[0]}'s new keys were never attended: an error in the pass, or a model whose "
-                   f"attention does not read the cache (model.set_attn_implementation(sparseattn.hf."
-                   f"register_cache()))" if pending else
-                   f"an error or interruption in it, or a model with fewer layers than the cache's {len(self.layers)}")
-            raise ValueError(f"SparseCache: the previous forward pass through the cache did not finish ({why}); its "
-                             f"layers hold {self._lengths()} tokens. Call cache.reset() (drops every token) or build "
-                             f"a new SparseCache from the model that generates.")
-        self._owner = me
 
     def fill(self, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], n_tokens: int | None = None) -> None:
         """Append prompt keys and values computed elsewhere, e.g. the layers of a ``DynamicCache`` after the
@@ -580,8 +587,8 @@ class SparseCache(Cache):
             raise ValueError(f"layer_kv: every full-attention layer must hold the same tokens (n_tokens, when "
                              f"given, too); got lengths {sorted(lengths)}.")
         (n,) = lengths
-        with self._lock:
-            self._claim(0)
+        with self._guard.lock:
+            self._guard.claim(self.layers, 0)
             for layer, (k, v) in zip(self.layers, layer_kv, strict=True):
                 if isinstance(layer, SparseCacheLayer):
                     layer.append_attended(k, v)
