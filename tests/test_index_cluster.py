@@ -202,30 +202,117 @@ def test_prefix_index_trains_on_its_first_keys_only():
     np.testing.assert_array_equal(a.assignment_[:400], b.assignment_[:400])
 
 
-def test_overlapping_kmeans_restore_faiss_settings():
-    # FAISS's OpenMP threads and BLAS threshold are process-wide: k-means from several Python threads at
-    # once must leave them as they were before the first one started (save/restore per call did not).
+def test_concurrent_kmeans_equal_sequential_on_any_thread_count():
+    # Six k-means at once from Python threads (each on 1-3 workers) give the centroids of one run alone.
     import threading
-
-    import faiss
 
     from sparseattn.index.kmeans import train_kmeans
 
-    before = (faiss.omp_get_max_threads(), faiss.cvar.distance_compute_blas_threshold)
     x = np.random.default_rng(0).standard_normal((3000, 16)).astype(np.float32)
+    want = train_kmeans(x, 32, 3000, seed=1, n_iter=3, spherical=True, n_threads=1)
     barrier = threading.Barrier(6)
     out = [None] * 6
 
     def work(t):
         barrier.wait()
         for _ in range(3):
-            out[t] = train_kmeans(x, 32, 3000, seed=1, n_iter=3, spherical=True)
+            out[t] = train_kmeans(x, 32, 3000, seed=1, n_iter=3, spherical=True, n_threads=1 + t % 3)
 
     ths = [threading.Thread(target=work, args=(t,)) for t in range(6)]
     for th in ths:
         th.start()
     for th in ths:
         th.join()
-    assert (faiss.omp_get_max_threads(), faiss.cvar.distance_compute_blas_threshold) == before
-    for o in out[1:]:
-        np.testing.assert_array_equal(o, out[0])
+    for o in out:
+        np.testing.assert_array_equal(o, want)
+
+
+def _numpy_rounds(x, cent, n_iter, spherical):
+    """Oracle: Lloyd rounds written plainly in numpy float64 from the start cent (the same empty-cluster rule)."""
+    C = cent.shape[0]
+    cent = cent.astype(np.float64)
+    if spherical:
+        cent /= np.linalg.norm(cent, axis=1, keepdims=True)
+    for _ in range(n_iter):
+        sc = x @ cent.T - (0 if spherical else 0.5 * (cent ** 2).sum(axis=1))
+        lab = sc.argmax(axis=1)
+        best = sc.max(axis=1)
+        new = np.array([x[lab == c].mean(axis=0) if (lab == c).any() else np.nan * x[0] for c in range(C)])
+        empty = np.flatnonzero(np.isnan(new[:, 0]))
+        new[empty] = x[np.argsort(best, kind="stable")[:empty.size]]
+        cent = new / np.linalg.norm(new, axis=1, keepdims=True) if spherical else new
+    return cent
+
+
+@pytest.mark.parametrize("spherical", [True, False])
+@pytest.mark.parametrize("n, E, C, n_iter", [(5000, 16, 40, 4), (2049, 8, 7, 6), (300, 3, 300, 2)])
+def test_lloyd_rounds_match_numpy_oracle(spherical, n, E, C, n_iter):
+    # The rounds against float64 numpy rounds from the same start, on every thread count.
+    from sparseattn.index.kmeans import _lloyd_rounds
+    from sparseattn.threads import worker_threads
+
+    x = np.random.default_rng(n).standard_normal((n, E)).astype(np.float32)
+    start = x[np.sort(np.random.default_rng(7).choice(n, C, replace=False))]
+    want = _numpy_rounds(x.astype(np.float64), start.astype(np.float64), n_iter, spherical)
+    got = []
+    for t in (1, 2, 3):
+        with worker_threads(t) as w:
+            got.append(_lloyd_rounds(x, start.copy(), n_iter, spherical, w))
+        assert got[-1].dtype == np.float32 and got[-1].shape == (C, E)
+        np.testing.assert_array_equal(got[-1], got[0])  # the thread count changes nothing
+    np.testing.assert_allclose(got[0], want, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("m, E, C", [(500, 8, 40), (64, 3, 64), (1000, 32, 1)])
+def test_kmeanspp_seeds_match_numpy_oracle(m, E, C):
+    # Oracle: k-means++ in numpy float64 with the same uniform draws (first row uniform, then the first row
+    # whose running sum of squared distances exceeds u * total).
+    from sparseattn.kernels import cluster as ck
+
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, E)).astype(np.float32)
+    u = rng.random(C)
+    want = [min(m - 1, int(u[0] * m))]
+    d2 = ((x.astype(np.float64) - x[want[0]].astype(np.float64)) ** 2).sum(axis=1)
+    for c in range(1, C):
+        cs = np.cumsum(d2)
+        want.append(int(np.searchsorted(cs, u[c] * cs[-1], side="right")))
+        d2 = np.minimum(d2, ((x.astype(np.float64) - x[want[-1]].astype(np.float64)) ** 2).sum(axis=1))
+    got = np.empty(C, dtype=np.int64)
+    ck.kmeanspp_seeds(x, u, got)
+    np.testing.assert_array_equal(got, want)
+    assert np.unique(got).size == C
+
+
+def test_kmeanspp_seeds_distinct_on_duplicate_rows():
+    # Three distinct points repeated: after the three, every distance is 0; the seeds stay distinct rows.
+    from sparseattn.kernels import cluster as ck
+
+    x = np.repeat(np.eye(3, dtype=np.float32), 5, axis=0)
+    got = np.empty(7, dtype=np.int64)
+    ck.kmeanspp_seeds(x, np.random.default_rng(0).random(7), got)
+    assert np.unique(got).size == 7
+    assert np.unique(x[got[:3]], axis=0).shape[0] == 3  # the first three cover the three points
+
+
+def test_lloyd_finds_planted_clusters_and_relocates_empty_ones():
+    # Three tight, far-apart groups and C = 3: every centroid lands on one group's centre.  With C = 5 over
+    # rows of only three distinct values, two centroids start as (or become) duplicates and lose their
+    # members: they are moved to rows, never NaN, and the groups stay found.
+    from sparseattn.index.kmeans import lloyd
+
+    rng = np.random.default_rng(3)
+    centres = np.array([[10.0, 0, 0], [0, 10.0, 0], [0, 0, 10.0]], dtype=np.float32)
+    x = (centres[rng.integers(0, 3, 900)] + 0.01 * rng.standard_normal((900, 3))).astype(np.float32)
+    for seed in range(5):
+        cent = lloyd(x, 3, 5, np.random.default_rng(seed), False, 1)
+        d = np.linalg.norm(cent[:, None] - centres[None], axis=2).min(axis=0)
+        assert (d < 0.05).all(), (seed, d)
+    dup = centres[rng.integers(0, 3, 60)]
+    for spherical in (False, True):
+        cent = lloyd(dup, 5, 4, np.random.default_rng(0), spherical, 2)
+        assert np.isfinite(cent).all()
+        unit = centres / 10 if spherical else centres
+        d = np.linalg.norm(cent[:, None] - unit[None], axis=2)
+        assert (d.min(axis=1) < 1e-6).all()  # every centroid sits on one of the three points
+        assert (d.min(axis=0) < 1e-6).all()  # and every point has one

@@ -781,16 +781,21 @@ def test_property_block_attend_is_exact_on_routed_keys(S, L, C, seed, causal):
 @settings(max_examples=80, deadline=None)
 @given(n=st.integers(1, 150), C=st.integers(1, 70), p=st.integers(1, 70), ties=st.booleans(),
        f64=st.booleans(), seed=st.integers(0, 2**32 - 1))
-def test_property_row_argmax_and_top_p_match_numpy(n, C, p, ties, f64, seed):
+def test_property_col_argmax_and_top_p_match_numpy(n, C, p, ties, f64, seed):
     # Oracles: np.argmax (first maximum) and a stable sort by (-score, column): ties to the lower column.
     p = min(p, C)
     rng = np.random.default_rng(seed)
     s = rng.standard_normal((n, C))
+    half = rng.standard_normal(C)
     if ties:
-        s = np.round(s)  # many equal scores
-    s = s.astype(np.float64 if f64 else np.float32)
-    for fn in (ck.row_argmax, ck.row_argmax_serial):
-        np.testing.assert_array_equal(fn(s), np.argmax(s, axis=1))
+        s, half = np.round(s), np.round(half)  # many equal scores
+    dt = np.float64 if f64 else np.float32
+    s, half = s.astype(dt), half.astype(dt)
+    for h in (np.zeros(C, dt), half):
+        labels, best = np.full(n, -1, np.int32), np.empty(n, dt)
+        ck.col_argmax(np.ascontiguousarray(s.T), h, labels, best)
+        np.testing.assert_array_equal(labels, np.argmax(s - h, axis=1))
+        np.testing.assert_array_equal(best, np.max(s - h, axis=1))
     want = np.argsort(-s, axis=1, kind="stable")[:, :p]
     for fn in (ck.row_top_p, ck.row_top_p_serial):
         ids, vals = fn(s, p, ck.NO_POS, ck.NO_POS)
@@ -1398,10 +1403,10 @@ def test_estimate_with_subnormal_float32_keys_is_uniform_attention() -> None:
 
 
 @pytest.mark.parametrize("seed", [2**31, 2**40, -1])
-def test_seed_outside_faiss_range_is_refused_by_name(seed: int) -> None:
+def test_seed_outside_its_range_is_refused_by_name(seed: int) -> None:
     with pytest.raises(TypeError, match="seed"):
         ClusterIndex(seed=1.5)
-    # FAISS's k-means takes a 32-bit seed: a larger one was a raw OverflowError from inside FAISS
+    # seeds are 31-bit: a larger one is refused by name, not an error from deep inside the build
     with pytest.raises(ValueError, match="seed"):
         ClusterIndex(seed=seed)
     with pytest.raises(ValueError, match="seed"):
@@ -1409,7 +1414,7 @@ def test_seed_outside_faiss_range_is_refused_by_name(seed: int) -> None:
 
 
 def test_largest_seed_with_split_offsets_builds() -> None:
-    # split clusters train with seed + offset: the sum wraps inside FAISS's range instead of overflowing
+    # split clusters train with seed + offset: the sum wraps inside the seed range instead of overflowing
     k = np.random.default_rng(0).standard_normal((2000, 8)).astype(np.float32)
     idx = ClusterIndex(seed=2**31 - 1, split=0.5, n_clusters=8).build(k)
     assert idx.n_clusters_ >= 8

@@ -1,8 +1,8 @@
 """ClusterIndex: spherical k-means over the centred keys, cluster order, routing and routed exact top-k.
 
 Build: the keys are centred (subtracting the mean key changes no softmax), a k-means with ``n_clusters``
-centroids is trained on a sample of them with FAISS (``faiss.Kmeans``: spherical, i.e. cosine assignment
-and unit-norm centroids, by default; Lloyd with ``spherical=False``), then every key is assigned to a
+centroids is trained on a sample of them (Lloyd rounds, :func:`sparseattn.index.kmeans.lloyd`: spherical,
+i.e. cosine assignment and unit-norm centroids, by default; Euclidean with ``spherical=False``), then every key is assigned to a
 centroid: ``assign="ip"`` (default) picks the centroid of largest inner product ``k.c`` (the score that
 routes queries), ``"l2"`` the nearest one.  Measured at S = 16,384 (E = 64, C = 128, n_probe = 8): on
 clustered keys "ip" kept 0.998 of the softmax mass (output error 0.019) against 0.90 (0.35) for "l2"; on
@@ -36,9 +36,7 @@ statistics are not kept here (the index knows no values): routed attention sums 
 at each call.
 
 Threads: the scoring products run on ``n_threads`` workers of :func:`sparseattn.threads.executor`, BLAS
-pinned to one thread each (:func:`sparseattn.threads.worker_threads`).  The k-means runs single-threaded:
-FAISS's OpenMP pool is set to 1 thread for it and restored afterwards (0.023 s against 0.40 s on two
-threads with the other core busy, 16k keys).
+pinned to one thread each (:func:`sparseattn.threads.worker_threads`); so do the k-means rounds.
 """
 
 from __future__ import annotations
@@ -85,7 +83,7 @@ def check_params(n_clusters: int | None, n_probe: int | None, train_sample: int 
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise TypeError(f"cluster: seed must be an int in [0, {SEED_MAX}]; got {seed!r} ({type(seed).__name__}).")
     if not 0 <= seed <= SEED_MAX:
-        raise ValueError(f"cluster: seed must be an int in [0, {SEED_MAX}] (FAISS's k-means takes a 32-bit "
+        raise ValueError(f"cluster: seed must be an int in [0, {SEED_MAX}] (a 31-bit k-means "
                          f"seed); got {seed!r}.")
     if coarse is not None:
         if isinstance(coarse, bool) or not isinstance(coarse, (int, np.integer)) or coarse < 1:
@@ -179,7 +177,7 @@ class ClusterIndex:
     n_iter : int, default 5
         K-means iterations.
     seed : int, default 0
-        Seed of the training sample and of FAISS's k-means initialisation.
+        Seed of the training sample and of the k-means initialisation.
     center : bool, default True
         Subtract the mean key before clustering and scoring (unless a few keys dominate the mean: see
         :func:`key_mean`).
@@ -408,9 +406,9 @@ class ClusterIndex:
 
     def _kmeans(self, centred: np.ndarray, C: int, n_train: int, seed_offset: int = 0) -> np.ndarray:
         """(C, E) centroids of a k-means over ``n_train`` sampled rows of ``centred`` (:func:`train_kmeans`)."""
-        # the offsets of split clusters' k-means wrap around within FAISS's 32-bit seeds
+        # the offsets of split clusters' k-means wrap around within 31-bit seeds
         return train_kmeans(centred, C, n_train, seed=(self.seed + seed_offset) % (SEED_MAX + 1),
-                            n_iter=self.n_iter, spherical=self.spherical)
+                            n_iter=self.n_iter, spherical=self.spherical, n_threads=self.threads_)
 
     def row_chunks(self, n_rows: int, work: Callable[[int, int], None], n_threads: int) -> None:
         """``work(a, b)`` over row chunks of about 2**24 (rows x clusters) score elements, on the workers

@@ -30,7 +30,7 @@ Input policies enforced here, once, for every selector:
   so no ranking changes) and search with each query scaled by its own power of two (the same for every
   key of that query), so float64 keys or queries beyond the float32 range (or tiny ones) are searched in
   range; candidates are re-ranked exactly on the original values.  A backend that takes the values as
-  they are in a narrower dtype declares ``index_dtype`` (e.g. float32 for FAISS k-means in cluster
+  they are in a narrower dtype declares ``index_dtype`` (e.g. float32 for the k-means of cluster
   routing), and :meth:`Selector.build` / :meth:`Selector.add` refuse keys whose squared norms would
   overflow it with a ``ValueError`` that names the argument and the fix (rescale the keys, or use topk /
   window, computed in the input dtype, or an index selector).

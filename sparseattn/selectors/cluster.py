@@ -3,8 +3,8 @@
 :class:`ClusterSelector` is the selector face of two parts that also work on their own:
 
 * :class:`sparseattn.index.cluster.ClusterIndex`: the keys are centred (subtracting the mean key changes
-  no softmax), a k-means with ``n_clusters`` centroids is trained on a sample of them with FAISS
-  (``faiss.Kmeans``: spherical, i.e. cosine assignment and unit-norm centroids, by default; Lloyd with
+  no softmax), a k-means with ``n_clusters`` centroids is trained on a sample of them (Lloyd rounds:
+  spherical, i.e. cosine assignment and unit-norm centroids, by default; Euclidean with
   ``spherical=False``), then every key is assigned to a centroid by ``assign``: default ``"ip"``, the
   centroid of largest inner product ``k.c`` (the same score that routes queries); ``"l2"``, the nearest
   centroid.  Measured at n = 16,384 (d = 64, C = 128, n_probe = 8): on clustered keys "ip" kept 0.998 of
@@ -157,7 +157,7 @@ class ClusterSelector(Selector):
         2,360), and 5 iterations take half the k-means time of 10 (~2.8 ms against 5.7 ms of a 22 ms build +
         attend at S = 4,096).
     seed : int, default 0
-        Seed of the training sample and of FAISS's k-means initialisation.
+        Seed of the training sample and of the k-means initialisation.
     center : bool, default True
         Subtract the mean key before clustering (exact for softmax; better conditioned clusters).
     spherical : bool, default True

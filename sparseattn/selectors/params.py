@@ -66,7 +66,7 @@ def non_negative(v: Any) -> str | None:
 
 def faiss_seed(v: Any) -> str | None:
     """Check: 0 <= v <= 2**31 - 1 (a seed FAISS takes)."""
-    return None if 0 <= v <= SEED_MAX else f"must lie in [0, {SEED_MAX}] (FAISS's k-means takes a 32-bit seed)"
+    return None if 0 <= v <= SEED_MAX else f"must lie in [0, {SEED_MAX}] (a 31-bit k-means seed)"
 
 
 def in_unit_interval(v: Any) -> str | None:
