@@ -10,8 +10,8 @@ and the speed of the strict one relative to it) gives the end-to-end time (media
 recomputed in float64 (recall@64, softmax mass, output error); then one extra run under ``cProfile`` splits
 the time into stages by the functions that do them:
 
-* ``build`` (the cluster index, or the strictly causal one with its bands), of which ``kmeans`` (FAISS
-  training) and ``assign`` (every key to a centroid) as seen on the calling thread;
+* ``build`` (the cluster index, or the strictly causal one with its bands), of which ``kmeans`` (the
+  centroids' training) and ``assign`` (every key to a centroid) as seen on the calling thread;
 * ``route`` (every query's clusters), ``gather`` (pairs grouped by cluster, queries gathered),
   ``kernels`` (the per-cluster GEMM + exp + GEMM workers, wall time), ``merge`` (log-sum-exp of each
   query's partials, and of the segments' results), ``exact`` (rows or exact tails read exactly),
