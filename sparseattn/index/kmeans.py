@@ -13,9 +13,10 @@ from collections.abc import Callable
 import numpy as np
 
 from ..kernels import cluster as ck
+from ..kernels import estimate as ek
 from ..threads import run_jobs, worker_threads
 
-__all__ = ["BLOCK_BUDGET", "LLOYD_ROWS", "SEED_MAX", "SEED_ROWS", "assign_keys", "cov_factors", "lloyd", "row_chunks", "split_every",
+__all__ = ["BLOCK_BUDGET", "LLOYD_ELEMS", "LLOYD_ROWS", "SEED_MAX", "SEED_ROWS", "assign_keys", "cov_factors", "lloyd", "row_chunks", "split_every",
            "split_large", "train_kmeans"]
 
 # Elements (not bytes) of the per-block buffers: queries are processed in blocks so the score chunks and
@@ -54,7 +55,8 @@ def train_kmeans(centred: np.ndarray, C: int, n_train: int, *, seed: int, n_iter
     return cent if spherical else cent.astype(np.float64) * scale
 
 
-LLOYD_ROWS = 2048  # rows per job of a Lloyd round: a fixed split, so sums do not depend on the thread count
+LLOYD_ROWS = 2048  # most rows per job of a Lloyd round (a split fixed by C, not by the thread count)
+LLOYD_ELEMS = 1 << 19  # most score elements per job (2 MiB of float32: the scores stay in L2)
 SEED_ROWS = 8  # k-means++ draws its starting centroids from SEED_ROWS * C rows of the sample
 
 
@@ -68,9 +70,10 @@ def lloyd(x: np.ndarray, C: int, n_iter: int, rng: np.random.Generator, spherica
     vectors) or the nearest one (``x . c - |c|^2 / 2``), first one on ties, then moves each centroid to
     its members' mean (float64 sums; normalised when spherical).  A centroid left without members moves
     to one of the rows served worst (smallest best score), a different row for each, as scikit-learn
-    relocates empty clusters.  Rows go to the workers in fixed chunks of ``LLOYD_ROWS`` whose sums are
-    added in chunk order: the same centroids on any thread count.  Call inside
-    :func:`~sparseattn.threads.worker_threads` (BLAS pinned to one thread per worker).
+    relocates empty clusters.  Rows go to the workers in chunks fixed by C (at most ``LLOYD_ROWS`` rows
+    and ``LLOYD_ELEMS`` scores); each cluster's members are summed in row order: the same centroids on
+    any thread count, in O(n + C E) memory.  Call inside :func:`~sparseattn.threads.worker_threads`
+    (BLAS pinned to one thread per worker).
 
     Why not FAISS's ``Kmeans``: single-threaded here (its OpenMP regions spin when the other core is
     busy), 102-180 ms for the 16,384 x 64 sample and 256 centroids of a 65,536-key build against ~30 ms
@@ -95,24 +98,27 @@ def _lloyd_rounds(x: np.ndarray, cent: np.ndarray, n_iter: int, spherical: bool,
     C = cent.shape[0]
     if spherical:
         _normalise(cent)
-    chunks = [(a, min(n, a + LLOYD_ROWS)) for a in range(0, n, LLOYD_ROWS)]
-    sums = np.empty((len(chunks), C, E), dtype=np.float64)
-    counts = np.empty((len(chunks), C), dtype=np.int64)
+    rows = max(1, min(LLOYD_ROWS, LLOYD_ELEMS // C))
+    chunks = [(a, min(n, a + rows)) for a in range(0, n, rows)]
     labels = np.empty(n, dtype=np.int32)
     best = np.empty(n, dtype=np.float32)
+    xs = np.empty_like(x)
+    kptr = np.zeros(C + 1, dtype=np.int64)
     for _ in range(n_iter):
         half = (np.zeros(C) if spherical else 0.5 * np.einsum("ij,ij->i", cent, cent, dtype=np.float64)
                 ).astype(np.float32)
-        sums[:] = 0.0
-        counts[:] = 0
 
         def work(t: int, cent: np.ndarray = cent, half: np.ndarray = half) -> None:
             a, b = chunks[t]
-            buf = np.empty((b - a) * C, dtype=np.float32)
-            ck.lloyd_chunk(x[a:b], cent, half, buf, labels[a:b], best[a:b], sums[t], counts[t])
+            ck.assign_chunk(x[a:b], cent, half, np.empty((b - a) * C, dtype=np.float32), labels[a:b], best[a:b])
 
         run_jobs(work, range(len(chunks)), n_threads)
-        total, count = sums.sum(axis=0), counts.sum(axis=0)
+        # members in row order per cluster (a stable sort), summed in float64 by one thread per cluster:
+        # the same sums on any thread count, in O(n + C E) memory
+        count = np.bincount(labels, minlength=C)
+        np.cumsum(count, out=kptr[1:])
+        ck.gather_rows(x, np.argsort(labels, kind="stable").astype(np.int64), xs)
+        total = ek.cluster_sums(xs, kptr)
         live = count > 0
         new = np.empty((C, E), dtype=np.float64)
         new[live] = total[live] / count[live, None]
@@ -157,7 +163,8 @@ def assign_keys(centred: np.ndarray, centroids: np.ndarray, rule: str, n_threads
     cent = centroids.astype(centred.dtype, copy=False)
 
     def work(a: int, b: int) -> None:
-        ck.col_argmax(cent @ centred[a:b].T, half, assignment[a:b], np.empty(b - a, dtype=centred.dtype))
+        ck.assign_chunk(centred[a:b], cent, half, np.empty((b - a) * C, dtype=centred.dtype), assignment[a:b],
+                        np.empty(b - a, dtype=centred.dtype))
 
     row_chunks(S, C, work, n_threads)
     return assignment

@@ -5,8 +5,8 @@ The dense arithmetic (per-cluster ``Q_c K_c^T`` and ``P_c V_c``) is BLAS on cont
 drive it and do the irregular parts around it without Python loops or numpy fancy indexing:
 
 * ``col_argmax`` / ``row_top_p``: key -> cluster assignment and query -> top-p cluster routing;
-* ``kmeanspp_seeds`` / ``lloyd_chunk``: k-means++ starting rows; a k-means round's assignment and
-  per-cluster sums over one chunk of rows;
+* ``kmeanspp_seeds`` / ``assign_chunk``: k-means++ starting rows; each row's centroid, one chunk of
+  rows per worker (k-means rounds and key assignment);
 * ``group_pairs``: counting sort of the (query, probe) pairs by cluster (a CSR cluster -> queries);
 * ``gather_rows``: row gathers (keys and values into cluster order, queries for top-k);
 * ``gather_pairs``: the contiguous copy of each cluster's queries for attention (scaled), and an upper
@@ -141,24 +141,19 @@ def kmeanspp_seeds(x, u, out):
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def lloyd_chunk(x, cent, half, buf, labels, best, sums, counts):
-    """One worker's share of a k-means (Lloyd) round: assign rows and add them to their cluster's sum.
+def assign_chunk(x, cent, half, buf, labels, best):
+    """Centroid of each row of one chunk: the largest ``x . c - half[c]`` (first on ties).
 
-    x (n, E) float32 rows; cent (C, E) float32 centroids; half (C,) float32 subtracted from every score
-    (``|c|^2 / 2`` for the nearest centroid, zeros for the largest inner product); buf (>= C * n,) float32
-    scratch.  Scores ``cent @ x^T`` through BLAS (Numba's ``np.dot``), then :func:`col_argmax`.  Writes
-    labels (n,) int32, best (n,) float32 the largest ``score - half``, and adds each row to
-    ``sums[label]`` ((C, E) float64) and 1 to ``counts[label]`` ((C,) int64).  Serial and ``nogil``."""
-    n, E = x.shape
+    x (n, E) rows and cent (C, E) centroids, float32 or float64 (the same dtype); half (C,) in that
+    dtype (``|c|^2 / 2`` for the nearest centroid, zeros for the largest inner product); buf (>= C * n,)
+    scratch in that dtype.  Scores ``cent @ x^T`` through BLAS (Numba's ``np.dot``), then
+    :func:`col_argmax`.  Writes labels (n,) int32 and best (n,) (the largest ``score - half``).
+    Serial and ``nogil``: called from the worker threads, one chunk of rows each."""
+    n = x.shape[0]
     C = cent.shape[0]
     sc = buf[:C * n].reshape((C, n))
     np.dot(cent, x.T, sc)
     col_argmax(sc, half, labels, best)
-    for i in range(n):
-        j = labels[i]
-        counts[j] += 1
-        for e in range(E):
-            sums[j, e] += x[i, e]
 
 
 @njit(cache=True, nogil=True, inline="always")
