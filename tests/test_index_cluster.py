@@ -316,3 +316,50 @@ def test_lloyd_finds_planted_clusters_and_relocates_empty_ones():
         d = np.linalg.norm(cent[:, None] - unit[None], axis=2)
         assert (d.min(axis=1) < 1e-6).all()  # every centroid sits on one of the three points
         assert (d.min(axis=0) < 1e-6).all()  # and every point has one
+
+
+def test_one_centroid_beyond_float32_is_the_float64_mean():
+    # C = 1 (also each part count of 1 in split_large): the mean of float64 keys far beyond float32's range,
+    # in float64 (it overflowed to inf in float32, and routing by that centroid read the wrong keys).
+    from sparseattn.index.kmeans import train_kmeans
+
+    k = np.random.default_rng(0).standard_normal((300, 4)) * 1e100
+    cent = train_kmeans(k, 1, 300, seed=0, n_iter=5, spherical=False)
+    assert cent.dtype == np.float64
+    np.testing.assert_allclose(cent[0], k.mean(axis=0), rtol=1e-6)
+    idx = ClusterIndex(n_clusters=1, n_probe=1, spherical=False, route_by="centroid").build(k)
+    assert np.isfinite(idx.centroids_).all()
+
+
+def test_build_refuses_a_nan_key_outside_the_training_sample():
+    # The k-means sees only its sample: a NaN key elsewhere was assigned and dropped out of attention silently.
+    k = np.random.default_rng(0).standard_normal((3000, 8))
+    k[2500, 0] = np.nan
+    for call in (lambda: ClusterIndex(n_clusters=10, train_sample=100).build(k),
+                 lambda: ClusterIndex(n_clusters=10, train_sample=100).labels(k)):
+        with pytest.raises(ValueError, match="finite"):
+            call()
+
+
+def test_cache_clustering_under_the_workqueue_threading_layer():
+    # The decode cache clusters its heads' segments on worker threads: the k-means may only call serial
+    # kernels there (Numba's workqueue layer aborts the process on concurrent entry into its parallel pool).
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np\n"
+        "from sparseattn import KVCache, Layout\n"
+        "rng = np.random.default_rng(0)\n"
+        "c = KVCache(4, 16, selector='cluster', layout=Layout(segment=1024, cluster_size=32))\n"
+        "k = rng.standard_normal((4, 5000, 16)).astype(np.float32)\n"
+        "c.append(k, k)\n"
+        "out = c.attend(rng.standard_normal((4, 1, 16)).astype(np.float32))\n"
+        "import numba\n"
+        "assert numba.threading_layer() == 'workqueue'\n"
+        "print('ok', bool(np.isfinite(out).all()))\n")
+    env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue")
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().endswith("ok True")

@@ -332,7 +332,7 @@ class ClusterIndex:
         ----------
         keys : (S, E) float32 or float64 array, S >= 1 (C-contiguous; not copied, kept as ``keys_``)
         """
-        keys = checked_keys(keys)
+        keys = checked_keys(keys, finite=True)
         S, E = keys.shape
         C, p, n_train = self.sizes(S)
         self.n_clusters_, self.n_probe_ = C, p
@@ -396,7 +396,7 @@ class ClusterIndex:
         """
         if self.split > 0:
             raise ValueError("labels() is the k-means assignment only; with split > 0 use build(keys).assignment_.")
-        keys = checked_keys(keys)
+        keys = checked_keys(keys, finite=True)
         S = keys.shape[0]
         C, _, n_train = self.sizes(S)
         centred = np.ascontiguousarray(keys - key_mean(keys) if self.center else keys)
@@ -635,9 +635,8 @@ def rows_seeing_at_most(budget: int, qpos: np.ndarray, kpos: np.ndarray, kpos_as
 
 def checked_keys(keys: object, *, finite: bool = False) -> np.ndarray:
     """``keys`` as a C-contiguous (S, E) float32 or float64 array with S >= 1 and E >= 1 (ValueError
-    otherwise: FAISS's k-means divides by E, and a zero there ended the process with SIGFPE); with
-    ``finite``, every key finite too (the causal indexes: a NaN key past the k-means' training sample would
-    otherwise drop out of attention silently)."""
+    otherwise: there is nothing to cluster); with ``finite``, every key finite too (a NaN key past the
+    k-means' training sample would otherwise be assigned, and drop out of attention, silently)."""
     keys = np.asarray(keys)
     if keys.ndim != 2 or keys.dtype not in (np.float32, np.float64) or keys.shape[0] < 1 or keys.shape[1] < 1:
         raise ValueError(f"keys must be a 2-D float32 or float64 array (S >= 1, E >= 1); got {keys.dtype} "

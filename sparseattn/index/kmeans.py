@@ -13,10 +13,9 @@ from collections.abc import Callable
 import numpy as np
 
 from ..kernels import cluster as ck
-from ..kernels import estimate as ek
 from ..threads import run_jobs, worker_threads
 
-__all__ = ["BLOCK_BUDGET", "LLOYD_ELEMS", "LLOYD_ROWS", "SEED_MAX", "SEED_ROWS", "assign_keys", "cov_factors", "lloyd", "row_chunks", "split_every",
+__all__ = ["BLOCK_BUDGET", "LLOYD_ELEMS", "LLOYD_ROWS", "SEED_MAX", "SEED_ROWS", "SEED_WORK", "assign_keys", "cov_factors", "lloyd", "row_chunks", "split_every",
            "split_large", "train_kmeans"]
 
 # Elements (not bytes) of the per-block buffers: queries are processed in blocks so the score chunks and
@@ -49,7 +48,7 @@ def train_kmeans(centred: np.ndarray, C: int, n_train: int, *, seed: int, n_iter
         if spherical:
             cent /= max(float(np.linalg.norm(cent)), 1e-30)
             return cent
-        return cent * scale
+        return cent.astype(np.float64) * scale
     with worker_threads(n_threads) as n:
         cent = lloyd(sample, C, n_iter, rng, spherical, n)
     return cent if spherical else cent.astype(np.float64) * scale
@@ -57,7 +56,8 @@ def train_kmeans(centred: np.ndarray, C: int, n_train: int, *, seed: int, n_iter
 
 LLOYD_ROWS = 2048  # most rows per job of a Lloyd round (a split fixed by C, not by the thread count)
 LLOYD_ELEMS = 1 << 19  # most score elements per job (2 MiB of float32: the scores stay in L2)
-SEED_ROWS = 8  # k-means++ draws its starting centroids from SEED_ROWS * C rows of the sample
+SEED_ROWS = 8  # k-means++ draws its starting centroids from up to SEED_ROWS * C rows of the sample,
+SEED_WORK = 1 << 27  # fewer (down to 2 C) where that would cost more than SEED_WORK multiply-adds (rows C E)
 
 
 def lloyd(x: np.ndarray, C: int, n_iter: int, rng: np.random.Generator, spherical: bool, n_threads: int
@@ -65,14 +65,15 @@ def lloyd(x: np.ndarray, C: int, n_iter: int, rng: np.random.Generator, spherica
     """(C, E) float32 centroids of ``n_iter`` Lloyd rounds over x (n, E) float32, n >= C >= 1.
 
     Start: k-means++ (:func:`~sparseattn.kernels.cluster.kmeanspp_seeds`) over ``min(n, 8 C)`` rows drawn
-    by ``rng`` (unit-normalised first when ``spherical``, so the draw follows cosine distances).  A round
+    by ``rng`` (from C = 1,024 at E = 64 fewer, down to 2 C: seeding costs rows x C x E, serially) (unit-normalised first when ``spherical``, so the draw follows cosine distances).  A round
     assigns each row to the centroid of largest ``x . c`` (spherical: the cosine, centroids being unit
     vectors) or the nearest one (``x . c - |c|^2 / 2``), first one on ties, then moves each centroid to
     its members' mean (float64 sums; normalised when spherical).  A centroid left without members moves
     to one of the rows served worst (smallest best score), a different row for each, as scikit-learn
     relocates empty clusters.  Rows go to the workers in chunks fixed by C (at most ``LLOYD_ROWS`` rows
-    and ``LLOYD_ELEMS`` scores); each cluster's members are summed in row order: the same centroids on
-    any thread count, in O(n + C E) memory.  Call inside :func:`~sparseattn.threads.worker_threads`
+    and ``LLOYD_ELEMS`` scores); each cluster's members are summed in row order
+    (:func:`~sparseattn.kernels.cluster.member_sums`): the same centroids on any thread count, in
+    O(n + C E) memory.  Only serial kernels: the k-means may itself run on a worker thread.  Call inside :func:`~sparseattn.threads.worker_threads`
     (BLAS pinned to one thread per worker).
 
     Why not FAISS's ``Kmeans``: single-threaded here (its OpenMP regions spin when the other core is
@@ -82,8 +83,9 @@ def lloyd(x: np.ndarray, C: int, n_iter: int, rng: np.random.Generator, spherica
     and leave others merged (routing recall@64 0.942-0.972 over six seeds at 65,536 keys against
     0.980-0.995); on MiniLM keys both starts give the same recall within the seeds' spread.
     """
-    n = x.shape[0]
-    sub = x[np.sort(rng.choice(n, min(n, SEED_ROWS * C), replace=False))]
+    n, E = x.shape
+    m = min(n, max(2 * C, min(SEED_ROWS * C, SEED_WORK // max(C * E, 1))))
+    sub = x[np.sort(rng.choice(n, m, replace=False))]
     z = sub.copy()
     if spherical:
         _normalise(z)
@@ -102,8 +104,8 @@ def _lloyd_rounds(x: np.ndarray, cent: np.ndarray, n_iter: int, spherical: bool,
     chunks = [(a, min(n, a + rows)) for a in range(0, n, rows)]
     labels = np.empty(n, dtype=np.int32)
     best = np.empty(n, dtype=np.float32)
-    xs = np.empty_like(x)
-    kptr = np.zeros(C + 1, dtype=np.int64)
+    total = np.empty((C, E), dtype=np.float64)
+    count = np.empty(C, dtype=np.int64)
     for _ in range(n_iter):
         half = (np.zeros(C) if spherical else 0.5 * np.einsum("ij,ij->i", cent, cent, dtype=np.float64)
                 ).astype(np.float32)
@@ -113,12 +115,7 @@ def _lloyd_rounds(x: np.ndarray, cent: np.ndarray, n_iter: int, spherical: bool,
             ck.assign_chunk(x[a:b], cent, half, np.empty((b - a) * C, dtype=np.float32), labels[a:b], best[a:b])
 
         run_jobs(work, range(len(chunks)), n_threads)
-        # members in row order per cluster (a stable sort), summed in float64 by one thread per cluster:
-        # the same sums on any thread count, in O(n + C E) memory
-        count = np.bincount(labels, minlength=C)
-        np.cumsum(count, out=kptr[1:])
-        ck.gather_rows(x, np.argsort(labels, kind="stable").astype(np.int64), xs)
-        total = ek.cluster_sums(xs, kptr)
+        ck.member_sums(x, labels, C, total, count)  # serial: this may run on a worker thread already
         live = count > 0
         new = np.empty((C, E), dtype=np.float64)
         new[live] = total[live] / count[live, None]
@@ -225,8 +222,9 @@ def split_every(centred: np.ndarray, assignment: np.ndarray, n_coarse: int, targ
     int32 of the parts, centroids (P, E) in centred's dtype: the part means, parent (P,) int64: the
     cluster each part came from); parts without members are dropped.
 
-    Why not :func:`split_large` on every cluster: it runs one FAISS k-means per cluster (about 0.4 ms each
-    here, 100 ms for 256 clusters at S = 65,536); one compiled loop over all clusters takes a few ms.
+    Why not :func:`split_large` on every cluster: it runs one k-means per cluster (with FAISS's k-means
+    then, about 0.4 ms each, 100 ms for 256 clusters at S = 65,536); one compiled loop over all clusters
+    takes a few ms.
     """
     S, E = centred.shape
     sizes = np.bincount(assignment, minlength=n_coarse).astype(np.int64)

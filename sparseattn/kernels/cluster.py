@@ -5,8 +5,8 @@ The dense arithmetic (per-cluster ``Q_c K_c^T`` and ``P_c V_c``) is BLAS on cont
 drive it and do the irregular parts around it without Python loops or numpy fancy indexing:
 
 * ``col_argmax`` / ``row_top_p``: key -> cluster assignment and query -> top-p cluster routing;
-* ``kmeanspp_seeds`` / ``assign_chunk``: k-means++ starting rows; each row's centroid, one chunk of
-  rows per worker (k-means rounds and key assignment);
+* ``kmeanspp_seeds`` / ``assign_chunk`` / ``member_sums``: k-means++ starting rows; each row's centroid,
+  one chunk of rows per worker (k-means rounds and key assignment); per-cluster sums of a round;
 * ``group_pairs``: counting sort of the (query, probe) pairs by cluster (a CSR cluster -> queries);
 * ``gather_rows``: row gathers (keys and values into cluster order, queries for top-k);
 * ``gather_pairs``: the contiguous copy of each cluster's queries for attention (scaled), and an upper
@@ -138,6 +138,37 @@ def kmeanspp_seeds(x, u, out):
         taken[pick] = True
         _nearer(x, pick, d2)
         d2[pick] = 0.0
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def member_sums(x, labels, C, out, count):
+    """Per cluster the float64 sum of its member rows, each cluster's members added in row order.
+
+    x (n, E) float32 rows, labels (n,) int32 in [0, C); writes out (C, E) float64 and count (C,) int64.
+    A counting sort lists each cluster's members (ascending rows), then each cluster is summed alone: the
+    sums do not depend on how the labels were computed (chunks, threads).  Serial and ``nogil``: the
+    k-means runs on worker threads too (one per head in the decode cache)."""
+    n, E = x.shape
+    count[:] = 0
+    for i in range(n):
+        count[labels[i]] += 1
+    ptr = np.empty(C + 1, dtype=np.int64)
+    ptr[0] = 0
+    for c in range(C):
+        ptr[c + 1] = ptr[c] + count[c]
+    fill = ptr[:C].copy()
+    order = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        c = labels[i]
+        order[fill[c]] = i
+        fill[c] += 1
+    for c in range(C):
+        for e in range(E):
+            out[c, e] = 0.0
+        for j in range(ptr[c], ptr[c + 1]):
+            r = order[j]
+            for e in range(E):
+                out[c, e] += x[r, e]
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)

@@ -58,9 +58,8 @@ to them, and ``coarse`` (a two-level build over all keys) is refused for strictl
 
 Threads: the per-cluster products run on ``n_threads`` worker threads with BLAS held to one thread each
 (on a machine whose other core is busy, multi-threaded BLAS on these small products is 10x slower);
-Numba kernels use ``n_threads`` too (both through :mod:`sparseattn.threads`).  The k-means runs
-single-threaded (FAISS's OpenMP pool is set to 1 thread for it and restored afterwards: 0.023 s against
-0.40 s on two threads with a busy core, 16k keys).
+Numba kernels use ``n_threads`` too (both through :mod:`sparseattn.threads`), and so do the k-means
+rounds (:func:`sparseattn.index.kmeans.lloyd`).
 """
 
 from __future__ import annotations
@@ -154,8 +153,8 @@ class ClusterSelector(Selector):
     n_iter : int, default 5
         K-means iterations.  Spherical k-means settles fast: at S = 65,536 (C = 256, n_probe = 9) 4 and
         20 iterations gave the same recall@64 for the same keys per query on real keys (0.90 at 2,339 vs
-        2,360), and 5 iterations take half the k-means time of 10 (~2.8 ms against 5.7 ms of a 22 ms build +
-        attend at S = 4,096).
+        2,360), and 5 iterations took half the k-means time of 10 (~2.8 ms against 5.7 ms of a 22 ms build +
+        attend at S = 4,096, with FAISS's k-means then).
     seed : int, default 0
         Seed of the training sample and of the k-means initialisation.
     center : bool, default True
@@ -276,7 +275,10 @@ class ClusterSelector(Selector):
 
     name = "cluster"
     metric = "inner_product"
-    requires = ("faiss", "install faiss-cpu")
+    requires = None  # the k-means is the library's own (no FAISS)
+    # Keys beyond float32's range stay refused as when FAISS trained the index in float32: the selector's
+    # float64 paths at such magnitudes (top-k mode, estimates, causal bands) are not tested there.
+    index_dtype = np.float32
     guarantee = ("k-means clusters of the (centred) keys, each query routed to its n_probe clusters of "
                  "largest q.c (plus spread * |q| * sigma_c when spread > 0). mode=topk: exact top-k by "
                  "inner product among the routed clusters' keys. "

@@ -65,7 +65,7 @@ def non_negative(v: Any) -> str | None:
 
 
 def faiss_seed(v: Any) -> str | None:
-    """Check: 0 <= v <= 2**31 - 1 (a seed FAISS takes)."""
+    """Check: 0 <= v <= 2**31 - 1 (31-bit k-means seeds)."""
     return None if 0 <= v <= SEED_MAX else f"must lie in [0, {SEED_MAX}] (a 31-bit k-means seed)"
 
 

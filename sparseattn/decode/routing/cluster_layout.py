@@ -181,8 +181,8 @@ class ClusterLayout:
     def cluster_range(self, a: int, b: int, *, closed: bool) -> None:
         """Cluster slots [a, b) of every kv head, reorder them by cluster, add their routing vectors
         (replacing those of the open segment, which [a, b) always contains).  A head's evicted slots
-        go to the end of its last cluster's range.  Heads run on worker threads (FAISS and numpy's
-        copies and reductions release the GIL)."""
+        go to the end of its last cluster's range.  Heads run on worker threads (the k-means' serial
+        Numba kernels, BLAS and numpy's copies and reductions release the GIL)."""
         hk = self.store.num_kv_heads
         self._spans = None
         firsts = self.closed_cent.copy()
