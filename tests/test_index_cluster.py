@@ -363,3 +363,20 @@ def test_cache_clustering_under_the_workqueue_threading_layer():
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().endswith("ok True")
+
+
+@pytest.mark.parametrize("dtype, mag", [(np.float64, 1e-300), (np.float32, 1e-30), (np.float64, 1e100)])
+@pytest.mark.parametrize("spherical", [True, False])
+def test_tiny_and_huge_keys_cluster_like_unit_keys(dtype, mag, spherical):
+    # Keys scaled by a power-of-two-free factor cluster as the unit keys do: the planted groups are found
+    # (squared norms near 1e-600, or products near 1e-60 in float32, had put every key in one cluster).
+    rng = np.random.default_rng(0)
+    centres = rng.standard_normal((8, 16)) * 4
+    unit = centres[rng.integers(0, 8, 2000)] + 0.05 * rng.standard_normal((2000, 16))
+    idx = ClusterIndex(n_clusters=8, n_probe=1, spherical=spherical).build((unit * mag).astype(dtype))
+    sizes = np.diff(idx.cluster_ptr_)
+    assert sizes.max() < 2000 / 2, sizes
+    ref = ClusterIndex(n_clusters=8, n_probe=1, spherical=spherical).build(unit.astype(dtype))
+    # the same partition of the keys as the unit-scale build (cluster ids may differ)
+    pairs = set(zip(idx.assignment_.tolist(), ref.assignment_.tolist()))
+    assert len(pairs) == len(set(ref.assignment_.tolist()))

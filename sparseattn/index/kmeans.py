@@ -40,7 +40,11 @@ def train_kmeans(centred: np.ndarray, C: int, n_train: int, *, seed: int, n_iter
     if not np.isfinite(sq).all():
         raise ValueError("keys must be finite to be clustered; NaN or Inf found (or squared norms beyond float64: "
                          "rescale the keys). Check the keys before building the index.")
-    rms = float(np.sqrt(np.mean(sq))) if sample.size else 0.0
+    # the RMS norm of the keys divided by their largest magnitude first: squared norms of keys near 1e-300
+    # underflow to 0 even in float64
+    big = float(np.abs(sample).max()) if sample.size else 0.0
+    unit = sample / big if big > 0 else sample
+    rms = big * float(np.sqrt(np.mean(np.einsum("ij,ij->i", unit, unit, dtype=np.float64)))) if big > 0 else 0.0
     scale = 2.0 ** round(np.log2(rms)) if rms > 0 and np.isfinite(rms) else 1.0
     sample = np.ascontiguousarray(sample / scale, dtype=np.float32)
     if C == 1:
@@ -154,6 +158,13 @@ def assign_keys(centred: np.ndarray, centroids: np.ndarray, rule: str, n_threads
     (``"l2"``) among ``centroids`` (C, E); (S,) int32.  Call inside ``worker_threads``."""
     S = centred.shape[0]
     C = centroids.shape[0]
+    top = float(np.abs(centroids).max()) if centroids.size else 0.0
+    if top > 0 and not 2.0 ** -30 <= top <= 2.0 ** 30:
+        # centroids (and keys) of tiny or huge magnitude: both divided by one power of two, which changes
+        # no argmax of k.c or k.c - |c|^2 / 2 (scaled by 1/s^2) but keeps the products in range (float32
+        # keys near 1e-30 had every product underflow to 0: every key in cluster 0)
+        s = 2.0 ** round(np.log2(top))
+        centred, centroids = centred / s, centroids / s
     half = np.zeros(C) if rule != "l2" else 0.5 * (centroids.astype(np.float64) ** 2).sum(axis=1)
     half = half.astype(centred.dtype)
     assignment = np.empty(S, dtype=np.int32)
