@@ -378,5 +378,5 @@ def test_tiny_and_huge_keys_cluster_like_unit_keys(dtype, mag, spherical):
     assert sizes.max() < 2000 / 2, sizes
     ref = ClusterIndex(n_clusters=8, n_probe=1, spherical=spherical).build(unit.astype(dtype))
     # the same partition of the keys as the unit-scale build (cluster ids may differ)
-    pairs = set(zip(idx.assignment_.tolist(), ref.assignment_.tolist()))
+    pairs = set(zip(idx.assignment_.tolist(), ref.assignment_.tolist(), strict=True))
     assert len(pairs) == len(set(ref.assignment_.tolist()))
