@@ -379,4 +379,4 @@ def test_tiny_and_huge_keys_cluster_like_unit_keys(dtype, mag, spherical):
     ref = ClusterIndex(n_clusters=8, n_probe=1, spherical=spherical).build(unit.astype(dtype))
     # the same partition of the keys as the unit-scale build (cluster ids may differ)
     pairs = set(zip(idx.assignment_.tolist(), ref.assignment_.tolist(), strict=True))
-    assert len(pairs) == len(set(ref.assignment_.tolist()))
+    assert len(pairs) == len(set(ref.assignment_.tolist())) == len(set(idx.assignment_.tolist()))
