@@ -1,6 +1,6 @@
 """The build steps of :class:`~sparseattn.index.cluster.ClusterIndex` as functions over plain arrays:
-k-means training (Lloyd rounds of BLAS products and a compiled assignment pass), key assignment, splitting of oversized clusters, chunked row work and the
-per-cluster covariance factors.  The index object holds the state; these hold none.
+k-means training (k-means++ starts, Lloyd rounds of BLAS products and compiled passes), key assignment,
+splitting of oversized clusters, chunked row work and the per-cluster covariance factors.  The index object holds the state; these hold none.
 
 Threads: the k-means rounds and the assignment products run on ``n_threads`` workers of
 :func:`sparseattn.threads.run_jobs`, BLAS pinned to one thread each (:func:`sparseattn.threads.worker_threads`).
@@ -15,8 +15,8 @@ import numpy as np
 from ..kernels import cluster as ck
 from ..threads import run_jobs, worker_threads
 
-__all__ = ["BLOCK_BUDGET", "LLOYD_ELEMS", "LLOYD_ROWS", "SEED_MAX", "SEED_ROWS", "SEED_WORK", "assign_keys", "cov_factors", "lloyd", "row_chunks", "split_every",
-           "split_large", "train_kmeans"]
+__all__ = ["BLOCK_BUDGET", "LLOYD_ELEMS", "LLOYD_ROWS", "SEED_MAX", "SEED_ROWS", "SEED_WORK", "assign_keys",
+           "cov_factors", "lloyd", "row_chunks", "split_every", "split_large", "train_kmeans"]
 
 # Elements (not bytes) of the per-block buffers: queries are processed in blocks so the score chunks and
 # the top-k candidate lists stay near 2**24 elements (64 MiB in float32).
@@ -69,7 +69,8 @@ def lloyd(x: np.ndarray, C: int, n_iter: int, rng: np.random.Generator, spherica
     """(C, E) float32 centroids of ``n_iter`` Lloyd rounds over x (n, E) float32, n >= C >= 1.
 
     Start: k-means++ (:func:`~sparseattn.kernels.cluster.kmeanspp_seeds`) over ``min(n, 8 C)`` rows drawn
-    by ``rng`` (from C = 1,024 at E = 64 fewer, down to 2 C: seeding costs rows x C x E, serially) (unit-normalised first when ``spherical``, so the draw follows cosine distances).  A round
+    by ``rng`` (fewer from C = 1,024 at E = 64, down to 2 C: seeding costs rows x C x E, serially),
+    unit-normalised first when ``spherical`` so that the draw follows cosine distances.  A round
     assigns each row to the centroid of largest ``x . c`` (spherical: the cosine, centroids being unit
     vectors) or the nearest one (``x . c - |c|^2 / 2``), first one on ties, then moves each centroid to
     its members' mean (float64 sums; normalised when spherical).  A centroid left without members moves
@@ -77,12 +78,12 @@ def lloyd(x: np.ndarray, C: int, n_iter: int, rng: np.random.Generator, spherica
     relocates empty clusters.  Rows go to the workers in chunks fixed by C (at most ``LLOYD_ROWS`` rows
     and ``LLOYD_ELEMS`` scores); each cluster's members are summed in row order
     (:func:`~sparseattn.kernels.cluster.member_sums`): the same centroids on any thread count, in
-    O(n + C E) memory.  Only serial kernels: the k-means may itself run on a worker thread.  Call inside :func:`~sparseattn.threads.worker_threads`
-    (BLAS pinned to one thread per worker).
+    O(n + C E) memory.  Only serial kernels: the k-means may itself run on a worker thread.  Call inside
+    :func:`~sparseattn.threads.worker_threads` (BLAS pinned to one thread per worker).
 
     Why not FAISS's ``Kmeans``: single-threaded here (its OpenMP regions spin when the other core is
-    busy), 102-180 ms for the 16,384 x 64 sample and 256 centroids of a 65,536-key build against ~30 ms
-    for these rounds on two workers, at the same objective.  Why k-means++ rather than FAISS's random
+    busy), 102-180 ms for the 16,384 x 64 sample and 256 centroids of a 65,536-key build against 39-41 ms
+    for this k-means on two workers, at the same objective.  Why k-means++ rather than FAISS's random
     rows: on clustered keys whose groups number about C, random starts put two centroids in one group
     and leave others merged (routing recall@64 0.942-0.972 over six seeds at 65,536 keys against
     0.980-0.995); on MiniLM keys both starts give the same recall within the seeds' spread.
