@@ -365,7 +365,8 @@ def test_cache_clustering_under_the_workqueue_threading_layer():
     assert res.stdout.strip().endswith("ok True")
 
 
-@pytest.mark.parametrize("dtype, mag", [(np.float64, 1e-300), (np.float32, 1e-30), (np.float64, 1e100)])
+@pytest.mark.parametrize("dtype, mag", [(np.float64, 1e-300), (np.float64, 1e-310), (np.float32, 1e-30),
+                                        (np.float32, 1e-40), (np.float32, 1e37), (np.float64, 1e100)])
 @pytest.mark.parametrize("spherical", [True, False])
 def test_tiny_and_huge_keys_cluster_like_unit_keys(dtype, mag, spherical):
     # Keys scaled by a power-of-two-free factor cluster as the unit keys do: the planted groups are found
@@ -380,3 +381,21 @@ def test_tiny_and_huge_keys_cluster_like_unit_keys(dtype, mag, spherical):
     # the same partition of the keys as the unit-scale build (cluster ids may differ)
     pairs = set(zip(idx.assignment_.tolist(), ref.assignment_.tolist(), strict=True))
     assert len(pairs) == len(set(ref.assignment_.tolist())) == len(set(idx.assignment_.tolist()))
+
+
+@pytest.mark.parametrize("rule", ["ip", "l2"])
+def test_assign_keys_at_the_ends_of_float32_match_a_float64_oracle(rule):
+    # Centroids with an entry near float32's largest (2**128 as a scale was inf in float32) and keys near
+    # 1e37: the labels are float64's argmax over the same values divided by 1e37.
+    from sparseattn.index.kmeans import assign_keys
+    from sparseattn.threads import worker_threads
+
+    rng = np.random.default_rng(1)
+    keys = (rng.standard_normal((1000, 4)) * 1e37).astype(np.float32)
+    cent = (rng.standard_normal((8, 4)) * 1e37).astype(np.float32)
+    cent[0, 0] = 3e38
+    k64, c64 = keys.astype(np.float64) / 1e37, cent.astype(np.float64) / 1e37
+    sc = k64 @ c64.T - (0.5 * (c64 ** 2).sum(axis=1) if rule == "l2" else 0.0)
+    with worker_threads(2) as n:
+        got = assign_keys(keys, cent, rule, n)
+    np.testing.assert_array_equal(got, sc.argmax(axis=1))

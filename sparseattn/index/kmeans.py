@@ -40,22 +40,24 @@ def train_kmeans(centred: np.ndarray, C: int, n_train: int, *, seed: int, n_iter
     if not np.isfinite(sq).all():
         raise ValueError("keys must be finite to be clustered; NaN or Inf found (or squared norms beyond float64: "
                          "rescale the keys). Check the keys before building the index.")
-    # the RMS norm of the keys divided by their largest magnitude first: squared norms of keys near 1e-300
-    # underflow to 0 even in float64
+    # The scale as an exponent e (RMS norm ~ 2**e), from the keys divided by a power of two near their
+    # largest magnitude (squared norms of keys near 1e-300 underflow to 0 even in float64), applied with
+    # ldexp: exact, and no 2**e that float32 cannot hold (2**128 became inf, 2**-150 zero).
     big = float(np.abs(sample).max()) if sample.size else 0.0
-    unit = sample / big if big > 0 else sample
-    rms = big * float(np.sqrt(np.mean(np.einsum("ij,ij->i", unit, unit, dtype=np.float64)))) if big > 0 else 0.0
-    scale = 2.0 ** round(np.log2(rms)) if rms > 0 and np.isfinite(rms) else 1.0
-    sample = np.ascontiguousarray(sample / scale, dtype=np.float32)
+    e = 0
+    if big > 0:
+        unit = np.ldexp(sample, -int(np.frexp(big)[1]))
+        e = int(np.frexp(big)[1]) + round(0.5 * np.log2(np.mean(np.einsum("ij,ij->i", unit, unit, dtype=np.float64))))
+    sample = np.ascontiguousarray(np.ldexp(sample, -e), dtype=np.float32)
     if C == 1:
         cent = sample.mean(axis=0, keepdims=True)
         if spherical:
             cent /= max(float(np.linalg.norm(cent)), 1e-30)
             return cent
-        return cent.astype(np.float64) * scale
+        return np.ldexp(cent.astype(np.float64), e)
     with worker_threads(n_threads) as n:
         cent = lloyd(sample, C, n_iter, rng, spherical, n)
-    return cent if spherical else cent.astype(np.float64) * scale
+    return cent if spherical else np.ldexp(cent.astype(np.float64), e)
 
 
 LLOYD_ROWS = 2048  # most rows per job of a Lloyd round (a split fixed by C, not by the thread count)
@@ -69,7 +71,7 @@ def lloyd(x: np.ndarray, C: int, n_iter: int, rng: np.random.Generator, spherica
     """(C, E) float32 centroids of ``n_iter`` Lloyd rounds over x (n, E) float32, n >= C >= 1.
 
     Start: k-means++ (:func:`~sparseattn.kernels.cluster.kmeanspp_seeds`) over ``min(n, 8 C)`` rows drawn
-    by ``rng`` (fewer from C = 1,024 at E = 64, down to 2 C: seeding costs rows x C x E, serially),
+    by ``rng`` (fewer from C = 513 at E = 64, 2 C from C = 1,024: seeding costs rows x C x E, serially),
     unit-normalised first when ``spherical`` so that the draw follows cosine distances.  A round
     assigns each row to the centroid of largest ``x . c`` (spherical: the cosine, centroids being unit
     vectors) or the nearest one (``x . c - |c|^2 / 2``), first one on ties, then moves each centroid to
@@ -160,12 +162,19 @@ def assign_keys(centred: np.ndarray, centroids: np.ndarray, rule: str, n_threads
     S = centred.shape[0]
     C = centroids.shape[0]
     top = float(np.abs(centroids).max()) if centroids.size else 0.0
-    if top > 0 and not 2.0 ** -30 <= top <= 2.0 ** 30:
-        # centroids (and keys) of tiny or huge magnitude: both divided by one power of two, which changes
-        # no argmax of k.c or k.c - |c|^2 / 2 (scaled by 1/s^2) but keeps the products in range (float32
-        # keys near 1e-30 had every product underflow to 0: every key in cluster 0)
-        s = 2.0 ** round(np.log2(top))
-        centred, centroids = centred / s, centroids / s
+    kbig = float(np.abs(centred).max()) if centred.size else 0.0
+    if any(x > 0 and not 2.0 ** -30 <= x <= 2.0 ** 30 for x in (top, kbig)):
+        # keys or centroids of tiny or huge magnitude (float32 keys near 1e-30 had every product underflow
+        # to 0, near 1e38 overflow: every key in cluster 0) are multiplied by powers of two (ldexp: exact,
+        # in their dtype) that change no argmax: "ip" scales keys and centroids each to a largest entry
+        # near 1 (k.c scaled by a positive factor); "l2" scales both by one factor (k.c - |c|^2 / 2 scaled
+        # by 2**-2e), no larger than keeps the largest key finite
+        ek, ec = (int(np.frexp(x)[1]) if x > 0 else 0 for x in (kbig, top))
+        if rule != "l2":
+            centred, centroids = np.ldexp(centred, -ek), np.ldexp(centroids, -ec)
+        else:
+            e = max(ec, ek - np.finfo(centred.dtype).maxexp + 2)
+            centred, centroids = np.ldexp(centred, -e), np.ldexp(centroids, -e)
     half = np.zeros(C) if rule != "l2" else 0.5 * (centroids.astype(np.float64) ** 2).sum(axis=1)
     half = half.astype(centred.dtype)
     assignment = np.empty(S, dtype=np.int32)
