@@ -248,7 +248,7 @@ def _numpy_rounds(x, cent, n_iter, spherical):
 @pytest.mark.parametrize("n, E, C, n_iter", [(5000, 16, 40, 4), (2049, 8, 7, 6), (300, 3, 300, 2)])
 def test_lloyd_rounds_match_numpy_oracle(spherical, n, E, C, n_iter):
     # The rounds against float64 numpy rounds from the same start, on every thread count.
-    from sparseattn.index.kmeans import _lloyd_rounds
+    from sparseattn.index.kmeans import lloyd_rounds
     from sparseattn.threads import worker_threads
 
     x = np.random.default_rng(n).standard_normal((n, E)).astype(np.float32)
@@ -257,7 +257,7 @@ def test_lloyd_rounds_match_numpy_oracle(spherical, n, E, C, n_iter):
     got = []
     for t in (1, 2, 3):
         with worker_threads(t) as w:
-            got.append(_lloyd_rounds(x, start.copy(), n_iter, spherical, w))
+            got.append(lloyd_rounds(x, start.copy(), n_iter, spherical, w))
         assert got[-1].dtype == np.float32 and got[-1].shape == (C, E)
         np.testing.assert_array_equal(got[-1], got[0])  # the thread count changes nothing
     np.testing.assert_allclose(got[0], want, rtol=0, atol=2e-5)

@@ -16,7 +16,7 @@ from ..kernels import cluster as ck
 from ..threads import run_jobs, worker_threads
 
 __all__ = ["BLOCK_BUDGET", "LLOYD_ELEMS", "LLOYD_ROWS", "SEED_MAX", "SEED_ROWS", "SEED_WORK", "assign_keys",
-           "cov_factors", "lloyd", "row_chunks", "split_every", "split_large", "train_kmeans"]
+           "cov_factors", "lloyd", "lloyd_rounds", "row_chunks", "split_every", "split_large", "train_kmeans"]
 
 # Elements (not bytes) of the per-block buffers: queries are processed in blocks so the score chunks and
 # the top-k candidate lists stay near 2**24 elements (64 MiB in float32).
@@ -46,8 +46,9 @@ def train_kmeans(centred: np.ndarray, C: int, n_train: int, *, seed: int, n_iter
     big = float(np.abs(sample).max()) if sample.size else 0.0
     e = 0
     if big > 0:
-        unit = np.ldexp(sample, -int(np.frexp(big)[1]))
-        e = int(np.frexp(big)[1]) + round(0.5 * np.log2(np.mean(np.einsum("ij,ij->i", unit, unit, dtype=np.float64))))
+        eb = int(np.frexp(big)[1])
+        unit = np.ldexp(sample, -eb)
+        e = eb + round(0.5 * np.log2(np.mean(np.einsum("ij,ij->i", unit, unit, dtype=np.float64))))
     sample = np.ascontiguousarray(np.ldexp(sample, -e), dtype=np.float32)
     if C == 1:
         cent = sample.mean(axis=0, keepdims=True)
@@ -98,11 +99,12 @@ def lloyd(x: np.ndarray, C: int, n_iter: int, rng: np.random.Generator, spherica
         _normalise(z)
     ids = np.empty(C, dtype=np.int64)
     ck.kmeanspp_seeds(z, rng.random(C), ids)
-    return _lloyd_rounds(x, np.array(sub[ids], dtype=np.float32), n_iter, spherical, n_threads)
+    return lloyd_rounds(x, np.array(sub[ids], dtype=np.float32), n_iter, spherical, n_threads)
 
 
-def _lloyd_rounds(x: np.ndarray, cent: np.ndarray, n_iter: int, spherical: bool, n_threads: int) -> np.ndarray:
-    """The rounds of :func:`lloyd` from the starting centroids cent (C, E) float32 (modified)."""
+def lloyd_rounds(x: np.ndarray, cent: np.ndarray, n_iter: int, spherical: bool, n_threads: int) -> np.ndarray:
+    """(C, E) float32 centroids after ``n_iter`` rounds of :func:`lloyd` over x (n, E) float32 from the
+    starting centroids cent (C, E) float32 (normalised in place when ``spherical``)."""
     n, E = x.shape
     C = cent.shape[0]
     if spherical:
@@ -222,10 +224,7 @@ def split_large(centred: np.ndarray, assignment: np.ndarray, centroids: np.ndarr
         members = centred[rows]
         parts = int(min(np.ceil(sizes[c] / target), rows.size))
         sub = kmeans(members, parts, min(rows.size, 64 * parts), 1 + int(c)).astype(centred.dtype)
-        half_sq = (0.5 * (sub.astype(np.float64) ** 2).sum(axis=1)).astype(centred.dtype)
-        part = np.empty(rows.size, dtype=np.int32)
-        ck.col_argmax(sub @ members.T, half_sq, part, np.empty(rows.size, dtype=centred.dtype))  # nearest part
-        out[rows] = nxt + part
+        out[rows] = nxt + assign_keys(members, sub, "l2", 1)  # nearest part
         cents.append(sub)
         parents.append(np.full(parts, c, dtype=np.int64))
         nxt += parts
